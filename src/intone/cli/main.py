@@ -1,0 +1,34 @@
+"""The `intone` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from intone.errors import IntoneError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="intone", description="Serve LLM-based text-to-speech models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from intone.cli import make_tiny, speak
+
+    for module in (speak, make_tiny):
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except IntoneError as e:
+        print(f"intone {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

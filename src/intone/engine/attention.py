@@ -1,0 +1,114 @@
+"""Attention over a paged KV cache, driven by an explicit batch descriptor.
+
+Tokens of all scheduled requests are packed along one axis (no padding rows):
+request r owns tokens `cu_seqlens_q[r]:cu_seqlens_q[r+1]`. `cu_seqlens_q` has exactly
+`num_reqs + 1` strictly increasing entries (design invariant 2).
+
+`paged_attention` here is the reference implementation (gather, pad, SDPA). It is exact
+and runs anywhere; faster kernels must match it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    cu_seqlens_q: Tensor  # [R+1] int64, strictly increasing, starts at 0
+    seq_lens: Tensor  # [R] int64: KV length of each request after this step
+    block_tables: Tensor  # [R, max_blocks] int64 (unused slots are 0)
+    slot_mapping: Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    positions: Tensor  # [T] int64: absolute position per token
+    token_request: Tensor  # [T] int64: request row of each token
+    token_index: Tensor  # [T] int64: index of each token within its request's query
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def last_token_rows(self) -> Tensor:
+        return self.cu_seqlens_q[1:] - 1
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """From the real scheduled batch: per request, new tokens and tokens already cached."""
+        if not query_lens or min(query_lens) < 1:
+            raise ValueError("every scheduled request needs at least one query token")
+        positions, slots, token_req, token_idx = [], [], [], []
+        for r, (q, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            for i in range(q):
+                pos = ctx + i
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                token_req.append(r)
+                token_idx.append(i)
+        seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+        max_blocks = max(len(t) for t in block_tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+
+        def as_tensor(values):
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            cu_seqlens_q=as_tensor(cu),
+            seq_lens=as_tensor(seq_lens),
+            block_tables=as_tensor(padded),
+            slot_mapping=as_tensor(slots),
+            positions=as_tensor(positions),
+            token_request=as_tensor(token_req),
+            token_index=as_tensor(token_idx),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+        )
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """k_cache: [num_blocks, block_size, H_kv, D]; k: [T, H_kv, D]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> Tensor:
+    """Causal attention of packed queries q [T, H, D] over each request's cached keys."""
+    num_reqs, block_size = meta.num_reqs, k_cache.shape[1]
+    n_blocks = -(-meta.max_seqlen_k // block_size)
+    tables = meta.block_tables[:, :n_blocks]
+    # [R, n_blocks * block_size, H_kv, D] -> [R, H_kv, S, D]
+    keys = k_cache[tables].flatten(1, 2)[:, : meta.max_seqlen_k].transpose(1, 2)
+    values = v_cache[tables].flatten(1, 2)[:, : meta.max_seqlen_k].transpose(1, 2)
+
+    heads, dim = q.shape[1], q.shape[2]
+    q_pad = q.new_zeros(num_reqs, meta.max_seqlen_q, heads, dim)
+    q_pad[meta.token_request, meta.token_index] = q
+    # Padded query rows attend to key 0 only; their output is dropped below.
+    q_pos = torch.zeros(num_reqs, meta.max_seqlen_q, dtype=torch.int64, device=q.device)
+    q_pos[meta.token_request, meta.token_index] = meta.positions
+    key_pos = torch.arange(meta.max_seqlen_k, device=q.device)
+    mask = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # [R, Q, S]
+
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2),
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=mask.unsqueeze(1),
+        enable_gqa=heads != keys.shape[1],
+    )
+    return out.transpose(1, 2)[meta.token_request, meta.token_index]

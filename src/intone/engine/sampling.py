@@ -1,0 +1,100 @@
+"""Batched sampling whose randomness belongs to the request, not to the batch.
+
+Order of operations for each row (the official Fish order, plus an optional penalty):
+  1. repetition penalty (only if != 1): for tokens in the row's penalty window, a positive
+     logit is divided by the penalty and a negative one multiplied by it;
+  2. top-k and top-p are decided on the *unscaled* logits: sort descending, keep rank < k
+     and tokens whose cumulative probability (including themselves) is <= top_p; the best
+     token is always kept;
+  3. the kept logits are divided by max(temperature, 1e-5);
+  4. softmax, then an exponential race: argmax(p_i / E_i) with E_i = -log(U_i).
+
+U_i is a counter-based hash of (request seed, step, draw index, token index), so a
+request's draws never depend on which other requests share the batch (invariant 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding 32-bit values.
+
+    Products of two 32-bit values may wrap in int64; the low 32 bits stay right.
+    """
+    x = x & _M32
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _M32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def request_uniforms(seeds: Tensor, steps: Tensor, draw: int, token_ids: Tensor) -> Tensor:
+    """Uniforms in (0, 1), shaped like token_ids [R, N]: U = f(seed_r, step_r, draw, token id)."""
+    seeds = seeds.to(torch.int64)
+    key = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32) ^ 0x9E3779B9)
+    key = _mix32(key ^ ((steps.to(torch.int64) * 0x27D4EB2F) & _M32))
+    key = _mix32(key ^ (draw * 0x165667B1 + 0x61C88647))
+    bits = _mix32(_mix32(key.unsqueeze(1) ^ token_ids) + token_ids)
+    return ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters, all [R]."""
+
+    temperature: Tensor
+    top_p: Tensor
+    top_k: Tensor  # int64; values >= vocabulary mean "no top-k"
+    repetition_penalty: Tensor
+    seeds: Tensor  # int64
+    steps: Tensor  # int64: the request's step index (frames generated before this one)
+    max_top_k: int  # host-side bound on top_k, so no device sync is needed to size the top-k
+    has_penalty: bool = False  # host-side: any row with repetition_penalty != 1
+
+
+    def with_overrides(self, temperature: float | None = None, top_p: float | None = None) -> "SamplingBatch":
+        def fill(t, value):
+            return t if value is None else torch.full_like(t, value)
+
+        return SamplingBatch(
+            fill(self.temperature, temperature), fill(self.top_p, top_p), self.top_k,
+            self.repetition_penalty, self.seeds, self.steps, self.max_top_k, self.has_penalty,
+        )
+
+
+def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBatch) -> Tensor:
+    """window: [R, W] token indices into logits' last axis, -1 for empty slots."""
+    if not params.has_penalty:
+        return logits
+    penalty = params.repetition_penalty
+    valid = window >= 0
+    idx = window.clamp(min=0)
+    picked = logits.gather(1, idx)
+    p = penalty.unsqueeze(1).to(logits.dtype)
+    scaled = torch.where(picked > 0, picked / p, picked * p)
+    return logits.scatter(1, idx, torch.where(valid, scaled, picked))
+
+
+def sample(logits: Tensor, params: SamplingBatch, draw: int) -> Tensor:
+    """logits [R, V] -> token index [R] (int64).
+
+    Only the max_top_k best tokens can survive top-k, so the filter works on torch.topk's
+    sorted candidates; the cumulative probabilities still use the softmax over all V.
+    """
+    k = min(params.max_top_k, logits.shape[-1])
+    top, idx = torch.topk(logits, k, dim=-1)  # sorted, descending
+    cum = torch.cumsum(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), dim=-1)
+    rank = torch.arange(k, device=logits.device)
+    remove = (cum > params.top_p.to(cum.dtype).unsqueeze(1)) | (rank >= params.top_k.unsqueeze(1))
+    remove[:, 0] = False
+    kept = torch.where(remove, float("-inf"), top)
+    probs = torch.softmax(kept / torch.clamp(params.temperature.to(top.dtype), min=1e-5).unsqueeze(1), dim=-1)
+    u = request_uniforms(params.seeds, params.steps, draw, idx)
+    race = probs / (-torch.log(u)).to(probs.dtype)
+    return idx.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)

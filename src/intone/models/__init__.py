@@ -1,0 +1,69 @@
+"""Model registry: a `--model` value is a checkpoint directory or `tiny:<family>`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from intone.errors import ModelLoadError
+from intone.models.base import TTSModel
+
+TINY_MAKERS = {"fish-s2": "intone.models.fish_s2.tiny:make_tiny_fish_s2"}
+FAMILIES_BY_MODEL_TYPE = {"fish_qwen3_omni": "intone.models.fish_s2:FishS2"}
+
+
+def _import(ref: str):
+    module, attr = ref.split(":")
+    return getattr(__import__(module, fromlist=[attr]), attr)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("INTONE_CACHE", Path.home() / ".cache" / "intone"))
+
+
+def make_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    if family not in TINY_MAKERS:
+        raise ModelLoadError(f"unknown tiny model {family!r}; known: {', '.join(TINY_MAKERS)}")
+    return _import(TINY_MAKERS[family])(out_dir, seed=seed)
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """`tiny:<family>` is made once in the cache directory (atomically), then reused."""
+    if not spec.startswith("tiny:"):
+        path = Path(spec)
+        if not path.is_dir():
+            raise ModelLoadError(f"{spec}: model directory not found")
+        return path
+    family = spec[len("tiny:"):]
+    target = cache_dir() / "tiny" / family
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=target.parent))
+        try:
+            make_tiny(family, tmp)
+            try:
+                tmp.rename(target)
+            except OSError:  # another process made it first
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None) -> TTSModel:
+    model_dir = resolve_model_dir(spec)
+    config = model_dir / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except FileNotFoundError:
+        raise ModelLoadError(f"{config}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config}: not valid JSON ({e})") from None
+    if model_type not in FAMILIES_BY_MODEL_TYPE:
+        raise ModelLoadError(f"{config}: unsupported model_type {model_type!r}")
+    return _import(FAMILIES_BY_MODEL_TYPE[model_type]).load(model_dir, device=device, dtype=dtype)

@@ -1,0 +1,111 @@
+"""The interface between the engine and a TTS model.
+
+The engine owns scheduling, KV blocks and per-request state; a model turns a scheduled
+batch into one frame per request, and frames into audio. Nothing per-request is stored
+on a model object.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from intone.engine.attention import AttentionMetadata
+from intone.engine.kv_cache import KVCache, KVLayout
+from intone.engine.sampling import SamplingBatch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.8
+    top_p: float = 0.8
+    top_k: int = 30
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 2048
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        from intone.errors import InvalidRequestError
+
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= 1, "must be >= 1"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(name, f"{why}, got {getattr(self, name)!r}")
+        return self
+
+
+@dataclass
+class StepBatch:
+    """One AR step for R requests, their new tokens packed along one axis."""
+
+    tokens: Tensor  # [T] int64
+    codes: Tensor  # [T, K] int64 (zero where a token carries no codes)
+    meta: AttentionMetadata
+    sampling: SamplingBatch
+    history: Tensor  # [R, W] model-defined window of recent generated tokens, -1 = empty
+
+
+@dataclass
+class StepOutput:
+    tokens: Tensor  # [R] main token of the new frame (or the stop token)
+    codes: Tensor  # [R, K] codes of the new frame (meaningless where stopped)
+    stopped: Tensor  # [R] bool: the stop token was sampled; this step made no frame
+
+
+@dataclass
+class Prompt:
+    tokens: Tensor  # [L] int64
+    codes: Tensor  # [L, K] int64
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+@dataclass
+class VoiceReference:
+    """Reference audio (mono float32, any rate) with its transcript, or precomputed codes."""
+
+    text: str
+    audio: Tensor | None = None
+    sample_rate: int | None = None
+    codes: Tensor | None = None  # [K, T]
+
+
+class TTSModel(abc.ABC):
+    name: str
+    sample_rate: int
+    samples_per_frame: int
+    num_codebooks: int
+    kv_layout: KVLayout
+    max_seq_len: int
+    history_width: int = 0
+    device: torch.device
+    dtype: torch.dtype
+
+    @abc.abstractmethod
+    def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt: ...
+
+    @abc.abstractmethod
+    def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
+        """Mono audio [N] -> codes [K, T]."""
+
+    @abc.abstractmethod
+    def history_row(self, generated: list[int]) -> list[int]:
+        """The `history` row for a request that has generated these main tokens."""
+
+    @abc.abstractmethod
+    def step(self, batch: StepBatch, kv: KVCache) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+        """codes [B, K, T] -> audio [B, T * samples_per_frame]."""

@@ -1,0 +1,258 @@
+"""The 44.1 kHz modded-DAC codec of Fish S2 Pro: codes <-> audio.
+
+Module names mirror the official `codec.pth` state dict (535 tensors at full size).
+The decoder path is quantizer lookup -> windowed causal transformer (`post_module`) ->
+2 x (causal transposed conv + ConvNeXt) -> causal conv decoder, 2048 samples per frame.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from intone.models.fish_s2.codec_modules import (
+    CausalConv,
+    CausalTransConv,
+    ConvNeXtBlock,
+    ResidualQuantizer,
+    ResidualUnit,
+    Snake,
+    WindowTransformer,
+)
+
+SAMPLE_RATE = 44100
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Defaults are the official `modded_dac_vq.yaml`."""
+
+    encoder_dim: int = 64
+    encoder_rates: tuple[int, ...] = (2, 4, 8, 8)
+    encoder_transformer_layers: tuple[int, ...] = (0, 0, 0, 4)
+    encoder_window: int = 512
+    decoder_dim: int = 1536
+    decoder_rates: tuple[int, ...] = (8, 8, 4, 2)
+    downsample_factor: tuple[int, ...] = (2, 2)
+    n_codebooks: int = 9  # residual codebooks; the semantic one is extra
+    codebook_size: int = 1024
+    semantic_codebook_size: int = 4096
+    codebook_dim: int = 8
+    quantizer_layers: int = 8  # pre_module and post_module
+    quantizer_window: int = 128
+    sample_rate: int = SAMPLE_RATE
+
+    @property
+    def latent_dim(self) -> int:
+        return self.encoder_dim * 2 ** len(self.encoder_rates)
+
+    @property
+    def hop_length(self) -> int:
+        """Samples per code frame: encoder strides times the quantizer's downsampling."""
+        return math.prod(self.encoder_rates) * math.prod(self.downsample_factor)
+
+    @property
+    def num_codebooks(self) -> int:
+        return 1 + self.n_codebooks
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        d = cfg.encoder_dim
+        blocks: list[nn.Module] = [CausalConv(1, d, 7)]
+        for stride, n_layers in zip(cfg.encoder_rates, cfg.encoder_transformer_layers):
+            d *= 2
+            blocks.append(EncoderBlock(d, stride, n_layers, cfg.encoder_window))
+        blocks += [Snake(d), CausalConv(d, cfg.latent_dim, 3)]
+        self.block = nn.Sequential(*blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x)
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int, stride: int, n_layers: int, window: int):
+        super().__init__()
+        half = dim // 2
+        self.block = nn.Sequential(
+            ResidualUnit(half, 1), ResidualUnit(half, 3), ResidualUnit(half, 9), Snake(half),
+            CausalConv(half, dim, 2 * stride, stride=stride),
+            WindowTransformer(dim, n_layers, window) if n_layers else nn.Identity(),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake(c_in), CausalTransConv(c_in, c_out, 2 * stride, stride),
+            ResidualUnit(c_out, 1), ResidualUnit(c_out, 3), ResidualUnit(c_out, 9),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.block(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        ch = cfg.decoder_dim
+        layers: list[nn.Module] = [CausalConv(cfg.latent_dim, ch, 7)]
+        for i, stride in enumerate(cfg.decoder_rates):
+            layers.append(DecoderBlock(ch // 2**i, ch // 2 ** (i + 1), stride))
+        out = ch // 2 ** len(cfg.decoder_rates)
+        layers += [Snake(out), CausalConv(out, 1, 7), nn.Tanh()]
+        self.model = nn.Sequential(*layers)
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.model(z)
+
+
+class Quantizer(nn.Module):
+    """Semantic VQ + residual VQ at the frame rate, with transformer and resampling around them."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        dim = cfg.latent_dim
+        self.semantic_quantizer = ResidualQuantizer(dim, 1, cfg.semantic_codebook_size, cfg.codebook_dim)
+        self.quantizer = ResidualQuantizer(dim, cfg.n_codebooks, cfg.codebook_size, cfg.codebook_dim)
+        self.downsample = nn.Sequential(
+            *(nn.Sequential(CausalConv(dim, dim, f, stride=f), ConvNeXtBlock(dim)) for f in cfg.downsample_factor)
+        )
+        self.upsample = nn.Sequential(
+            *(nn.Sequential(CausalTransConv(dim, dim, f, f), ConvNeXtBlock(dim)) for f in reversed(cfg.downsample_factor))
+        )
+        self.pre_module = WindowTransformer(dim, cfg.quantizer_layers, cfg.quantizer_window)
+        self.post_module = WindowTransformer(dim, cfg.quantizer_layers, cfg.quantizer_window)
+
+    def encode(self, z: Tensor) -> Tensor:
+        z = self.pre_module(self.downsample(z))
+        semantic_z, semantic_codes = self.semantic_quantizer.quantize(z)
+        _, residual_codes = self.quantizer.quantize(z - semantic_z)
+        return torch.cat([semantic_codes, residual_codes], dim=1)
+
+    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+        # The LM samples residual codes over 4096 values; the codec clamps them (official behaviour).
+        semantic = codes[:, :1].clamp(max=self.semantic_quantizer.codebook_size - 1)
+        residual = codes[:, 1:].clamp(max=self.quantizer.codebook_size - 1)
+        z = self.semantic_quantizer.lookup(semantic) + self.quantizer.lookup(residual)
+        return self.upsample(self.post_module(z, position_offset))
+
+
+class FishCodec(nn.Module):
+    def __init__(self, cfg: CodecConfig = CodecConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.quantizer = Quantizer(cfg)
+        self.decoder = Decoder(cfg)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.cfg.sample_rate
+
+    @property
+    def hop_length(self) -> int:
+        return self.cfg.hop_length
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+        """codes [B, K, T] (int) -> audio [B, T * hop] (float, in [-1, 1]).
+
+        position_offset: absolute frame index of codes[..., 0] (see WindowTransformer).
+        """
+        z = self.quantizer.decode(codes.long(), position_offset)
+        return self.decoder(z.to(self.dtype)).squeeze(1)
+
+    @torch.inference_mode()
+    def encode(self, audio: Tensor) -> Tensor:
+        """audio [B, N] at the codec rate -> codes [B, K, ceil(N / hop)]; right-pads with silence."""
+        n = audio.shape[-1]
+        pad = math.ceil(n / self.hop_length) * self.hop_length - n
+        x = torch.nn.functional.pad(audio.to(self.dtype), (0, pad)).unsqueeze(1)
+        return self.quantizer.encode(self.encoder(x))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.model[0].conv.weight.dtype
+
+
+# ---- checkpoint key forms -------------------------------------------------------------------
+
+_PARAM_G = ".parametrizations.weight.original0"
+_PARAM_V = ".parametrizations.weight.original1"
+
+
+def fold_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Both weight-norm key forms -> plain `.weight` (w = g * v / ||v||, norm over all but dim 0)."""
+    out, pairs = {}, {}
+    for key, value in state.items():
+        for g_suffix, v_suffix in ((_PARAM_G, _PARAM_V), (".weight_g", ".weight_v")):
+            if key.endswith(g_suffix) or key.endswith(v_suffix):
+                base = key[: -len(g_suffix if key.endswith(g_suffix) else v_suffix)]
+                pairs.setdefault(base, {})["g" if key.endswith(g_suffix) else "v"] = value
+                break
+        else:
+            out[key] = value
+    for base, gv in pairs.items():
+        if set(gv) != {"g", "v"}:
+            missing = "g" if "g" not in gv else "v"
+            raise KeyError(f"{base}: weight-norm {missing} tensor is missing")
+        out[base + ".weight"] = torch._weight_norm(gv["v"], gv["g"], 0)
+    return out
+
+
+def unfold_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Plain weights -> the official on-disk forms: parametrizations in the causal conv
+    stacks (torch.nn.utils.parametrizations), weight_g/weight_v in the VQ projections (DAC)."""
+    out = {}
+    for key, value in state.items():
+        base = key[: -len(".weight")]
+        norm = value.flatten(1).norm(dim=1).view(-1, *([1] * (value.dim() - 1))) if value.dim() == 3 else None
+        if re.match(r"(encoder|decoder)\..*\.conv\.weight$", key):
+            out[base + _PARAM_G], out[base + _PARAM_V] = norm, value
+        elif re.search(r"\.(in|out)_proj\.weight$", key):
+            out[base + ".weight_g"], out[base + ".weight_v"] = norm, value
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_state(state: dict[str, Tensor]) -> CodecConfig:
+    """Infer the codec's sizes from its (folded) tensors; windows and head size are fixed."""
+
+    def count(pattern: str) -> int:
+        found = {int(m.group(1)) for k in state if (m := re.match(pattern, k))}
+        return max(found) + 1 if found else 0
+
+    enc0 = state["encoder.block.0.conv.weight"]
+    dec0 = state["decoder.model.0.conv.weight"]
+    n_enc = count(r"encoder\.block\.(\d+)\.block\.0\.") - 1  # blocks 1..n_enc
+    enc_rates, enc_layers = [], []
+    for i in range(1, n_enc + 1):
+        enc_rates.append(state[f"encoder.block.{i}.block.4.conv.weight"].shape[-1] // 2)
+        enc_layers.append(count(rf"encoder\.block\.{i}\.block\.5\.layers\.(\d+)\."))
+    n_dec = count(r"decoder\.model\.(\d+)\.block\.0\.alpha")  # blocks 1..n_dec-1
+    dec_rates = [state[f"decoder.model.{i}.block.1.conv.weight"].shape[-1] // 2 for i in range(1, n_dec)]
+    down = [state[f"quantizer.downsample.{i}.0.conv.weight"].shape[-1] for i in range(count(r"quantizer\.downsample\.(\d+)\."))]
+    return CodecConfig(
+        encoder_dim=enc0.shape[0],
+        encoder_rates=tuple(enc_rates),
+        encoder_transformer_layers=tuple(enc_layers),
+        decoder_dim=dec0.shape[0],
+        decoder_rates=tuple(dec_rates),
+        downsample_factor=tuple(down),
+        n_codebooks=count(r"quantizer\.quantizer\.quantizers\.(\d+)\."),
+        codebook_size=state["quantizer.quantizer.quantizers.0.codebook.weight"].shape[0],
+        semantic_codebook_size=state["quantizer.semantic_quantizer.quantizers.0.codebook.weight"].shape[0],
+        codebook_dim=state["quantizer.semantic_quantizer.quantizers.0.codebook.weight"].shape[1],
+        quantizer_layers=count(r"quantizer\.post_module\.layers\.(\d+)\."),
+    )

@@ -1,0 +1,157 @@
+"""Fish S2 Pro behind the TTSModel interface: one batched Dual-AR step, codec decode and encode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from intone.audio import resample
+from intone.engine.kv_cache import KVCache, KVLayout
+from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, sample
+from intone.errors import InvalidRequestError, ModelLoadError
+from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceReference
+from intone.models.fish_s2.codec import FishCodec, config_from_state, fold_weight_norm
+from intone.models.fish_s2.config import FishS2Config
+from intone.models.fish_s2.loader import load_strict, read_codec_weights, read_lm_weights
+from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
+from intone.models.fish_s2.transformer import DualARTransformer
+
+# Repetition-aware sampling (official): if the normal draw repeats one of the last 10 main
+# tokens, take a second draw made at temperature 1.0 / top-p 0.9 instead.
+RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9
+PENALTY_WINDOW = 16
+
+# Draw indices within one step (see engine.sampling): 0 normal, 1 RAS fallback, 2.. codebooks.
+DRAW_SEMANTIC, DRAW_RAS, DRAW_FIRST_CODEBOOK = 0, 1, 2
+
+
+class FishS2(TTSModel):
+    name = "fish-s2"
+    history_width = RAS_WINDOW + PENALTY_WINDOW
+
+    def __init__(self, lm: DualARTransformer, codec: FishCodec, tokenizer: FishTokenizer, cfg: FishS2Config):
+        self.lm, self.codec, self.tokenizer, self.cfg = lm, codec, tokenizer, cfg
+        self.sample_rate = codec.sample_rate
+        self.samples_per_frame = codec.hop_length
+        self.num_codebooks = cfg.num_codebooks
+        self.max_seq_len = cfg.max_seq_len
+        self.kv_layout = KVLayout(cfg.slow.n_layer, cfg.slow.n_kv_head, cfg.slow.head_dim)
+        self.device = lm.slow_rope.device
+        self.dtype = lm.text_model.model.norm.weight.dtype
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
+             codec_dtype: torch.dtype = torch.float32) -> "FishS2":
+        model_dir = Path(model_dir)
+        device = torch.device(device)
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        cfg = FishS2Config.from_file(model_dir / "config.json")
+        tokenizer = FishTokenizer(model_dir)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise ModelLoadError(
+                f"{model_dir}: tokenizer has {tokenizer.vocab_size} tokens but config vocab_size is {cfg.vocab_size}"
+            )
+        lm_state, source = read_lm_weights(model_dir)
+        with torch.device("meta"):
+            lm = DualARTransformer(cfg, tokenizer.semantic_begin, tokenizer.semantic_end)
+        load_strict(lm, lm_state, source, dtype, device)
+        lm.make_buffers(device)
+
+        codec_path = model_dir / "codec.pth"
+        codec_state, codec_cfg = _codec_state(codec_path)
+        with torch.device("meta"):
+            codec = FishCodec(codec_cfg)
+        load_strict(codec, codec_state, str(codec_path), codec_dtype, device)
+        return cls(lm.eval(), codec.eval(), tokenizer, cfg)
+
+    # ---- prompting --------------------------------------------------------------------------
+
+    def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt:
+        refs = []
+        for i, ref in enumerate(references):
+            codes = ref.codes
+            if codes is None:
+                if ref.audio is None or ref.sample_rate is None:
+                    raise InvalidRequestError(f"references[{i}]", "needs audio (with its sample rate) or codes")
+                codes = self.encode_reference(ref.audio, ref.sample_rate)
+            refs.append(Reference(text=ref.text, codes=codes.cpu()))
+        return build_prompt(self.tokenizer, text, refs, self.num_codebooks)
+
+    @torch.inference_mode()
+    def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
+        wav = resample(audio.float(), sample_rate, self.sample_rate)
+        return self.codec.encode(wav.to(self.device).unsqueeze(0))[0].cpu()
+
+    def history_row(self, generated: list[int]) -> list[int]:
+        """[RAS window | penalty window], right-aligned, -1 padded.
+
+        The official loop never puts the first sampled token (the prefill step's) in the RAS
+        window; we keep that so the same draws give the same choices.
+        """
+        ras = generated[1:][-RAS_WINDOW:]
+        pen = generated[-PENALTY_WINDOW:]
+        return [-1] * (RAS_WINDOW - len(ras)) + ras + [-1] * (PENALTY_WINDOW - len(pen)) + pen
+
+    # ---- one AR step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch, kv: KVCache) -> StepOutput:
+        lm = self.lm
+        x = lm.embed(batch.tokens, batch.codes)
+        hidden = lm.forward_slow(x, batch.meta, kv)
+        logits = lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
+        tokens = self._sample_semantic(logits, batch.sampling, batch.history)
+        codes = self._fast_codes(hidden, tokens, batch.sampling)
+        return StepOutput(tokens=tokens, codes=codes, stopped=tokens == self.tokenizer.im_end_id)
+
+    def _to_token_ids(self, index: Tensor) -> Tensor:
+        """Index into the restricted logits -> vocabulary id."""
+        stop = torch.full_like(index, self.tokenizer.im_end_id)
+        return torch.where(index == self.cfg.codebook_size, stop, index + self.tokenizer.semantic_begin)
+
+    def _sample_semantic(self, logits: Tensor, params: SamplingBatch, history: Tensor) -> Tensor:
+        ras_window, pen_window = history[:, :RAS_WINDOW], history[:, RAS_WINDOW:]
+        begin = self.tokenizer.semantic_begin
+        pen_idx = torch.where(
+            (pen_window >= begin) & (pen_window <= self.tokenizer.semantic_end), pen_window - begin, -1
+        )
+        logits = apply_repetition_penalty(logits, pen_idx, params)
+        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC))
+        fallback = self._to_token_ids(
+            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS)
+        )
+        repeated = (ras_window == normal.unsqueeze(1)).any(dim=1)
+        is_semantic = normal != self.tokenizer.im_end_id
+        return torch.where(repeated & is_semantic, fallback, normal)
+
+    def _fast_codes(self, hidden: Tensor, tokens: Tensor, params: SamplingBatch) -> Tensor:
+        """Codebooks 1..K-1 for each row, conditioned on the slow AR's normed hidden state.
+
+        Position 0 sees the hidden state (its logits are unused); position k sees the
+        embedding of code k-1. Residual codes are drawn over all 4096 logits, as officially.
+        """
+        lm = self.lm
+        cache = lm.new_fast_cache(hidden.shape[0], hidden.dtype, hidden.device)
+        lm.fast_step(lm.audio_decoder.project(hidden), 0, cache)
+        code = (tokens - self.tokenizer.semantic_begin).clamp(0, self.cfg.codebook_size - 1)
+        codes = [code]
+        for k in range(1, self.num_codebooks):
+            h = lm.fast_step(lm.audio_decoder.embeddings(code), k, cache)
+            code = sample(lm.fast_logits(h).float(), params, DRAW_FIRST_CODEBOOK + k - 1)
+            codes.append(code)
+        return torch.stack(codes, dim=1)
+
+    # ---- codec ------------------------------------------------------------------------------
+
+    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+        return self.codec.decode(codes.to(self.device), position_offset).float()
+
+
+def _codec_state(path: Path):
+    try:
+        state = fold_weight_norm(read_codec_weights(path))
+        return state, config_from_state(state)
+    except KeyError as e:
+        raise ModelLoadError(f"{path}: missing tensor or weight-norm part: {e.args[0]}") from None

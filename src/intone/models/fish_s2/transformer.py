@@ -1,0 +1,195 @@
+"""The Dual-AR language model: slow AR over frames, fast AR over the codebooks of one frame.
+
+Module names mirror the checkpoint's tensor names (`text_model.model.*`, `audio_decoder.*`)
+so that loading is a strict, direct state-dict load.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from intone.engine.attention import AttentionMetadata, paged_attention, store_kv
+from intone.engine.kv_cache import KVCache
+from intone.models.fish_s2.config import FishS2Config, TransformerShape
+from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
+
+# attend(q, k, v) with q [.., T, H, D] and k, v [.., T, H_kv, D] -> [.., T, H, D]
+AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: TransformerShape, eps: float):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = shape.n_head, shape.n_kv_head, shape.head_dim
+        qkv_dim = (shape.n_head + 2 * shape.n_kv_head) * shape.head_dim
+        self.wqkv = nn.Linear(shape.dim, qkv_dim, bias=shape.qkv_bias)
+        self.wo = nn.Linear(shape.n_head * shape.head_dim, shape.dim, bias=shape.o_bias)
+        if shape.qk_norm:
+            self.q_norm = nn.RMSNorm(shape.head_dim, eps=eps)
+            self.k_norm = nn.RMSNorm(shape.head_dim, eps=eps)
+        self.qk_norm = shape.qk_norm
+
+    def forward(self, x: Tensor, rope: Tensor, attend: AttendFn) -> Tensor:
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.unflatten(-1, (self.n_head, self.head_dim))
+        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))
+        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
+        if self.qk_norm:  # before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return self.wo(attend(q, k, v).flatten(-2))
+
+
+class Block(nn.Module):
+    def __init__(self, shape: TransformerShape, eps: float):
+        super().__init__()
+        self.attention = Attention(shape, eps)
+        self.feed_forward = SwiGLU(shape.dim, shape.intermediate_size)
+        self.attention_norm = RMSNorm(shape.dim, eps)
+        self.ffn_norm = RMSNorm(shape.dim, eps)
+
+    def forward(self, x: Tensor, rope: Tensor, attend: AttendFn) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, attend)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class SlowModel(nn.Module):
+    """`text_model.model`: embeddings, layers, final norm (and `output` when not tied)."""
+
+    def __init__(self, cfg: FishS2Config):
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.slow.dim)
+        self.layers = nn.ModuleList(Block(cfg.slow, cfg.norm_eps) for _ in range(cfg.slow.n_layer))
+        self.norm = RMSNorm(cfg.slow.dim, cfg.norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.output = nn.Linear(cfg.slow.dim, cfg.vocab_size, bias=False)
+
+    def output_weight(self) -> Tensor:
+        return self.embeddings.weight if not hasattr(self, "output") else self.output.weight
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: FishS2Config):
+        super().__init__()
+        self.model = SlowModel(cfg)
+
+
+class AudioDecoder(nn.Module):
+    """`audio_decoder`: the slow AR's codebook embeddings plus the whole fast AR."""
+
+    def __init__(self, cfg: FishS2Config):
+        super().__init__()
+        fast = cfg.fast
+        self.codebook_embeddings = nn.Embedding(cfg.codebook_size * cfg.num_codebooks, cfg.slow.dim)
+        if cfg.text_dim != fast.dim:
+            self.project_in = nn.Linear(cfg.text_dim, fast.dim)
+        self.embeddings = nn.Embedding(cfg.codebook_size, fast.dim)
+        self.layers = nn.ModuleList(Block(fast, cfg.norm_eps) for _ in range(fast.n_layer))
+        self.norm = RMSNorm(fast.dim, cfg.norm_eps)
+        self.output = nn.Linear(fast.dim, cfg.codebook_size, bias=False)
+
+    def project(self, hidden: Tensor) -> Tensor:
+        return self.project_in(hidden) if hasattr(self, "project_in") else hidden
+
+
+class DualARTransformer(nn.Module):
+    def __init__(self, cfg: FishS2Config, semantic_begin: int, semantic_end: int):
+        super().__init__()
+        self.cfg = cfg
+        self.semantic_begin, self.semantic_end = semantic_begin, semantic_end
+        self.text_model = TextModel(cfg)
+        self.audio_decoder = AudioDecoder(cfg)
+        self.make_buffers()
+
+    def make_buffers(self, device=None) -> None:
+        """(Re)build the non-persistent tables, e.g. after loading into a meta-device model."""
+        cfg = self.cfg
+        with torch.device(device or "cpu"):
+            self.register_buffer("slow_rope", rope_table(cfg.max_seq_len, cfg.slow.head_dim, cfg.rope_base), persistent=False)
+            # The fast AR uses the slow AR's RoPE base; positions 0..num_codebooks-1.
+            self.register_buffer("fast_rope", rope_table(cfg.num_codebooks, cfg.fast.head_dim, cfg.rope_base), persistent=False)
+            offsets = torch.arange(cfg.num_codebooks) * cfg.codebook_size
+            self.register_buffer("codebook_offsets", offsets, persistent=False)
+
+    # ---- slow AR ---------------------------------------------------------------------------
+
+    def embed(self, tokens: Tensor, codes: Tensor) -> Tensor:
+        """tokens [T], codes [T, K] -> [T, dim].
+
+        At semantic positions: (token embedding + sum of the K codebook embeddings) / sqrt(K+1);
+        elsewhere the token embedding alone.
+        """
+        slow = self.text_model.model
+        x = slow.embeddings(tokens)
+        vq = self.audio_decoder.codebook_embeddings(codes + self.codebook_offsets).sum(dim=1)
+        is_semantic = ((tokens >= self.semantic_begin) & (tokens <= self.semantic_end)).unsqueeze(-1)
+        x = x + torch.where(is_semantic, vq, torch.zeros_like(vq))
+        return torch.where(is_semantic, x / math.sqrt(self.cfg.num_codebooks + 1), x)
+
+    def forward_slow(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
+        """Packed embeddings x [T, dim] -> final normed hidden of each request's last token [R, dim]."""
+        rope = self.slow_rope[meta.positions]
+        for i, layer in enumerate(self.text_model.model.layers):
+            k_cache, v_cache = kv.layer(i)
+
+            def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
+                store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+                return paged_attention(q, k_cache, v_cache, meta)
+
+            x = layer(x, rope, attend)
+        return self.text_model.model.norm(x[meta.last_token_rows])
+
+    def full_logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.text_model.model.output_weight())
+
+    def semantic_logits(self, hidden: Tensor, stop_id: int) -> Tensor:
+        """Logits over the allowed vocabulary only: [R, codebook + 1]; column codebook_size is stop_id.
+
+        Equal to full_logits restricted to the semantic tokens and `<|im_end|>`: every other
+        token gets -inf in the official constrained decoding, so it can never be drawn.
+        """
+        w = self.text_model.model.output_weight()
+        rows = torch.cat([w[self.semantic_begin : self.semantic_begin + self.cfg.codebook_size], w[stop_id : stop_id + 1]])
+        return F.linear(hidden, rows)
+
+    # ---- fast AR ---------------------------------------------------------------------------
+
+    def fast_step(self, x: Tensor, position: int, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """One fast-AR position for a batch: x [B, dim] -> normed hidden [B, dim].
+
+        cache[layer] = (k, v), each [B, num_codebooks, H_kv, D]; position p writes slot p and
+        attends to slots 0..p.
+        """
+        rope = self.fast_rope[position : position + 1]
+        h = x.unsqueeze(1)
+        for layer, (k_buf, v_buf) in zip(self.audio_decoder.layers, cache):
+
+            def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
+                k_buf[:, position] = k[:, 0]
+                v_buf[:, position] = v[:, 0]
+                keys, values = k_buf[:, : position + 1], v_buf[:, : position + 1]
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                    enable_gqa=q.shape[2] != keys.shape[2],
+                )
+                return out.transpose(1, 2)
+
+            h = layer(h, rope, attend)
+        return self.audio_decoder.norm(h[:, 0])
+
+    def new_fast_cache(self, batch: int, dtype: torch.dtype, device) -> list[tuple[Tensor, Tensor]]:
+        f = self.cfg.fast
+        shape = (batch, self.cfg.num_codebooks, f.n_kv_head, f.head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(f.n_layer)
+        ]
+
+    def fast_logits(self, hidden: Tensor) -> Tensor:
+        return self.audio_decoder.output(hidden)
