@@ -72,13 +72,14 @@ def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBat
     """window: [R, W] token indices into logits' last axis, -1 for empty slots."""
     if not params.has_penalty:
         return logits
-    penalty = params.repetition_penalty
-    valid = window >= 0
-    idx = window.clamp(min=0)
-    picked = logits.gather(1, idx)
-    p = penalty.unsqueeze(1).to(logits.dtype)
-    scaled = torch.where(picked > 0, picked / p, picked * p)
-    return logits.scatter(1, idx, torch.where(valid, scaled, picked))
+    vocab = logits.shape[-1]
+    # Empty slots go to a spare column that is dropped; duplicates just count twice.
+    slots = torch.where(window >= 0, window, vocab)
+    hits = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.int32, device=logits.device)
+    hits.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
+    p = params.repetition_penalty.unsqueeze(1).to(logits.dtype)
+    penalised = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(hits[:, :vocab] > 0, penalised, logits)
 
 
 def sample(logits: Tensor, params: SamplingBatch, draw: int) -> Tensor:

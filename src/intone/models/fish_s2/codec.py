@@ -60,6 +60,30 @@ class CodecConfig:
         return 1 + self.n_codebooks
 
 
+def receptive_field_frames(cfg: CodecConfig) -> int:
+    """Left context (in frames) after which decoding a window reproduces the one-pass decode.
+
+    The windowed transformer sees `window - 1` earlier frames per layer, so its layers chain
+    to layers * (window - 1) frames (8 * 127 = 1016 at full size). The causal convolutions
+    after it look back 9.2 frames in all (ConvNeXt k7 at 2x and 4x the frame rate, the k7
+    input conv, one input sample per transposed conv, 78 samples per stack of dilated
+    residual units at each rate), which rounds up to 10: 1026 frames (~47.6 s) in all.
+    With less context the first samples of a window differ from the one-pass decode.
+    """
+    lookback = 0.0  # in frames
+    rate = 1
+    for f in reversed(cfg.downsample_factor):  # k = stride transposed conv: no overlap
+        rate *= f
+        lookback += 6 / rate  # ConvNeXt depthwise k7
+    lookback += 6 / rate  # decoder input conv, k7
+    for stride in cfg.decoder_rates:
+        lookback += 1 / rate  # transposed conv k = 2 * stride reaches one input sample back
+        rate *= stride
+        lookback += (6 + 18 + 54) / rate  # residual units: k7 at dilations 1, 3, 9
+    lookback += 6 / rate  # output conv, k7
+    return cfg.quantizer_layers * (cfg.quantizer_window - 1) + math.ceil(lookback)
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: CodecConfig):
         super().__init__()

@@ -1,0 +1,98 @@
+"""The CLI as a user runs it: real subprocesses, real files."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+
+def intone(*args, env_cache, timeout=120):
+    env = {**os.environ, "INTONE_CACHE": str(env_cache)}
+    return subprocess.run([sys.executable, "-m", "intone.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_speak_writes_a_valid_wav_quickly(tiny_cache, tiny_fish_dir, tmp_path):
+    out = tmp_path / "o.wav"
+    start = time.perf_counter()
+    r = intone("speak", "--model", "tiny:fish-s2", "Hello world", "-o", str(out), "--seed", "1", env_cache=tiny_cache)
+    elapsed = time.perf_counter() - start
+    assert r.returncode == 0, r.stderr
+    audio, rate = sf.read(out)
+    assert rate == 44100
+    assert len(audio) > 0 and len(audio) % 2048 == 0
+    assert np.sqrt(np.mean(audio**2)) > 0.01  # not silent
+    assert elapsed < 60
+
+
+def test_speak_is_reproducible_with_a_seed(tiny_cache, tiny_fish_dir, tmp_path):
+    outs = []
+    for name in ("a.wav", "b.wav"):
+        r = intone("speak", "Same seed", "-o", str(tmp_path / name), "--seed", "4", "--max-new-tokens", "30",
+                   env_cache=tiny_cache)
+        assert r.returncode == 0, r.stderr
+        outs.append(sf.read(tmp_path / name)[0])
+    assert np.array_equal(*outs)
+    assert len(outs[0]) <= 30 * 2048
+
+
+def test_speak_with_a_reference_voice(tiny_cache, tiny_fish_dir, tmp_path):
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, 0.2 * np.sin(np.linspace(0, 2000, 24000)), 24000)
+    r = intone("speak", "Clone me", "-o", str(tmp_path / "o.wav"), "--ref-audio", str(ref),
+               "--ref-text", "A reference.", "--seed", "2", "--max-new-tokens", "20", env_cache=tiny_cache)
+    assert r.returncode == 0, r.stderr
+
+
+def test_make_tiny_writes_the_layout(tiny_cache, tmp_path):
+    r = intone("make-tiny", "fish-s2", str(tmp_path / "t"), "--seed", "3", env_cache=tiny_cache)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["model_type"] == "fish_qwen3_omni"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing_model", "model directory not found"),
+    ("malformed_model", "config.json: not valid JSON"),
+    ("unreadable_ref", "no such file"),
+    ("empty_ref", "not a readable audio file"),
+    ("silent_zero_length_ref", "audio is empty"),
+    ("non_audio_ref", "not a readable audio file"),
+    ("ref_without_text", "--ref-text"),
+    ("text_without_ref", "--ref-audio"),
+    ("empty_text", "must not be empty"),
+])
+def test_speak_errors_are_clear(tiny_cache, tiny_fish_dir, tmp_path, case, message):
+    args = ["speak", "Hello", "-o", str(tmp_path / "o.wav")]
+    if case == "missing_model":
+        args += ["--model", str(tmp_path / "nope")]
+    elif case == "malformed_model":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "config.json").write_text("{")
+        args += ["--model", str(tmp_path / "m")]
+    elif case == "unreadable_ref":
+        args += ["--ref-audio", str(tmp_path / "missing.wav"), "--ref-text", "x"]
+    elif case == "empty_ref":
+        (tmp_path / "e.wav").write_bytes(b"")
+        args += ["--ref-audio", str(tmp_path / "e.wav"), "--ref-text", "x"]
+    elif case == "silent_zero_length_ref":
+        sf.write(tmp_path / "z.wav", np.zeros(0), 16000)
+        args += ["--ref-audio", str(tmp_path / "z.wav"), "--ref-text", "x"]
+    elif case == "non_audio_ref":
+        (tmp_path / "n.wav").write_text("this is text, not audio")
+        args += ["--ref-audio", str(tmp_path / "n.wav"), "--ref-text", "x"]
+    elif case == "ref_without_text":
+        sf.write(tmp_path / "r.wav", np.zeros(4000), 16000)
+        args += ["--ref-audio", str(tmp_path / "r.wav")]
+    elif case == "text_without_ref":
+        args += ["--ref-text", "orphan transcript"]
+    elif case == "empty_text":
+        args[1] = " "
+    r = intone(*args, env_cache=tiny_cache)
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,77 @@
+"""Sampling: official filter order, and draws that belong to the request, not the batch."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms, sample
+
+
+def batch(n, temperature=0.8, top_p=0.8, top_k=30, seeds=None, steps=None, penalty=1.0):
+    seeds = torch.tensor(seeds if seeds is not None else list(range(n)), dtype=torch.int64)
+    steps = torch.tensor(steps if steps is not None else [0] * n, dtype=torch.int64)
+    full = lambda v, dt: torch.full((n,), v, dtype=dt)  # noqa: E731
+    return SamplingBatch(full(temperature, torch.float32), full(top_p, torch.float32), full(top_k, torch.int64),
+                         full(penalty, torch.float32), seeds, steps, max_top_k=top_k, has_penalty=penalty != 1.0)
+
+
+def official_kept(logits, top_p, top_k):
+    """The official logits_to_probs filter, on one row: sort, cumulative softmax, keep rank 0."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = (cum > top_p) | (torch.arange(len(logits)) >= top_k)
+    remove[0] = False
+    return set(order[~remove].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**6), st.floats(0.05, 1.0), st.integers(1, 64))
+def test_only_tokens_the_official_filter_keeps_are_drawn(seed, top_p, top_k):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 200, generator=g) * 3
+    kept = official_kept(logits[0], top_p, top_k)
+    params = batch(1, temperature=1.0, top_p=top_p, top_k=top_k, seeds=[seed])
+    drawn = {int(sample(logits, SamplingBatch(**{**params.__dict__, "steps": torch.tensor([s])}), 0))
+             for s in range(60)}
+    assert drawn <= kept
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2**62), min_size=2, max_size=6, unique=True), st.integers(0, 500), st.randoms())
+def test_a_rows_draw_does_not_depend_on_the_batch(seeds, step, rnd):
+    n = len(seeds)
+    logits = torch.randn(n, 300, generator=torch.Generator().manual_seed(step))
+    together = sample(logits, batch(n, seeds=seeds, steps=[step] * n), 3)
+    perm = list(range(n))
+    rnd.shuffle(perm)
+    shuffled = sample(logits[perm], batch(n, seeds=[seeds[i] for i in perm], steps=[step] * n), 3)
+    for j, i in enumerate(perm):
+        alone = sample(logits[i : i + 1], batch(1, seeds=[seeds[i]], steps=[step]), 3)
+        assert int(alone) == int(together[i]) == int(shuffled[j])
+
+
+def test_uniforms_vary_with_every_counter_and_look_uniform():
+    ids = torch.arange(4096).unsqueeze(0)
+    base = request_uniforms(torch.tensor([7]), torch.tensor([3]), 0, ids)
+    assert torch.equal(base, request_uniforms(torch.tensor([7]), torch.tensor([3]), 0, ids))
+    for other in (request_uniforms(torch.tensor([8]), torch.tensor([3]), 0, ids),
+                  request_uniforms(torch.tensor([7]), torch.tensor([4]), 0, ids),
+                  request_uniforms(torch.tensor([7]), torch.tensor([3]), 1, ids)):
+        assert (other != base).float().mean() > 0.99
+    assert 0 < float(base.min()) and float(base.max()) < 1
+    assert abs(float(base.mean()) - 0.5) < 0.02
+
+
+def test_tiny_temperature_or_top_k_1_is_greedy():
+    logits = torch.randn(5, 100)
+    best = logits.argmax(dim=-1)
+    assert torch.equal(sample(logits, batch(5, temperature=0.0, top_p=1.0, top_k=100), 0), best)
+    assert torch.equal(sample(logits, batch(5, temperature=1.5, top_p=1.0, top_k=1), 0), best)
+
+
+def test_repetition_penalty_pushes_recent_tokens_down():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
+    window = torch.tensor([[0, 1, -1]])
+    out = apply_repetition_penalty(logits, window, batch(1, penalty=2.0))
+    assert out.tolist() == [[1.0, -2.0, 0.5, 0.0]]
+    assert torch.equal(apply_repetition_penalty(logits, window, batch(1)), logits)

@@ -1,0 +1,63 @@
+"""The slow-AR embedding rule and the RoPE pairing, on small hand-computed cases."""
+
+import math
+
+import torch
+
+from intone.models.fish_s2.layers import apply_rope, rope_table
+
+
+def test_rope_rotates_adjacent_pairs():
+    # head_dim 4, position 1, base 100: pair 0 turns by 1 rad, pair 1 by 1/100**(2/4) = 0.1 rad.
+    table = rope_table(torch.tensor([1]), 4, 100.0)
+    x = torch.tensor([[[1.0, 2.0, 3.0, 4.0]]])  # [T=1, H=1, D=4]
+    out = apply_rope(x, table)[0, 0]
+    c0, s0 = table[0, 0]
+    c1, s1 = table[0, 1]
+    assert torch.allclose(torch.stack([c0, s0, c1, s1]),
+                          torch.tensor([math.cos(1), math.sin(1), math.cos(0.1), math.sin(0.1)]), atol=4e-3)
+    expected = torch.tensor([1 * c0 - 2 * s0, 2 * c0 + 1 * s0, 3 * c1 - 4 * s1, 4 * c1 + 3 * s1])
+    assert torch.allclose(out, expected)
+    # NeoX (half-split) pairing would rotate (x0, x2) and (x1, x3) instead:
+    neox = torch.tensor([1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1])
+    assert not torch.allclose(out, neox)
+
+
+def test_rope_table_is_bf16_rounded_even_in_fp32():
+    table = rope_table(4096, 128, 1e6)
+    assert table.dtype == torch.float32
+    assert torch.equal(table, table.to(torch.bfloat16).float())
+    exact = torch.tensor(math.cos(4095 * 1.0))
+    assert (table[4095, 0, 0] - exact).abs() > 0  # rounding really happened
+    assert (table[4095, 0, 0] - exact).abs() < 4e-3
+
+
+def test_embedding_rule(tiny_fish):
+    lm = tiny_fish.lm
+    tok = tiny_fish.tokenizer
+    emb = lm.text_model.model.embeddings.weight
+    books = lm.audio_decoder.codebook_embeddings.weight
+    text_id = tok.encode("Hello")[0]
+    codes = torch.tensor([[0] * 10, [5, 1, 2, 3, 4, 1023, 4095, 0, 7, 9]])
+    tokens = torch.tensor([text_id, tok.semantic_begin + 5])
+    x = lm.embed(tokens, codes)
+    # Text position: the token embedding alone (its codes are ignored).
+    assert torch.allclose(x[0], emb[text_id])
+    # Semantic position: (token + sum over codebooks i of row i * 4096 + code_i) / sqrt(11).
+    manual = emb[tok.semantic_begin + 5] + sum(books[i * 4096 + int(codes[1, i])] for i in range(10))
+    assert torch.allclose(x[1], manual / math.sqrt(11), atol=1e-6)
+
+
+def test_stop_token_is_not_a_semantic_position(tiny_fish):
+    lm, tok = tiny_fish.lm, tiny_fish.tokenizer
+    x = lm.embed(torch.tensor([tok.im_end_id]), torch.ones(1, 10, dtype=torch.long))
+    assert torch.allclose(x[0], lm.text_model.model.embeddings.weight[tok.im_end_id])
+
+
+def test_semantic_logits_are_the_allowed_columns_of_the_full_logits(tiny_fish):
+    lm, tok = tiny_fish.lm, tiny_fish.tokenizer
+    h = torch.randn(3, lm.cfg.slow.dim)
+    full = lm.full_logits(h)
+    small = lm.semantic_logits(h, tok.im_end_id)
+    assert torch.allclose(small[:, :4096], full[:, tok.semantic_begin : tok.semantic_end + 1], atol=1e-6)
+    assert torch.allclose(small[:, 4096], full[:, tok.im_end_id], atol=1e-6)
