@@ -50,7 +50,7 @@ def _sinc_kernel(orig: int, new: int, dtype: torch.dtype, zeros: int = 6, rollof
     window = torch.cos(t * math.pi / zeros / 2) ** 2
     t = t * math.pi
     kernel = torch.where(t == 0, torch.tensor(1.0, dtype=dtype), t.sin() / t)
-    return kernel * window * (base / orig), width
+    return kernel * (window * (base / orig)), width  # torchaudio's association, for equal bits
 
 
 def resample(audio: Tensor, orig_rate: int, new_rate: int) -> Tensor:

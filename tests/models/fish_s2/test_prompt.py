@@ -83,3 +83,23 @@ def test_speaker_tags_are_allowed_in_text(tiny_fish):
 def test_reference_without_transcript_is_rejected(tiny_fish):
     with pytest.raises(InvalidRequestError, match="references"):
         tiny_fish.build_prompt("hi", [VoiceReference(text="", codes=torch.zeros(10, 2, dtype=torch.long))])
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("Plain text, no tags.", "Plain text, no tags."),
+    ("<|speaker:0|>Hi there. <|speaker:1|>Fine", "<|speaker:0|>Hi there.\n<|speaker:1|>Fine"),
+    ("Intro text <|speaker:0|>Hi there.", "<|speaker:0|>Hi there."),  # officially dropped
+    ("<|speaker:0|> A <|speaker:1|>", "<|speaker:0|> A\n<|speaker:1|>"),
+])
+def test_speaker_tagged_text_is_split_into_turns_as_officially(text, expected):
+    from intone.models.fish_s2.prompt import speaker_turns
+
+    assert speaker_turns(text) == expected
+
+
+def test_transformers_reads_the_tiny_tokenizer_the_same_way(tiny_fish_dir, tok):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_fish_dir))
+    for text in ("Hello world", "<|im_start|>assistant\n<|voice|>", "<|speaker:0|>hi\n\nSpeech:\n", "<|semantic:9|>"):
+        assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert hf.convert_tokens_to_ids("<|semantic:0|>") == tok.semantic_begin

@@ -84,9 +84,25 @@ def check_text(text: str, field: str) -> str:
     return text
 
 
+def speaker_turns(text: str) -> str:
+    """Official `generate_long` text handling: with `<|speaker:N|>` tags, text before the first
+    tag is dropped and the stripped turns are joined by newlines; untagged text is unchanged.
+
+    The official loop also splits more than 5 speakers or more than `chunk_length` bytes into
+    several generations chained as a conversation; intone keeps all turns in one user turn.
+    """
+    parts = re.split(f"({_SPEAKER_TAG.pattern})", text)
+    turns = []
+    for i, part in enumerate(parts):
+        if _SPEAKER_TAG.fullmatch(part.strip()):
+            turns.append((part.strip() + (parts[i + 1] if i + 1 < len(parts) else "")).strip())
+    return "\n".join(turns) if turns else text
+
+
 def build_prompt(tok: FishTokenizer, text: str, references: list[Reference], num_codebooks: int) -> Prompt:
     """The official `generate_long` prompt for one user turn."""
     check_text(text, "text")
+    text = speaker_turns(text)
     parts: list[str | Tensor] = [f"{IM_START}system\n"]
     if references:
         for i, ref in enumerate(references):

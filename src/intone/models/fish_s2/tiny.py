@@ -85,9 +85,10 @@ def _write_tokenizer(out: Path) -> Tokenizer:
     tok.add_special_tokens(specials + [SEMANTIC_TEMPLATE.format(i) for i in range(NUM_SEMANTIC)])
     tok.save(str(out / "tokenizer.json"))
 
+    # Like a Hugging Face save: every added token listed, semantic ones included.
     added = {
         str(tok.token_to_id(t)): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
-        for t in specials
+        for t in specials + [SEMANTIC_TEMPLATE.format(i) for i in range(NUM_SEMANTIC)]
     }
     (out / "tokenizer_config.json").write_text(json.dumps(dict(
         add_bos_token=False, add_prefix_space=False, added_tokens_decoder=added, bos_token=None,
