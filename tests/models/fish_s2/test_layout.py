@@ -10,25 +10,11 @@ from intone.errors import ModelLoadError
 from intone.models import load_model
 from intone.models.fish_s2 import FishS2
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, unfold_weight_norm
-from intone.models.fish_s2.config import FishS2Config
+from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.transformer import DualARTransformer
 
-REAL_CONFIG = {
-    "model_type": "fish_qwen3_omni", "dtype": "bfloat16", "eos_token_id": 151645, "pad_token_id": 151669,
-    "audio_pad_token_id": 151677, "semantic_start_token_id": 151678, "semantic_end_token_id": 155773,
-    "text_config": {
-        "model_type": "fish_qwen3", "dim": 2560, "n_layer": 36, "n_head": 32, "n_local_heads": 8, "head_dim": 128,
-        "intermediate_size": 9728, "vocab_size": 155776, "max_seq_len": 32768, "rope_base": 1000000,
-        "norm_eps": 1e-6, "tie_word_embeddings": True, "attention_qk_norm": True,
-        "attention_qkv_bias": False, "attention_o_bias": False,
-    },
-    "audio_decoder_config": {
-        "model_type": "fish_qwen3_audio_decoder", "dim": 2560, "n_layer": 4, "n_head": 32, "n_local_heads": 8,
-        "head_dim": 128, "intermediate_size": 9728, "max_seq_len": 11, "num_codebooks": 10, "vocab_size": 4096,
-        "text_dim": 2560, "rope_base": 1000000, "norm_eps": 1e-6, "attention_qk_norm": False,
-    },
-}
+REAL_CONFIG = S2_PRO_CONFIG
 
 
 def test_tiny_layout_has_the_real_files(tiny_fish_dir):

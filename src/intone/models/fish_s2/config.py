@@ -13,6 +13,24 @@ from pathlib import Path
 from intone.errors import ModelLoadError
 
 
+# config.json of the real fishaudio/s2-pro checkpoint (nested, Fish-native key names).
+S2_PRO_CONFIG = {
+    "model_type": "fish_qwen3_omni", "dtype": "bfloat16", "eos_token_id": 151645, "pad_token_id": 151669,
+    "audio_pad_token_id": 151677, "semantic_start_token_id": 151678, "semantic_end_token_id": 155773,
+    "text_config": {
+        "model_type": "fish_qwen3", "dim": 2560, "n_layer": 36, "n_head": 32, "n_local_heads": 8, "head_dim": 128,
+        "intermediate_size": 9728, "vocab_size": 155776, "max_seq_len": 32768, "rope_base": 1000000,
+        "norm_eps": 1e-6, "tie_word_embeddings": True, "attention_qk_norm": True,
+        "attention_qkv_bias": False, "attention_o_bias": False,
+    },
+    "audio_decoder_config": {
+        "model_type": "fish_qwen3_audio_decoder", "dim": 2560, "n_layer": 4, "n_head": 32, "n_local_heads": 8,
+        "head_dim": 128, "intermediate_size": 9728, "max_seq_len": 11, "num_codebooks": 10, "vocab_size": 4096,
+        "text_dim": 2560, "rope_base": 1000000, "norm_eps": 1e-6, "attention_qk_norm": False,
+    },
+}
+
+
 @dataclass(frozen=True)
 class TransformerShape:
     dim: int

@@ -12,7 +12,7 @@ from intone.engine.kv_cache import KVCache, KVLayout
 from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, sample
 from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceReference
-from intone.models.fish_s2.codec import FishCodec, config_from_state, fold_weight_norm
+from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.config import FishS2Config
 from intone.models.fish_s2.loader import load_strict, read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
@@ -64,6 +64,31 @@ class FishS2(TTSModel):
         with torch.device("meta"):
             codec = FishCodec(codec_cfg)
         load_strict(codec, codec_state, str(codec_path), codec_dtype, device)
+        return cls(lm.eval(), codec.eval(), tokenizer, cfg)
+
+    @classmethod
+    def random(cls, cfg: FishS2Config, tokenizer_dir: str | Path, codec_cfg: CodecConfig = CodecConfig(),
+               device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float32, seed: int = 0) -> "FishS2":
+        """A model of any size with random weights, for speed measurements (no checkpoint needed).
+
+        The tokenizer only has to carry the control tokens; its ids need not be the real ones.
+        """
+        device = torch.device(device)
+        tokenizer = FishTokenizer(Path(tokenizer_dir))
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            lm = DualARTransformer(cfg, tokenizer.semantic_begin, tokenizer.semantic_end)
+            codec = FishCodec(codec_cfg)
+        lm.to_empty(device=device).to(dtype)
+        codec.to_empty(device=device).to(codec_dtype)
+        with torch.no_grad():
+            for module in (lm, codec):
+                for name, p in module.named_parameters():
+                    if name.endswith(("norm.weight", "alpha")):
+                        p.fill_(1.0)
+                    else:
+                        p.normal_(0.0, 0.02)
+        lm.make_buffers(device)
         return cls(lm.eval(), codec.eval(), tokenizer, cfg)
 
     # ---- prompting --------------------------------------------------------------------------

@@ -1,0 +1,112 @@
+"""Time one model step and one codec window at real size with random weights.
+
+    python -m intone.bench.step_time --batch 1,16,64 --context 256,1024 --out step.json
+
+Runs Fish S2 Pro's real-size architecture (or any config.json via --config) on the GPU. The
+numbers are the yardstick for the engine's step times; compare them with
+shared/tools/roofline-h200.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from intone.engine.attention import AttentionMetadata
+from intone.engine.kv_cache import KVCache
+from intone.engine.sampling import SamplingBatch
+from intone.models.base import StepBatch
+from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
+from intone.models.fish_s2.model import FishS2
+from intone.models.fish_s2.tiny import make_tiny_fish_s2
+
+BLOCK = 16
+
+
+def timed(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of fn() on the current CUDA stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def decode_batch(model: FishS2, batch: int, context: int) -> tuple[StepBatch, KVCache]:
+    """A decode step for `batch` requests that each have `context` tokens cached."""
+    blocks_per_req = -(-(context + 1) // BLOCK)
+    kv = KVCache(model.kv_layout, batch * blocks_per_req, BLOCK, model.dtype, model.device)
+    tables = [list(range(r * blocks_per_req, (r + 1) * blocks_per_req)) for r in range(batch)]
+    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK, model.device)
+    dev = model.device
+    tok = model.tokenizer
+    sampling = SamplingBatch(
+        temperature=torch.full((batch,), 0.8, device=dev), top_p=torch.full((batch,), 0.8, device=dev),
+        top_k=torch.full((batch,), 30, dtype=torch.int64, device=dev), repetition_penalty=torch.ones(batch, device=dev),
+        seeds=torch.arange(batch, device=dev), steps=torch.full((batch,), 5, device=dev), max_top_k=30,
+    )
+    step = StepBatch(
+        tokens=torch.full((batch,), tok.semantic_begin + 7, device=dev),
+        codes=torch.randint(0, 1024, (batch, model.num_codebooks), device=dev),
+        meta=meta, sampling=sampling,
+        history=torch.full((batch, model.history_width), -1, dtype=torch.int64, device=dev),
+    )
+    return step, kv
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--context", default="256,1024")
+    ap.add_argument("--codec-frames", default="50")
+    ap.add_argument("--codec-dtype", default="float32,float16,bfloat16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    cfg = FishS2Config.from_dict(S2_PRO_CONFIG)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_tiny_fish_s2(tmp)  # only its tokenizer is used
+        model = FishS2.random(cfg, tmp, device="cuda", dtype=torch.bfloat16)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": []}
+    for context in map(int, args.context.split(",")):
+        for batch in map(int, args.batch.split(",")):
+            step, kv = decode_batch(model, batch, context)
+            ms = timed(lambda: model.step(step, kv))
+            row = dict(batch=batch, context=context, step_ms=round(ms, 3),
+                       frames_per_s=round(batch * 1000 / ms, 1),
+                       audio_s_per_s=round(batch * 1000 / ms / (model.sample_rate / model.samples_per_frame), 2))
+            results["decode"].append(row)
+            print("decode", row, flush=True)
+            del step, kv
+            torch.cuda.empty_cache()
+    for dtype_name in args.codec_dtype.split(","):
+        model.codec.to(getattr(torch, dtype_name))
+        for frames in map(int, args.codec_frames.split(",")):
+            for batch in map(int, args.batch.split(",")):
+                codes = torch.randint(0, 1024, (batch, model.num_codebooks, frames), device="cuda")
+                ms = timed(lambda: model.codec.decode(codes))
+                row = dict(dtype=dtype_name, batch=batch, frames=frames, ms=round(ms, 3),
+                           audio_s_per_s=round(batch * frames * model.samples_per_frame / model.sample_rate / ms * 1000, 1))
+                results["codec"].append(row)
+                print("codec", row, flush=True)
+    results["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    print(json.dumps(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The same model on CUDA: agreement with the CPU, determinism, a real-size step. Marked gpu."""
+
+import pytest
+import torch
+
+from intone.engine.offline import OfflineRequest, run_to_completion
+from intone.models import load_model
+from intone.models.base import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_fish(tiny_fish_dir):
+    return load_model(str(tiny_fish_dir), device="cuda", dtype=torch.float32)
+
+
+def run(model, seeds, max_new=40, text="Hello world"):
+    prompt = model.build_prompt(text, [])
+    reqs = [OfflineRequest(prompt, SamplingParams(seed=s, max_new_tokens=max_new)) for s in seeds]
+    return run_to_completion(model, reqs)
+
+
+def test_codec_on_gpu_matches_cpu(tiny_fish, gpu_fish):
+    codes = torch.randint(0, 4096, (2, 10, 40))
+    assert torch.allclose(gpu_fish.decode(codes).cpu(), tiny_fish.decode(codes), atol=1e-4)
+
+
+def test_slow_ar_logits_on_gpu_match_cpu(tiny_fish, gpu_fish):
+    h = torch.randn(4, tiny_fish.lm.cfg.slow.dim)
+    cpu = tiny_fish.lm.full_logits(h)
+    gpu = gpu_fish.lm.full_logits(h.cuda()).cpu()
+    assert torch.allclose(cpu, gpu, atol=1e-4)
+
+
+def test_gpu_generation_is_deterministic(gpu_fish):
+    a, b = run(gpu_fish, [3]), run(gpu_fish, [3])
+    assert torch.equal(a[0].codes, b[0].codes)
+
+
+def test_gpu_codes_do_not_depend_on_the_batch(gpu_fish):
+    alone = [run(gpu_fish, [s])[0].codes for s in (11, 12, 13)]
+    together = [r.codes for r in run(gpu_fish, [11, 12, 13])]
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)
+
+
+def test_real_size_step_runs_in_bf16(tiny_fish_dir):
+    from intone.bench.step_time import decode_batch
+    from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
+    from intone.models.fish_s2.model import FishS2
+
+    model = FishS2.random(FishS2Config.from_dict(S2_PRO_CONFIG), tiny_fish_dir, device="cuda")
+    step, kv = decode_batch(model, batch=4, context=100)
+    out = model.step(step, kv)
+    assert out.codes.shape == (4, 10) and out.tokens.shape == (4,)
+    audio = model.decode(out.codes.unsqueeze(-1).repeat(1, 1, 3))
+    assert audio.shape == (4, 3 * 2048) and torch.isfinite(audio).all()
