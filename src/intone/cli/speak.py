@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 
@@ -27,6 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=30)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--stream", action="store_true",
+                   help="run through the engine (its own process) and write the wav as chunks arrive")
+    p.add_argument("--profile", default=None, help="deploy profile (path or name under profiles/), with --stream")
+    p.add_argument("--trace-frames", default=None, metavar="FILE", help="with --stream: one JSON line per chunk")
     p.set_defaults(run=run)
 
 
@@ -51,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
         references.append(VoiceReference(text=text, audio=audio, sample_rate=rate))
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.stream:
+        return asyncio.run(_stream(args, references, params, device))
     model = load_model(args.model, device=device)
     start = time.perf_counter()
     prompt = model.build_prompt(args.text, references)
@@ -67,4 +74,36 @@ def run(args: argparse.Namespace) -> int:
     )
     if not request.frames:
         print("warning: the model stopped before the first frame; the wav is empty", file=sys.stderr)
+    return 0
+
+
+async def _stream(args, references, params, device: str) -> int:
+    import soundfile as sf
+
+    from intone.engine.client import Engine
+    from intone.engine.request import SynthesisRequest
+
+    engine = await Engine.from_profile(args.profile, model=args.model, trace_frames=args.trace_frames, device=device)
+    start = time.perf_counter()
+    first_audio = None
+    frames = 0
+    try:
+        with sf.SoundFile(args.output, "w", samplerate=engine.sample_rate, channels=1, subtype="PCM_16") as out:
+            request = SynthesisRequest("speak", args.text, references, params)
+            async for chunk in engine.generate(request):
+                if chunk.error:
+                    raise InvalidRequestError("request", chunk.error)
+                if len(chunk.audio):
+                    first_audio = first_audio or time.perf_counter() - start
+                    out.write(chunk.audio)
+                frames = chunk.end_frame
+                if chunk.finished:
+                    reason = chunk.stop_reason
+    finally:
+        await engine.shutdown()
+    elapsed = time.perf_counter() - start
+    seconds = frames * engine.info["samples_per_frame"] / engine.sample_rate
+    first = f"{first_audio:.2f} s" if first_audio is not None else "none"
+    print(f"wrote {args.output}: {frames} frames, {seconds:.2f} s at {engine.sample_rate} Hz "
+          f"(streamed; first audio after {first}, stop: {reason}, {elapsed:.2f} s)")
     return 0

@@ -74,6 +74,9 @@ class BlockManager:
     def table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
 
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._tables.get(request_id, ()))
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:

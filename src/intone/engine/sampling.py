@@ -56,6 +56,7 @@ class SamplingBatch:
     steps: Tensor  # int64: the request's step index (frames generated before this one)
     max_top_k: int  # host-side bound on top_k, so no device sync is needed to size the top-k
     has_penalty: bool = False  # host-side: any row with repetition_penalty != 1
+    ban_stop: Tensor | None = None  # [R] bool: rows that must not sample the stop token
 
 
     def with_overrides(self, temperature: float | None = None, top_p: float | None = None) -> "SamplingBatch":
@@ -64,7 +65,7 @@ class SamplingBatch:
 
         return SamplingBatch(
             fill(self.temperature, temperature), fill(self.top_p, top_p), self.top_k,
-            self.repetition_penalty, self.seeds, self.steps, self.max_top_k, self.has_penalty,
+            self.repetition_penalty, self.seeds, self.steps, self.max_top_k, self.has_penalty, self.ban_stop,
         )
 
 

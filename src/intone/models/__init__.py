@@ -55,7 +55,8 @@ def resolve_model_dir(spec: str) -> Path:
     return target
 
 
-def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None) -> TTSModel:
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
+               codec_dtype: torch.dtype = torch.float32) -> TTSModel:
     model_dir = resolve_model_dir(spec)
     config = model_dir / "config.json"
     try:
@@ -66,4 +67,5 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None)
         raise ModelLoadError(f"{config}: not valid JSON ({e})") from None
     if model_type not in FAMILIES_BY_MODEL_TYPE:
         raise ModelLoadError(f"{config}: unsupported model_type {model_type!r}")
-    return _import(FAMILIES_BY_MODEL_TYPE[model_type]).load(model_dir, device=device, dtype=dtype)
+    family = _import(FAMILIES_BY_MODEL_TYPE[model_type])
+    return family.load(model_dir, device=device, dtype=dtype, codec_dtype=codec_dtype)

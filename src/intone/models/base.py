@@ -26,6 +26,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 2048
     seed: int | None = None
+    ignore_eos: bool = False  # never sample the stop token: exactly max_new_tokens frames (benchmarks)
 
     def validate(self) -> "SamplingParams":
         from intone.errors import InvalidRequestError
@@ -107,5 +108,8 @@ class TTSModel(abc.ABC):
     def step(self, batch: StepBatch, kv: KVCache) -> StepOutput: ...
 
     @abc.abstractmethod
-    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
-        """codes [B, K, T] -> audio [B, T * samples_per_frame]."""
+    def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
+        """codes [B, K, T] -> audio [B, T * samples_per_frame].
+
+        position_offset: absolute frame index of the first code, for the batch or per row [B].
+        """

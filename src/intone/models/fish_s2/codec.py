@@ -163,7 +163,7 @@ class Quantizer(nn.Module):
         _, residual_codes = self.quantizer.quantize(z - semantic_z)
         return torch.cat([semantic_codes, residual_codes], dim=1)
 
-    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+    def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         # The LM samples residual codes over 4096 values; the codec clamps them (official behaviour).
         semantic = codes[:, :1].clamp(max=self.semantic_quantizer.codebook_size - 1)
         residual = codes[:, 1:].clamp(max=self.quantizer.codebook_size - 1)
@@ -188,10 +188,11 @@ class FishCodec(nn.Module):
         return self.cfg.hop_length
 
     @torch.inference_mode()
-    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+    def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         """codes [B, K, T] (int) -> audio [B, T * hop] (float, in [-1, 1]).
 
-        position_offset: absolute frame index of codes[..., 0] (see WindowTransformer).
+        position_offset: absolute frame index of codes[..., 0], for the batch or per row [B]
+        (see WindowTransformer).
         """
         z = self.quantizer.decode(codes.long(), position_offset)
         return self.decoder(z.to(self.dtype)).squeeze(1)

@@ -134,11 +134,16 @@ class WindowTransformer(nn.Module):
         self.layers = nn.ModuleList(CodecBlock(dim, ffn or 3 * dim) for _ in range(n_layer))
         self.norm = RMSNorm(dim, CODEC_NORM_EPS)
 
-    def forward(self, x: Tensor, position_offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, position_offset: int | Tensor = 0) -> Tensor:
+        """position_offset: one int for the batch, or a [B] tensor (one window per row)."""
         length = x.shape[-1]
         pos = torch.arange(length, device=x.device)
         mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
-        rope = rope_table(pos + position_offset, CODEC_HEAD_DIM, CODEC_ROPE_BASE)
+        if isinstance(position_offset, Tensor):
+            positions = position_offset.to(x.device).view(-1, 1) + pos  # [B, T]
+        else:
+            positions = pos + position_offset
+        rope = rope_table(positions, CODEC_HEAD_DIM, CODEC_ROPE_BASE)
         h = x.transpose(1, 2)
         for layer in self.layers:
             h = layer(h, rope, mask)

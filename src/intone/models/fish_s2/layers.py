@@ -33,7 +33,7 @@ class SwiGLU(nn.Module):
 
 
 def rope_table(positions: int | Tensor, head_dim: int, base: float) -> Tensor:
-    """cos/sin per (position, pair) as [P, head_dim/2, 2], for positions 0..P-1 or the given ones.
+    """cos/sin per (position, pair) as [..., P, head_dim/2, 2], for positions 0..P-1 or the given ones.
 
     The values are rounded to bf16 even for fp32 models, as the official code does; the
     rounded values are kept in fp32 so the rotation itself runs in fp32. Skipping the
@@ -43,7 +43,7 @@ def rope_table(positions: int | Tensor, head_dim: int, base: float) -> Tensor:
         positions = torch.arange(positions)
     exponents = torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim
     inv_freq = 1.0 / (base**exponents)
-    angles = torch.outer(positions.float(), inv_freq)
+    angles = positions.float().unsqueeze(-1) * inv_freq  # == torch.outer for 1-D positions
     # polar, not cos/sin: their fp32 results can differ by an ulp, which can flip a bf16 rounding.
     cis = torch.polar(torch.ones_like(angles), angles)
     table = torch.stack([cis.real, cis.imag], dim=-1)
@@ -53,7 +53,7 @@ def rope_table(positions: int | Tensor, head_dim: int, base: float) -> Tensor:
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]) — GPT-J style, not NeoX halves.
 
-    x: [..., T, H, D]; table: [T, D/2, 2] (already gathered at x's positions).
+    x: [..., T, H, D]; table: [..., T, D/2, 2] (already gathered at x's positions).
     """
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
     cos = table[..., 0].unsqueeze(-2)  # [T, 1, D/2]

@@ -143,6 +143,9 @@ class FishS2(TTSModel):
             (pen_window >= begin) & (pen_window <= self.tokenizer.semantic_end), pen_window - begin, -1
         )
         logits = apply_repetition_penalty(logits, pen_idx, params)
+        if params.ban_stop is not None:
+            stop_col = logits[:, self.cfg.codebook_size]
+            logits[:, self.cfg.codebook_size] = torch.where(params.ban_stop, float("-inf"), stop_col)
         normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC))
         fallback = self._to_token_ids(
             sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS)
@@ -170,7 +173,7 @@ class FishS2(TTSModel):
 
     # ---- codec ------------------------------------------------------------------------------
 
-    def decode(self, codes: Tensor, position_offset: int = 0) -> Tensor:
+    def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         return self.codec.decode(codes.to(self.device), position_offset).float()
 
 

@@ -1,0 +1,135 @@
+"""Which frames go to the codec, and when (design invariant 1).
+
+Each request keeps an absolute frontier `emitted`: frames [0, emitted) have been released.
+A chunk is always the next contiguous span [emitted, end) plus up to `left_context` frames
+before it as codec context only. The chunk-size policy (initial chunk, steady size, backlog
+size under load) only decides *when* a chunk is due and how long it may be; it never decides
+which frames it holds, so switching sizes can neither skip nor repeat a frame. Finishing
+flushes the whole pending tail, and the terminal chunk is produced exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class ChunkPolicy:
+    initial_chunk_frames: int = 0  # 0: no special first chunk
+    steady_chunk_frames: int = 25
+    backlog_chunk_frames: int = 0  # 0 or <= steady: no backlog mode
+    backlog_load_threshold: float = 0.75
+    backlog_min_ready: int = 2
+    left_context_frames: int = 25
+
+    def __post_init__(self):
+        if self.steady_chunk_frames < 1:
+            raise ValueError("steady_chunk_frames must be >= 1")
+        if self.initial_chunk_frames < 0 or self.left_context_frames < 0 or self.backlog_chunk_frames < 0:
+            raise ValueError("chunk sizes and context must be >= 0")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: str
+    start: int  # first new frame
+    end: int  # one past the last new frame
+    context: int  # frames before `start` given to the codec as context only
+    finished: bool  # the terminal chunk of the request (may hold no frames)
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.start - self.context, self.end
+
+
+@dataclass
+class _Frontier:
+    initial: int  # this request's first-chunk size (0: none)
+    emitted: int = 0
+    terminated: bool = False
+
+
+class ChunkPlanner:
+    """Frontiers of all live requests. `plan()` is called once per engine step."""
+
+    def __init__(self, policy: ChunkPolicy, capacity: int):
+        self.policy = policy
+        self.capacity = capacity
+        self._frontiers: dict[str, _Frontier] = {}
+        self.backlog_active = False  # the mode chosen at the last plan(), for tracing
+
+    def add(self, request_id: str, initial_chunk_frames: int | None = None) -> None:
+        """initial_chunk_frames overrides the policy's for this request (capped at the steady size)."""
+        initial = self.policy.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
+        initial = max(0, min(initial, self.policy.steady_chunk_frames))
+        self._frontiers.setdefault(request_id, _Frontier(initial))
+
+    def remove(self, request_id: str) -> None:
+        """Cancel: forget the request; it gets no more chunks. Idempotent."""
+        self._frontiers.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._frontiers
+
+    def __len__(self) -> int:
+        return len(self._frontiers)
+
+    def emitted(self, request_id: str) -> int:
+        return self._frontiers[request_id].emitted
+
+    def steady_size(self, pending: dict[str, int]) -> int:
+        """Backlog size when enough requests wait with enough frames; re-decided every step."""
+        p = self.policy
+        if p.backlog_chunk_frames <= p.steady_chunk_frames:
+            self.backlog_active = False
+            return p.steady_chunk_frames
+        waiting = sum(1 for n in pending.values() if n > 0)
+        ready = sum(1 for n in pending.values() if n >= p.steady_chunk_frames)
+        load = waiting / max(self.capacity, 1)
+        self.backlog_active = load >= p.backlog_load_threshold and ready >= p.backlog_min_ready
+        return p.backlog_chunk_frames if self.backlog_active else p.steady_chunk_frames
+
+    def plan(self, frames: dict[str, int], finished: Sequence[str] = ()) -> list[Chunk]:
+        """frames: frames generated so far per live request; finished: requests that stopped.
+
+        Returns the chunks due now, at most one per request. A finished request gets its whole
+        pending tail as one terminal chunk (possibly empty), once; repeated finish calls for it
+        return nothing more.
+        """
+        done = set(finished)
+        pending = {rid: frames[rid] - f.emitted for rid, f in self._frontiers.items() if rid in frames}
+        steady = self.steady_size(pending)
+        chunks = []
+        for rid, front in self._frontiers.items():
+            if front.terminated or rid not in frames:
+                continue
+            n = frames[rid]
+            if n < front.emitted:
+                raise ValueError(f"{rid}: frame count went backwards ({n} < {front.emitted})")
+            if rid in done:
+                end, final = n, True
+            else:
+                target = front.initial if front.emitted == 0 and front.initial > 0 else steady
+                if n - front.emitted < target:
+                    continue
+                end, final = front.emitted + target, False
+            # The first chunk never takes context: there is nothing before it.
+            context = min(front.emitted, self.policy.left_context_frames)
+            chunks.append(Chunk(rid, front.emitted, end, context, final))
+            front.emitted = end
+            front.terminated = final
+        return chunks
+
+
+def take_window(frames, chunk: Chunk):
+    """The codes of a chunk's window, from frames held as a [K, n] tensor or a list of [K] frames."""
+    lo, hi = chunk.window
+    if hasattr(frames, "shape"):
+        return frames[:, lo:hi]
+    import torch
+
+    window = frames[lo:hi]
+    if not window:
+        return torch.zeros(0, 0, dtype=torch.long)
+    return torch.stack([torch.as_tensor(f) for f in window], dim=1)

@@ -1,0 +1,162 @@
+"""The in-process API: `Engine` starts an engine-core process and streams its audio chunks.
+
+    engine = await Engine.from_profile("fish-s2-high-concurrency", model="tiny:fish-s2")
+    async for chunk in engine.generate(SynthesisRequest("id-1", "Hello")):
+        ...
+    await engine.shutdown()
+
+Leaving the `async for` early (break, exception, task cancellation) aborts the request, so
+its KV blocks and state are freed in the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from intone.engine.config import Profile, load_profile
+from intone.engine.request import AudioChunk, SynthesisRequest
+from intone.errors import IntoneError
+
+STARTUP_TIMEOUT_S = 600
+
+
+class EngineDead(IntoneError):
+    pass
+
+
+class Engine:
+    def __init__(self, process, ctx, push, pull, info: dict, tmpdir: tempfile.TemporaryDirectory):
+        self._process, self._ctx, self._push, self._pull = process, ctx, push, pull
+        self.info = info
+        self._tmpdir = tmpdir
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats_waiters: list[asyncio.Future] = []
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.dead: str | None = None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.info["sample_rate"]
+
+    @classmethod
+    async def from_profile(cls, profile: Profile | str | None = None, model: str = "tiny:fish-s2",
+                           trace_frames: str | None = None, **overrides) -> "Engine":
+        if not isinstance(profile, Profile):
+            profile = load_profile(profile, **overrides)
+        tmpdir = tempfile.TemporaryDirectory(prefix="intone-")
+        inbox = f"ipc://{Path(tmpdir.name) / 'in'}"
+        outbox = f"ipc://{Path(tmpdir.name) / 'out'}"
+        ctx = zmq.asyncio.Context()
+        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        push.bind(inbox)
+        pull.bind(outbox)
+        cmd = [sys.executable, "-m", "intone.engine.process", "--model", model,
+               "--profile-json", json.dumps(profile.model_dump()), "--inbox", inbox, "--outbox", outbox]
+        if trace_frames:
+            cmd += ["--trace-frames", str(trace_frames)]
+        process = subprocess.Popen(cmd)
+        try:
+            kind, payload = await asyncio.wait_for(_recv(pull, process), STARTUP_TIMEOUT_S)
+        except BaseException:
+            process.kill()
+            raise
+        if kind != "ready":
+            process.wait(5)
+            raise EngineDead(f"engine core failed to start:\n{payload}")
+        return cls(process, ctx, push, pull, payload, tmpdir)
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                kind, payload = await _recv(self._pull, self._process)
+                if kind == "fatal":
+                    raise EngineDead(payload)
+                if kind == "stats":
+                    if self._stats_waiters:
+                        self._stats_waiters.pop(0).set_result(payload)
+                    continue
+                for chunk in payload:
+                    queue = self._queues.get(chunk.request_id)
+                    if queue is not None:
+                        queue.put_nowait(chunk)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the core is gone: every waiting stream ends with an error
+            self.dead = str(e) or type(e).__name__
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+            for waiter in self._stats_waiters:
+                waiter.set_exception(EngineDead(self.dead))
+
+    async def generate(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        if self.dead:
+            raise EngineDead(f"engine core is dead: {self.dead}")
+        rid = request.request_id
+        if rid in self._queues:
+            raise IntoneError(f"request id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            self._post(("add", request))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise EngineDead(f"engine core died: {item}")
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(rid, None)
+            if not finished and not self.dead:
+                self._post(("abort", rid))  # no await: this may run while the generator closes
+
+    def _post(self, msg: tuple) -> None:
+        self._push.send(pickle.dumps(msg))
+
+    async def stats(self) -> dict:
+        """The core's counters and occupancy (see EngineCore.snapshot)."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        self._post(("stats",))
+        return await waiter
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    async def shutdown(self, timeout: float = 30) -> None:
+        """Abort what is in flight, stop the core process, release the sockets."""
+        if self._process.poll() is None:
+            self._post(("shutdown",))
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, self._process.wait, timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        self._reader.cancel()
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+        self._tmpdir.cleanup()
+
+
+async def _recv(sock: zmq.asyncio.Socket, process) -> tuple:
+    """Next message; notices a core that died without a word."""
+    while True:
+        if await sock.poll(1000):
+            return pickle.loads(await sock.recv())
+        if process.poll() is not None:
+            raise EngineDead(f"engine core exited with code {process.returncode}")
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

@@ -1,0 +1,71 @@
+"""The codec stage: decode many requests' windows together, then trim each to its new frames.
+
+Windows are sorted by length and grouped so that a group holds at most `max_batch` windows
+and `max_batch * longest <= max_padded_frames` (at least one window per group). Shorter
+windows are right-padded with code 0: the codec is causal, so padding after a window cannot
+change its samples, and each row is decoded at its own absolute frame positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from intone.models.base import TTSModel
+
+
+@dataclass
+class CodecJob:
+    codes: Tensor  # [K, context + new] window codes
+    context: int  # leading frames that are context only
+    first_frame: int  # absolute index of codes[:, 0]
+
+    @property
+    def length(self) -> int:
+        return self.codes.shape[1]
+
+
+def group_jobs(lengths: list[int], max_batch: int, max_padded_frames: int) -> list[list[int]]:
+    """Indices of jobs per decode call, by ascending length."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        # Sorted ascending, so this job is the longest of the group if it joins.
+        if group and len(group) < max_batch and (len(group) + 1) * lengths[i] <= max_padded_frames:
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class CodecStage:
+    def __init__(self, model: TTSModel, max_batch: int, max_padded_frames: int):
+        self.model = model
+        self.max_batch = max_batch
+        self.max_padded_frames = max_padded_frames
+        self.calls = 0  # decode calls made, for tests and metrics
+
+    def decode(self, jobs: list[CodecJob]) -> list[np.ndarray]:
+        """Audio of each job's new frames (float32), in the order of `jobs`."""
+        spf = self.model.samples_per_frame
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(jobs)
+        live = [i for i, j in enumerate(jobs) if j.length > j.context]
+        lengths = [jobs[i].length for i in live]
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+            idx = [live[g] for g in group]
+            longest = max(jobs[i].length for i in idx)
+            codes = torch.zeros(len(idx), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long,
+                                device=self.model.device)
+            for row, i in enumerate(idx):
+                codes[row, :, : jobs[i].length] = jobs[i].codes
+            offsets = torch.tensor([jobs[i].first_frame for i in idx], device=self.model.device)
+            audio = self.model.decode(codes, offsets).cpu().numpy()
+            self.calls += 1
+            for row, i in enumerate(idx):
+                job = jobs[i]
+                out[i] = np.ascontiguousarray(audio[row, job.context * spf : job.length * spf], dtype=np.float32)
+        return out

@@ -1,0 +1,108 @@
+"""Deploy profiles: every engine knob in one validated YAML file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from intone.engine.chunk_planner import ChunkPolicy
+from intone.errors import IntoneError
+
+PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
+
+
+class ProfileError(IntoneError):
+    """A profile file is missing, not YAML, or has an invalid value (named with its path)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ARConfig(_Strict):
+    max_num_seqs: int = Field(64, ge=1, description="running requests in the AR stage")
+    max_waiting: int = Field(1024, ge=0, description="queued requests beyond which new ones are refused")
+    max_num_batched_tokens: int = Field(16384, ge=1, description="tokens in one step (prefills + decodes)")
+    block_size: int = Field(16, ge=1)
+    kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+
+
+class CodecStageConfig(_Strict):
+    max_batch: int = Field(64, ge=1, description="windows decoded together")
+    max_padded_frames: int = Field(256, ge=1, description="batch x longest window, per decode call")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+
+
+class ChunkingConfig(_Strict):
+    initial_chunk_frames: int = Field(4, ge=0)
+    steady_chunk_frames: int = Field(25, ge=1)
+    backlog_chunk_frames: int = Field(0, ge=0)
+    backlog_load_threshold: float = Field(0.75, gt=0, le=1)
+    backlog_min_ready: int | None = Field(None, ge=1, description="default: max(2, 3/4 of capacity)")
+    left_context_frames: int = Field(25, ge=0)
+
+    def policy(self, capacity: int) -> ChunkPolicy:
+        min_ready = self.backlog_min_ready or max(2, min(capacity, int(0.75 * capacity)))
+        return ChunkPolicy(
+            initial_chunk_frames=self.initial_chunk_frames, steady_chunk_frames=self.steady_chunk_frames,
+            backlog_chunk_frames=self.backlog_chunk_frames, backlog_load_threshold=self.backlog_load_threshold,
+            backlog_min_ready=min_ready, left_context_frames=self.left_context_frames,
+        )
+
+
+class SamplingDefaults(_Strict):
+    temperature: float = Field(0.8, ge=0, le=2)
+    top_p: float = Field(0.8, gt=0, le=1)
+    top_k: int = Field(30, ge=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    max_new_tokens: int = Field(2048, ge=1)
+
+
+class Profile(_Strict):
+    name: str = "default"
+    device: str = "auto"
+    ar: ARConfig = ARConfig()
+    codec: CodecStageConfig = CodecStageConfig()
+    chunking: ChunkingConfig = ChunkingConfig()
+    sampling: SamplingDefaults = SamplingDefaults()
+
+    @model_validator(mode="after")
+    def _initial_not_above_steady(self):
+        c = self.chunking
+        if c.initial_chunk_frames > c.steady_chunk_frames:
+            raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
+        return self
+
+
+def load_profile(source: str | Path | None, **overrides) -> Profile:
+    """A profile from a path or a name under profiles/, with dotted overrides like ar.max_num_seqs=8."""
+    data: dict = {}
+    if source:
+        path = Path(source)
+        if not path.exists() and (PROFILE_DIR / f"{source}.yaml").exists():
+            path = PROFILE_DIR / f"{source}.yaml"
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise ProfileError(f"{path}: profile not found") from None
+        except yaml.YAMLError as e:
+            raise ProfileError(f"{path}: not valid YAML ({e})") from None
+        if not isinstance(data, dict):
+            raise ProfileError(f"{path}: a profile is a mapping of sections")
+        data.setdefault("name", path.stem)
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "profile"
+        raise ProfileError(f"{source or 'profile'}: {where}: {first['msg']}") from None

@@ -1,0 +1,232 @@
+"""The engine core: one loop per device that steps the AR model, plans chunks and runs the codec.
+
+`EngineCore` is synchronous and single-threaded; `engine.process` runs it in its own process
+and `engine.client.Engine` talks to it by messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from intone.engine.chunk_planner import Chunk, ChunkPlanner
+from intone.engine.codec_stage import CodecJob, CodecStage
+from intone.engine.config import Profile
+from intone.engine.kv_cache import BlockManager, KVCache
+from intone.engine.model_runner import ModelRunner, StepInput
+from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
+from intone.engine.scheduler import QueueFull, Scheduler
+from intone.engine.trace import FrameTracer
+from intone.errors import IntoneError
+from intone.models.base import SamplingParams, TTSModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
+CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    frames: int = 0
+    backlog_steps: int = 0
+    chunk_sizes: Counter = field(default_factory=Counter)
+    finished: Counter = field(default_factory=Counter)  # by stop reason
+
+
+class EngineCore:
+    def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None):
+        self.model, self.profile, self.tracer = model, profile, tracer
+        ar = profile.ar
+        kv_tokens = ar.kv_cache_tokens or self._default_kv_tokens()
+        num_blocks = max(1, kv_tokens // ar.block_size)
+        self.blocks = BlockManager(num_blocks, ar.block_size)
+        self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
+        self.runner = ModelRunner(model, self.kv, self.blocks)
+        self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
+        self.policy = profile.chunking.policy(ar.max_num_seqs)
+        self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
+        self.codec = CodecStage(model, profile.codec.max_batch, profile.codec.max_padded_frames)
+        self.requests: dict[str, EngineRequest] = {}
+        self._outbox: list[AudioChunk] = []
+        self.stats = EngineStats()
+
+    def _default_kv_tokens(self) -> int:
+        seats = self.profile.ar.max_num_seqs
+        if self.model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            per_token = self.model.kv_layout.bytes_per_token(self.model.dtype)
+            return int(free * CUDA_KV_MEMORY_FRACTION) // per_token
+        return seats * min(self.model.max_seq_len, DEFAULT_CPU_KV_TOKENS_PER_SEAT)
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: SynthesisRequest) -> None:
+        """Queue a request; a bad one is answered at once with an error chunk and harms nothing."""
+        rid = request.request_id
+        try:
+            if rid in self.requests:
+                raise IntoneError(f"request id {rid!r} is already in use")
+            prompt = self.model.build_prompt(request.text, request.references)
+            params = resolve_params(request.params, len(prompt), self.model.max_seq_len)
+            req = EngineRequest(rid, prompt, params, request.initial_chunk_frames)
+            if len(prompt) > self.scheduler.max_num_batched_tokens:
+                raise IntoneError(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens")
+            if not self.scheduler.fits_ever(req):
+                raise IntoneError(f"request needs {req.kv_tokens_needed} tokens of KV cache, "
+                                  f"more than the cache holds ({self.kv.num_blocks * self.kv.block_size})")
+            self.scheduler.add(req)
+        except (IntoneError, QueueFull, ValueError) as e:
+            self._outbox.append(self._terminal(rid, 0, "error", error=str(e)))
+            return
+        req.allocate_codes(self.model.num_codebooks, self.model.device)
+        self.requests[rid] = req
+        self.planner.add(rid, request.initial_chunk_frames)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel: free everything; the client gets one terminal chunk unless it already had one."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        emitted = self.planner.emitted(request_id) if request_id in self.planner else 0
+        self._release(req, "abort")
+        self._send(self._terminal(request_id, emitted, "abort", req=req))
+
+    def snapshot(self) -> dict:
+        """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
+        return dict(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            live_requests=len(self.requests), planner_requests=len(self.planner),
+            kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
+            kv_tables=len(self.blocks.owners()), steps=self.stats.steps, frames=self.stats.frames,
+            mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
+            backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
+            finished=dict(self.stats.finished), codec_calls=self.codec.calls,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self.requests) or bool(self._outbox)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[AudioChunk]:
+        batch = self.scheduler.schedule()
+        finished: list[str] = []
+        if batch:
+            start = time.perf_counter()
+            try:
+                self._run_ar(batch, finished)
+            except Exception as e:  # a failed step fails its batch, never the engine
+                log.exception("model step failed")
+                for req in batch:
+                    self._fail(req, f"model step failed: {e}")
+                batch = []
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - start
+        live = {rid: r.num_frames for rid, r in self.requests.items() if r.status is Status.RUNNING}
+        self._emit(self._plan(live, finished))
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _run_ar(self, batch: list[EngineRequest], finished: list[str]) -> None:
+        out = self.runner.run([
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.codes[:, r.num_frames - 1] if r.tokens else None)
+            for r in batch
+        ])
+        tokens, stopped = out.tokens.tolist(), out.stopped.tolist()
+        for i, req in enumerate(batch):
+            if stopped[i]:
+                req.stop_reason = "stop"
+            else:
+                req.append_frame(tokens[i], out.codes[i])
+                self.stats.frames += 1
+                if req.num_frames >= req.params.max_new_tokens:
+                    req.stop_reason = "length"
+            if req.stop_reason:
+                finished.append(req.request_id)
+
+    def _plan(self, live: dict[str, int], finished: list[str]) -> list[Chunk]:
+        chunks = self.planner.plan(live, finished)
+        if self.planner.backlog_active:
+            self.stats.backlog_steps += 1
+        return chunks
+
+    def _emit(self, chunks: list[Chunk]) -> None:
+        jobs = []
+        for c in chunks:
+            req = self.requests[c.request_id]
+            lo, hi = c.window
+            jobs.append(CodecJob(req.codes[:, lo:hi], c.context, lo))
+        audio = self.codec.decode(jobs) if jobs else []
+        for c, samples in zip(chunks, audio):
+            req = self.requests[c.request_id]
+            self.stats.chunk_sizes[c.end - c.start] += 1
+            self._send(AudioChunk(
+                request_id=c.request_id, seq=req.seq, start_frame=c.start, end_frame=c.end, audio=samples,
+                sample_rate=self.model.sample_rate, finished=c.finished,
+                stop_reason=req.stop_reason if c.finished else None,
+                prompt_tokens=len(req.prompt), completion_tokens=req.num_frames,
+            ), context=c.context)
+            req.seq += 1
+            if c.finished:
+                self._release(req, req.stop_reason)
+
+    # ---- endings --------------------------------------------------------------------------------
+
+    def _fail(self, req: EngineRequest, message: str) -> None:
+        emitted = self.planner.emitted(req.request_id) if req.request_id in self.planner else 0
+        self._release(req, "error")
+        self._send(self._terminal(req.request_id, emitted, "error", error=message, req=req))
+
+    def _release(self, req: EngineRequest, reason: str | None) -> None:
+        """The one cleanup for every exit path; idempotent."""
+        self.scheduler.remove(req)
+        self.planner.remove(req.request_id)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.stats.finished[reason or "unknown"] += 1
+        req.codes = None
+
+    def _terminal(self, rid: str, emitted: int, reason: str, error: str | None = None,
+                  req: EngineRequest | None = None) -> AudioChunk:
+        import numpy as np
+
+        return AudioChunk(
+            request_id=rid, seq=req.seq if req else 0, start_frame=emitted, end_frame=emitted,
+            audio=np.zeros(0, dtype=np.float32), sample_rate=self.model.sample_rate, finished=True,
+            stop_reason=reason, error=error, prompt_tokens=len(req.prompt) if req else 0,
+            completion_tokens=req.num_frames if req else 0,
+        )
+
+    def _send(self, chunk: AudioChunk, context: int = 0) -> None:
+        if self.tracer is not None:
+            self.tracer.record(chunk.request_id, chunk.start_frame, chunk.end_frame, context, chunk.finished,
+                               stop_reason=chunk.stop_reason, backlog=self.planner.backlog_active)
+        self._outbox.append(chunk)
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, model_spec: str, profile: Profile, trace_frames: str | None = None) -> "EngineCore":
+        from intone.models import load_model
+
+        device = profile.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = None if profile.ar.dtype == "auto" else getattr(torch, profile.ar.dtype)
+        codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
+        model = load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
+        return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None)
+
+
+def default_params(profile: Profile, **overrides) -> SamplingParams:
+    s = profile.sampling
+    values = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                  repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)

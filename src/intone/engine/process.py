@@ -1,0 +1,95 @@
+"""The engine core's own process: a loop over ZeroMQ messages and engine steps.
+
+In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("shutdown",)
+Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output,
+     ("stats", dict) per stats request, ("fatal", message) if the loop dies.
+Messages are pickled; nothing else is shared with the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pickle
+import sys
+import traceback
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+POLL_IDLE_MS = 100
+
+
+def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_frames: str | None) -> None:
+    """Process entry point (spawned): build the core, answer 'ready', loop until 'shutdown'."""
+    from intone.engine.config import Profile
+    from intone.engine.core import EngineCore
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(inbox)
+    push.connect(outbox)
+    push.setsockopt(zmq.LINGER, 2000)
+    try:
+        core = EngineCore.build(model_spec, Profile.model_validate(profile_data), trace_frames)
+        m = core.model
+        push.send(pickle.dumps(("ready", dict(
+            model=model_spec, name=m.name, sample_rate=m.sample_rate, samples_per_frame=m.samples_per_frame,
+            device=str(m.device), capacity=core.profile.ar.max_num_seqs, profile=core.profile.name,
+        ))))
+        _loop(core, pull, push)
+    except Exception:
+        push.send(pickle.dumps(("fatal", traceback.format_exc())))
+        raise
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+
+
+def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
+    while True:
+        timeout = 0 if core.has_work() else POLL_IDLE_MS
+        while poller.poll(timeout):
+            msg = pickle.loads(pull.recv())
+            if msg[0] == "add":
+                core.add_request(msg[1])
+            elif msg[0] == "abort":
+                core.abort(msg[1])
+            elif msg[0] == "stats":
+                push.send(pickle.dumps(("stats", core.snapshot())))
+            elif msg[0] == "shutdown":
+                for rid in list(core.requests):
+                    core.abort(rid)
+                push.send(pickle.dumps(("chunks", core.step())))
+                if core.tracer:
+                    core.tracer.close()
+                return
+            timeout = 0
+        if core.has_work():
+            chunks = core.step()
+            if chunks:
+                push.send(pickle.dumps(("chunks", chunks)))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m intone.engine.process")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--profile-json", required=True)
+    ap.add_argument("--inbox", required=True)
+    ap.add_argument("--outbox", required=True)
+    ap.add_argument("--trace-frames", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    try:
+        serve(args.model, json.loads(args.profile_json), args.inbox, args.outbox, args.trace_frames)
+    except Exception:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""What a client submits, what it gets back, and the engine's own per-request state."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import secrets
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from intone.errors import InvalidRequestError
+from intone.models.base import Prompt, SamplingParams, VoiceReference
+
+
+def resolve_params(params: SamplingParams, prompt_len: int, max_seq_len: int) -> SamplingParams:
+    """Validated params with a seed drawn if none was given and max_new_tokens cut to the model's length."""
+    params = params.validate()
+    budget = max_seq_len - prompt_len
+    if budget < 1:
+        raise InvalidRequestError("input", f"prompt is {prompt_len} tokens; the model allows {max_seq_len} in all")
+    seed = secrets.randbits(63) if params.seed is None else params.seed
+    return dataclasses.replace(params, seed=seed, max_new_tokens=min(params.max_new_tokens, budget))
+
+
+@dataclass
+class SynthesisRequest:
+    """A client's request. Picklable: it crosses the process boundary as is."""
+
+    request_id: str
+    text: str
+    references: list[VoiceReference] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    initial_chunk_frames: int | None = None  # per-request override of the profile's first chunk
+
+
+@dataclass
+class AudioChunk:
+    """The engine's answer, in order per request: audio for frames [start_frame, end_frame)."""
+
+    request_id: str
+    seq: int
+    start_frame: int
+    end_frame: int
+    audio: np.ndarray  # float32 mono, (end_frame - start_frame) * samples_per_frame samples
+    sample_rate: int
+    finished: bool = False
+    stop_reason: str | None = None  # on the terminal chunk: stop, length, abort or error
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class EngineRequest:
+    """All state of one request, owned here and dropped by EngineCore._release (invariant 4)."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams  # seed resolved, max_new_tokens clamped to the model's length
+    initial_chunk_frames: int | None = None
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)  # main token of each frame
+    codes: Tensor | None = None  # [K, max_new_tokens] on the model device; frames [0, n) are valid
+    stop_reason: str | None = None
+    seq: int = 0  # chunks sent so far
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def kv_tokens_needed(self) -> int:
+        return len(self.prompt) + self.params.max_new_tokens
+
+    def append_frame(self, token: int, frame: Tensor) -> None:
+        self.codes[:, len(self.tokens)] = frame
+        self.tokens.append(token)
+
+    def allocate_codes(self, num_codebooks: int, device) -> None:
+        self.codes = torch.zeros(num_codebooks, self.params.max_new_tokens, dtype=torch.long, device=device)

@@ -1,0 +1,77 @@
+"""Admission and batching: which requests take part in the next step.
+
+Admission is first come, first served, bounded by the AR capacity (`max_num_seqs`), the
+tokens one step may carry, and the KV cache. A request is admitted only when the cache can
+hold its prompt plus all the frames it may generate, counting what running requests may
+still claim; so a running request never runs out of blocks and nothing is ever preempted.
+Every step runs the new requests' prefills and all running decodes together.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from intone.engine.kv_cache import BlockManager
+from intone.engine.request import EngineRequest, Status
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_waiting: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.blocks.block_size)
+
+    def fits_ever(self, req: EngineRequest) -> bool:
+        """Could this request run if it were alone?"""
+        return self._blocks_for(req.kv_tokens_needed) <= self.blocks.num_free + sum(
+            self.blocks.num_blocks_of(r.request_id) for r in self.running
+        )
+
+    def add(self, req: EngineRequest) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: EngineRequest) -> None:
+        """Take the request out of whichever queue holds it and free its blocks. Idempotent."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free(req.request_id)
+        req.status = Status.FINISHED
+
+    def _unclaimed_blocks(self) -> int:
+        """Free blocks less what running requests may still need to reach their maximum."""
+        owed = sum(self._blocks_for(r.kv_tokens_needed) - self.blocks.num_blocks_of(r.request_id) for r in self.running)
+        return self.blocks.num_free - owed
+
+    def schedule(self) -> list[EngineRequest]:
+        """Admit what fits, then return this step's batch: new prefills first, then decodes."""
+        budget = self.max_num_batched_tokens - len(self.running)
+        spare = self._unclaimed_blocks()
+        admitted = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = self._blocks_for(req.kv_tokens_needed)
+            if need > spare or len(req.prompt) > budget:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            admitted.append(req)
+            spare -= need
+            budget -= len(req.prompt)
+        decodes = list(self.running)
+        self.running.extend(admitted)
+        return admitted + decodes

@@ -1,0 +1,63 @@
+"""Frame tracing (one JSON line per chunk sent) and the audit that checks a trace."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterable
+
+
+class FrameTracer:
+    def __init__(self, path: str | Path):
+        self._file: IO[str] = open(path, "a", buffering=1)
+
+    def record(self, request_id: str, start: int, end: int, context: int, finished: bool, **extra) -> None:
+        row = dict(request_id=request_id, start=start, end=end, context=context, finished=finished, **extra)
+        self._file.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class RequestAudit:
+    request_id: str
+    frames: int = 0  # frames the request released in all (end of its terminal chunk)
+    missing: list[int] = field(default_factory=list)
+    repeated: list[int] = field(default_factory=list)
+    out_of_order: int = 0
+    terminals: int = 0
+
+    @property
+    def exact(self) -> bool:
+        return not self.missing and not self.repeated and not self.out_of_order and self.terminals == 1
+
+
+def audit(rows: Iterable[dict]) -> dict[str, RequestAudit]:
+    spans: dict[str, list[tuple[int, int, bool]]] = defaultdict(list)
+    for row in rows:
+        spans[row["request_id"]].append((row["start"], row["end"], bool(row["finished"])))
+    report = {}
+    for rid, chunks in spans.items():
+        a = RequestAudit(rid, terminals=sum(f for _, _, f in chunks))
+        terminal_ends = [e for _, e, f in chunks if f]
+        a.frames = max(terminal_ends) if terminal_ends else max(e for _, e, _ in chunks)
+        seen: dict[int, int] = defaultdict(int)
+        cursor = 0
+        for start, end, _ in chunks:
+            if start != cursor:
+                a.out_of_order += 1
+            cursor = end
+            for f in range(start, end):
+                seen[f] += 1
+        a.missing = [f for f in range(a.frames) if seen[f] == 0]
+        a.repeated = sorted(f for f, n in seen.items() if n > 1)
+        report[rid] = a
+    return report
+
+
+def audit_file(path: str | Path) -> dict[str, RequestAudit]:
+    with open(path) as f:
+        return audit(json.loads(line) for line in f if line.strip())

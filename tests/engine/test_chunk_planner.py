@@ -1,0 +1,139 @@
+"""The chunk planner: every frame exactly once, in order, whatever the policy does when."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from intone.engine.chunk_planner import Chunk, ChunkPlanner, ChunkPolicy, take_window
+
+K = 3
+
+
+class ScriptedPlanner(ChunkPlanner):
+    """A planner whose steady size follows a script (steady, falling, rising, oscillating, random)."""
+
+    def __init__(self, policy, capacity, sizes):
+        super().__init__(policy, capacity)
+        self.sizes, self.calls = sizes, 0
+
+    def steady_size(self, pending):
+        size = self.sizes[self.calls % len(self.sizes)]
+        self.calls += 1
+        return size
+
+
+PATTERNS = {
+    "steady": [25], "falling": [50, 50, 50, 25], "rising": [25, 25, 50], "oscillating": [25, 50],
+}
+patterns = st.one_of(st.sampled_from(list(PATTERNS.values())), st.lists(st.sampled_from([1, 2, 7, 25, 50]), min_size=1, max_size=8))
+
+
+def check_exact(chunks: list[Chunk], totals: dict[str, int], payloads=None):
+    for rid, n in totals.items():
+        mine = [c for c in chunks if c.request_id == rid]
+        covered = [f for c in mine for f in range(c.start, c.end)]
+        assert covered == list(range(n)), f"{rid}: frames {covered} != 0..{n - 1}"
+        assert sum(c.finished for c in mine) == 1 and mine[-1].finished
+        for c in mine:
+            assert 0 <= c.context <= c.start
+        if payloads is not None:
+            got = torch.cat([payloads[id(c)][:, c.context:] for c in mine], dim=1) if n else torch.zeros(K, 0)
+            assert torch.equal(got, frames_of(rid, n)[:, :n]) if n else got.numel() == 0
+
+
+def frames_of(rid: str, n: int) -> torch.Tensor:
+    base = int(rid[1:]) * 1000
+    return (torch.arange(n) + base).repeat(K, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=patterns,
+    initial=st.sampled_from([0, 1, 4, 7]),
+    as_list=st.booleans(),
+    lengths=st.lists(st.integers(0, 130), min_size=1, max_size=6),
+    finish_repeats=st.integers(1, 3),
+    data=st.data(),
+)
+def test_every_frame_exactly_once_in_order(sizes, initial, as_list, lengths, finish_repeats, data):
+    policy = ChunkPolicy(initial_chunk_frames=initial, steady_chunk_frames=25, backlog_chunk_frames=50,
+                         left_context_frames=25)
+    planner = ScriptedPlanner(policy, capacity=4, sizes=sizes)
+    rids = [f"r{i}" for i in range(len(lengths))]
+    for rid in rids:
+        planner.add(rid)
+    target = dict(zip(rids, lengths))
+    made = {rid: 0 for rid in rids}
+    done: set[str] = set()
+    chunks, payloads = [], {}
+    while len(done) < len(rids):
+        growing = [r for r in rids if r not in done and made[r] < target[r]]
+        for r in growing:  # frames arrive at random, some requests skip a step
+            if data.draw(st.booleans(), label="step"):
+                made[r] += 1
+        finishing = [r for r in rids if r not in done and made[r] == target[r]]
+        for _ in range(finish_repeats):  # the finish callback may fire more than once
+            for c in planner.plan(dict(made), finishing):
+                full = frames_of(c.request_id, made[c.request_id])
+                held = [full[:, i] for i in range(full.shape[1])] if as_list else full
+                payloads[id(c)] = take_window(held, c)
+                chunks.append(c)
+        done |= set(finishing)
+    check_exact(chunks, target, payloads)
+    for rid in rids:
+        planner.remove(rid)
+    assert len(planner) == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 80), min_size=1, max_size=5), data=st.data())
+def test_cancel_at_any_step_leaves_nothing(lengths, data):
+    planner = ChunkPlanner(ChunkPolicy(initial_chunk_frames=4), capacity=2)
+    rids = [f"r{i}" for i in range(len(lengths))]
+    for r in rids:
+        planner.add(r)
+    made = dict.fromkeys(rids, 0)
+    cancel_at = {r: data.draw(st.integers(0, n), label=r) for r, n in zip(rids, lengths)}
+    seen = {r: [] for r in rids}
+    live = set(rids)
+    while live:
+        for r in list(live):
+            if made[r] == cancel_at[r]:
+                planner.remove(r)
+                planner.remove(r)  # idempotent
+                live.discard(r)
+            else:
+                made[r] += 1
+        for c in planner.plan({r: made[r] for r in live}):
+            seen[c.request_id].extend(range(c.start, c.end))
+    assert len(planner) == 0
+    for r in rids:  # what was released before the cancel is a gap-free prefix
+        assert seen[r] == list(range(len(seen[r])))
+        assert len(seen[r]) <= cancel_at[r]
+
+
+def test_forty_frames_backlog_dropped_at_completion_flushes_the_tail():
+    policy = ChunkPolicy(initial_chunk_frames=4, steady_chunk_frames=25, backlog_chunk_frames=50, left_context_frames=25)
+    planner = ScriptedPlanner(policy, capacity=1, sizes=[50])  # backlog from the start
+    planner.add("r0")
+    chunks = []
+    for n in range(1, 41):
+        chunks += planner.plan({"r0": n})
+    chunks += planner.plan({"r0": 40}, ["r0"])
+    chunks += planner.plan({"r0": 40}, ["r0"])  # a repeated finish changes nothing
+    assert [(c.start, c.end, c.context, c.finished) for c in chunks] == [(0, 4, 0, False), (4, 40, 4, True)]
+
+
+def test_real_backlog_switch_depends_on_load():
+    policy = ChunkPolicy(steady_chunk_frames=2, backlog_chunk_frames=4, backlog_load_threshold=0.75,
+                         backlog_min_ready=2, left_context_frames=1)
+    planner = ChunkPlanner(policy, capacity=2)
+    for r in ("a", "b"):
+        planner.add(r)
+    assert planner.plan({"a": 2, "b": 2}) == []  # both ready, load 1.0: backlog size 4
+    assert planner.backlog_active
+    chunks = planner.plan({"a": 4, "b": 2})
+    assert [(c.request_id, c.start, c.end) for c in chunks] == [("a", 0, 4)]
+    chunks = planner.plan({"a": 4, "b": 3})  # only b pending: load 0.5, steady size 2
+    assert not planner.backlog_active
+    assert [(c.request_id, c.start, c.end, c.context) for c in chunks] == [("b", 0, 2, 0)]
