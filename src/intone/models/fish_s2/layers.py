@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
         normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
@@ -55,9 +55,10 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
 
     x: [..., T, H, D]; table: [..., T, D/2, 2] (already gathered at x's positions).
     """
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos = table[..., 0].unsqueeze(-2)  # [T, 1, D/2]
-    sin = table[..., 1].unsqueeze(-2)
+    compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 models
+    xs = x.to(compute).reshape(*x.shape[:-1], -1, 2)
+    cos = table[..., 0].unsqueeze(-2).to(compute)  # [T, 1, D/2]
+    sin = table[..., 1].unsqueeze(-2).to(compute)
     x0, x1 = xs[..., 0], xs[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
     return out.flatten(-2).type_as(x)

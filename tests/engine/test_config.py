@@ -1,0 +1,39 @@
+"""Deploy profiles: the shipped files load; bad values are refused with the field named."""
+
+import pytest
+
+from intone.engine.config import PROFILE_DIR, ProfileError, load_profile
+
+
+@pytest.mark.parametrize("path", sorted(PROFILE_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_profiles_load(path):
+    assert load_profile(str(path)).name == path.stem
+
+
+def test_high_concurrency_reference_values():
+    p = load_profile("fish-s2-high-concurrency")
+    assert (p.ar.max_num_seqs, p.codec.max_batch, p.codec.dtype) == (64, 64, "float16")
+    policy = p.chunking.policy(p.ar.max_num_seqs)
+    assert (policy.initial_chunk_frames, policy.steady_chunk_frames, policy.backlog_chunk_frames) == (4, 25, 50)
+    assert (policy.backlog_load_threshold, policy.left_context_frames, policy.backlog_min_ready) == (0.75, 25, 48)
+
+
+@pytest.mark.parametrize("text, field", [
+    ("ar: {max_num_seqs: 0}", "ar.max_num_seqs"),
+    ("chunking: {steady_chunk_frames: 10, initial_chunk_frames: 20}", "initial_chunk_frames"),
+    ("codec: {dtype: int8}", "codec.dtype"),
+    ("chunking: {backlog_load_threshold: 1.5}", "chunking.backlog_load_threshold"),
+    ("nonsense: 1", "nonsense"),
+    ("- a list", "mapping"),
+    ("ar: {max_num_seqs: [", "not valid YAML"),
+])
+def test_bad_profiles_name_the_field(tmp_path, text, field):
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=field.replace(".", r"\.")):
+        load_profile(str(path))
+
+
+def test_missing_profile():
+    with pytest.raises(ProfileError, match="not found"):
+        load_profile("no-such-profile")
