@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-import time
 
 import torch
 
@@ -21,9 +19,7 @@ from intone.engine.attention import AttentionMetadata
 from intone.engine.kv_cache import KVCache
 from intone.engine.sampling import SamplingBatch
 from intone.models.base import StepBatch
-from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
-from intone.models.fish_s2.model import FishS2
-from intone.models.fish_s2.tiny import make_tiny_fish_s2
+from intone.models.fish_s2.model import FishS2, random_s2_pro
 
 BLOCK = 16
 
@@ -75,10 +71,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    cfg = FishS2Config.from_dict(S2_PRO_CONFIG)
-    with tempfile.TemporaryDirectory() as tmp:
-        make_tiny_fish_s2(tmp)  # only its tokenizer is used
-        model = FishS2.random(cfg, tmp, device="cuda", dtype=torch.bfloat16)
+    model = random_s2_pro(device="cuda", dtype=torch.bfloat16)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": []}
     for context in map(int, args.context.split(",")):
         for batch in map(int, args.batch.split(",")):

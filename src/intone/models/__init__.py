@@ -55,8 +55,18 @@ def resolve_model_dir(spec: str) -> Path:
     return target
 
 
+RANDOM_FULL_SIZE = {"fish-s2": "intone.models.fish_s2.model:random_s2_pro"}
+
+
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
                codec_dtype: torch.dtype = torch.float32) -> TTSModel:
+    """`spec`: a checkpoint directory, `tiny:<family>`, or `random:<family>` (the real-size
+    architecture with random weights, for speed measurements only)."""
+    if spec.startswith("random:"):
+        family = spec[len("random:"):]
+        if family not in RANDOM_FULL_SIZE:
+            raise ModelLoadError(f"unknown model {spec!r}; random: knows {', '.join(RANDOM_FULL_SIZE)}")
+        return _import(RANDOM_FULL_SIZE[family])(device=device, dtype=dtype, codec_dtype=codec_dtype)
     model_dir = resolve_model_dir(spec)
     config = model_dir / "config.json"
     try:

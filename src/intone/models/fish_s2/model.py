@@ -183,3 +183,13 @@ def _codec_state(path: Path):
         return state, config_from_state(state)
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing tensor or weight-norm part: {e.args[0]}") from None
+
+
+def random_s2_pro(device="cuda", dtype: torch.dtype | None = None, codec_dtype=torch.float32) -> FishS2:
+    """The real S2 Pro architecture with random weights; the tiny checkpoint lends its tokenizer."""
+    from intone.models import resolve_model_dir
+    from intone.models.fish_s2.config import S2_PRO_CONFIG
+
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    return FishS2.random(FishS2Config.from_dict(S2_PRO_CONFIG), resolve_model_dir("tiny:fish-s2"),
+                         device=device, dtype=dtype, codec_dtype=codec_dtype)
