@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import pickle
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from intone.engine.config import Profile, load_profile
 from intone.engine.request import AudioChunk, SynthesisRequest
 from intone.errors import IntoneError
 
+log = logging.getLogger("intone.engine")
 STARTUP_TIMEOUT_S = 600
 
 
@@ -42,6 +44,7 @@ class Engine:
         self._tmpdir = tmpdir
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
+        self._encode_waiters: dict[str, asyncio.Future] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.dead: str | None = None
 
@@ -86,6 +89,12 @@ class Engine:
                     if self._stats_waiters:
                         self._stats_waiters.pop(0).set_result(payload)
                     continue
+                if kind == "encoded":
+                    token, codes, error = payload
+                    waiter = self._encode_waiters.pop(token, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result((codes, error))
+                    continue
                 for chunk in payload:
                     queue = self._queues.get(chunk.request_id)
                     if queue is not None:
@@ -94,10 +103,12 @@ class Engine:
             raise
         except Exception as e:  # the core is gone: every waiting stream ends with an error
             self.dead = str(e) or type(e).__name__
+            log.error("engine core died: %s", self.dead)
             for queue in self._queues.values():
                 queue.put_nowait(e)
-            for waiter in self._stats_waiters:
-                waiter.set_exception(EngineDead(self.dead))
+            for waiter in [*self._stats_waiters, *self._encode_waiters.values()]:
+                if not waiter.done():
+                    waiter.set_exception(EngineDead(self.dead))
 
     async def generate(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         if self.dead:
@@ -126,10 +137,25 @@ class Engine:
 
     async def stats(self) -> dict:
         """The core's counters and occupancy (see EngineCore.snapshot)."""
+        if self.dead:
+            raise EngineDead(f"engine core is dead: {self.dead}")
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
         self._post(("stats",))
         return await waiter
+
+    async def encode_reference(self, audio, sample_rate: int):
+        """Mono float32 audio -> codes [K, T] (numpy), computed by the engine's codec."""
+        if self.dead:
+            raise EngineDead(f"engine core is dead: {self.dead}")
+        token = uuid.uuid4().hex
+        waiter = asyncio.get_running_loop().create_future()
+        self._encode_waiters[token] = waiter
+        self._post(("encode", token, audio, sample_rate))
+        codes, error = await waiter
+        if error:
+            raise IntoneError(f"cannot encode the reference audio: {error}")
+        return codes
 
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

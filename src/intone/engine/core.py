@@ -21,13 +21,17 @@ from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.trace import FrameTracer
-from intone.errors import IntoneError
+from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import SamplingParams, TTSModel
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
+
+
+class TooLarge(IntoneError):
+    """The request can never fit this engine (prompt or KV need beyond its capacity)."""
 
 
 @dataclass
@@ -72,22 +76,41 @@ class EngineCore:
         rid = request.request_id
         try:
             if rid in self.requests:
-                raise IntoneError(f"request id {rid!r} is already in use")
+                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             prompt = self.model.build_prompt(request.text, request.references)
             params = resolve_params(request.params, len(prompt), self.model.max_seq_len)
             req = EngineRequest(rid, prompt, params, request.initial_chunk_frames)
             if len(prompt) > self.scheduler.max_num_batched_tokens:
-                raise IntoneError(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens")
+                raise TooLarge(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens")
             if not self.scheduler.fits_ever(req):
-                raise IntoneError(f"request needs {req.kv_tokens_needed} tokens of KV cache, "
+                raise TooLarge(f"request needs {req.kv_tokens_needed} tokens of KV cache, "
                                   f"more than the cache holds ({self.kv.num_blocks * self.kv.block_size})")
             self.scheduler.add(req)
-        except (IntoneError, QueueFull, ValueError) as e:
-            self._outbox.append(self._terminal(rid, 0, "error", error=str(e)))
+        except InvalidRequestError as e:
+            self._refuse(rid, str(e), "invalid_request", e.field)
+            return
+        except QueueFull as e:
+            self._refuse(rid, str(e), "queue_full")
+            return
+        except TooLarge as e:
+            self._refuse(rid, str(e), "too_large", "input")
+            return
+        except IntoneError as e:
+            self._refuse(rid, str(e), "invalid_request")
             return
         req.allocate_codes(self.model.num_codebooks, self.model.device)
         self.requests[rid] = req
         self.planner.add(rid, request.initial_chunk_frames)
+
+    def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
+        chunk = self._terminal(rid, 0, "error", error=message)
+        chunk.error_code, chunk.error_field = code, field
+        self._outbox.append(chunk)
+
+    def encode_reference(self, audio, sample_rate: int):
+        """Reference audio -> codes [K, T] (numpy), so a stored voice is encoded only once."""
+        codes = self.model.encode_reference(torch.as_tensor(audio, dtype=torch.float32), sample_rate)
+        return codes.cpu().numpy()
 
     def abort(self, request_id: str) -> None:
         """Cancel: free everything; the client gets one terminal chunk unless it already had one."""
@@ -182,7 +205,9 @@ class EngineCore:
     def _fail(self, req: EngineRequest, message: str) -> None:
         emitted = self.planner.emitted(req.request_id) if req.request_id in self.planner else 0
         self._release(req, "error")
-        self._send(self._terminal(req.request_id, emitted, "error", error=message, req=req))
+        chunk = self._terminal(req.request_id, emitted, "error", error=message, req=req)
+        chunk.error_code = "internal"
+        self._send(chunk)
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
         """The one cleanup for every exit path; idempotent."""

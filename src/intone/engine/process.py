@@ -1,8 +1,10 @@
 """The engine core's own process: a loop over ZeroMQ messages and engine steps.
 
-In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("shutdown",)
+In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("encode", token, audio, rate)
+     | ("shutdown",)
 Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output,
-     ("stats", dict) per stats request, ("fatal", message) if the loop dies.
+     ("stats", dict) per stats request, ("encoded", (token, codes | None, error | None)) per
+     encode, ("fatal", message) if the loop dies.
 Messages are pickled; nothing else is shared with the client.
 """
 
@@ -62,6 +64,12 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
                 core.abort(msg[1])
             elif msg[0] == "stats":
                 push.send(pickle.dumps(("stats", core.snapshot())))
+            elif msg[0] == "encode":
+                _, token, audio, rate = msg
+                try:
+                    push.send(pickle.dumps(("encoded", (token, core.encode_reference(audio, rate), None))))
+                except Exception as e:  # a bad upload must not take the engine down
+                    push.send(pickle.dumps(("encoded", (token, None, str(e)))))
             elif msg[0] == "shutdown":
                 for rid in list(core.requests):
                     core.abort(rid)

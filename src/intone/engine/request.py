@@ -49,6 +49,8 @@ class AudioChunk:
     finished: bool = False
     stop_reason: str | None = None  # on the terminal chunk: stop, length, abort or error
     error: str | None = None
+    error_code: str | None = None  # invalid_request, queue_full, too_large or internal
+    error_field: str | None = None  # the request field an invalid_request error is about
     prompt_tokens: int = 0
     completion_tokens: int = 0
 

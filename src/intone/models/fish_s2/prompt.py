@@ -101,12 +101,12 @@ def speaker_turns(text: str) -> str:
 
 def build_prompt(tok: FishTokenizer, text: str, references: list[Reference], num_codebooks: int) -> Prompt:
     """The official `generate_long` prompt for one user turn."""
-    check_text(text, "text")
+    check_text(text, "input")
     text = speaker_turns(text)
     parts: list[str | Tensor] = [f"{IM_START}system\n"]
     if references:
         for i, ref in enumerate(references):
-            check_text(ref.text, f"references[{i}].text")
+            check_text(ref.text, f"references.{i}.text")
         # An untagged reference text gets the tag of its index.
         tagged = [r.text if _SPEAKER_TAG.search(r.text) else f"<|speaker:{i}|>{r.text}" for i, r in enumerate(references)]
         codes = torch.cat([r.codes.long() for r in references], dim=1)

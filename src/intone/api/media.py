@@ -1,0 +1,94 @@
+"""Reference audio from a request: data: URLs, local paths under an allowed directory, or
+http(s) URLs when the server allows them. Every failure names the field."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import httpx
+
+from intone.audio import read_audio
+from intone.errors import InvalidRequestError
+from intone.models.base import VoiceReference
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    allowed_local_dir: Path | None = None
+    allow_remote: bool = False
+    max_bytes: int = 10 * 1024 * 1024
+    max_seconds: float = 30.0
+    remote_timeout_s: float = 10.0
+
+
+class MediaTooLarge(InvalidRequestError):
+    """Answered with 413."""
+
+
+async def load_reference(source: str, text: str | None, field: str, policy: MediaPolicy) -> VoiceReference:
+    if not text or not text.strip():
+        raise InvalidRequestError(_text_field(field), f"required with {field}")
+    data = await _fetch(source, field, policy)
+    if len(data) > policy.max_bytes:
+        raise MediaTooLarge(field, f"audio is {len(data)} bytes, over the {policy.max_bytes} byte limit")
+    audio, rate = read_audio(data, field=field, max_seconds=policy.max_seconds)
+    return VoiceReference(text=text, audio=audio, sample_rate=rate)
+
+
+def _text_field(field: str) -> str:
+    if field == "ref_audio":
+        return "ref_text"
+    return field.rsplit(".", 1)[0] + ".text"
+
+
+async def _fetch(source: str, field: str, policy: MediaPolicy) -> bytes:
+    if source.startswith("data:"):
+        header, _, payload = source.partition(",")
+        if not header.endswith(";base64"):
+            raise InvalidRequestError(field, "data: URLs must be base64-encoded")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError(field, "data: URL is not valid base64") from None
+    scheme = urlparse(source).scheme
+    if scheme in ("http", "https"):
+        if not policy.allow_remote:
+            raise InvalidRequestError(field, "http(s) URLs are disabled on this server (see --allow-remote-media)")
+        return await _download(source, field, policy)
+    if scheme not in ("", "file") and not Path(source).is_absolute():
+        raise InvalidRequestError(field, f"unsupported URL scheme {scheme!r}")
+    return _read_local(unquote(urlparse(source).path) if scheme == "file" else source, field, policy)
+
+
+def _read_local(path_text: str, field: str, policy: MediaPolicy) -> bytes:
+    if policy.allowed_local_dir is None:
+        raise InvalidRequestError(field, "local files are disabled on this server (see --allowed-local-media-path)")
+    root = policy.allowed_local_dir.resolve()
+    path = Path(path_text)
+    path = (path if path.is_absolute() else root / path).resolve()
+    if not path.is_relative_to(root):
+        raise InvalidRequestError(field, f"{path_text}: outside the allowed media directory")
+    if not path.is_file():
+        raise InvalidRequestError(field, f"{path_text}: no such file")
+    if path.stat().st_size > policy.max_bytes:
+        raise MediaTooLarge(field, f"{path_text}: over the {policy.max_bytes} byte limit")
+    return path.read_bytes()
+
+
+async def _download(url: str, field: str, policy: MediaPolicy) -> bytes:
+    try:
+        async with httpx.AsyncClient(timeout=policy.remote_timeout_s, follow_redirects=True) as client:
+            async with client.stream("GET", url) as response:
+                response.raise_for_status()
+                data = bytearray()
+                async for part in response.aiter_bytes():
+                    data += part
+                    if len(data) > policy.max_bytes:
+                        raise MediaTooLarge(field, f"download is over the {policy.max_bytes} byte limit")
+                return bytes(data)
+    except httpx.HTTPError as e:
+        raise InvalidRequestError(field, f"cannot download {url}: {e}") from None

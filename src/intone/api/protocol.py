@@ -1,0 +1,51 @@
+"""The request bodies of the speech API and the error body every failure uses."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
+
+
+class ReferenceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    audio: str | None = None  # data: URL, file:// URL or path, or http(s) URL when enabled
+    audio_path: str | None = None  # SGLang-Omni's name for a local path
+    text: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.audio is None) == (self.audio_path is None):
+            raise ValueError("give exactly one of audio or audio_path")
+        return self
+
+
+class SpeechRequest(BaseModel):
+    """OpenAI's /v1/audio/speech body, plus the fields vLLM-Omni and SGLang-Omni clients send."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input: str
+    model: str | None = None
+    voice: str | None = None
+    response_format: ResponseFormat = "wav"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream: bool = False
+    stream_format: Literal["sse", "audio"] | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    references: list[ReferenceIn] | None = None
+    max_new_tokens: int | None = Field(None, ge=1, le=4096)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1, le=4096)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    initial_codec_chunk_frames: int | None = Field(None, ge=0, le=1024)
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

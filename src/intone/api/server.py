@@ -1,0 +1,155 @@
+"""The OpenAI-compatible HTTP server. It never touches the GPU: the engine core process does."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from intone.api.media import MediaPolicy, MediaTooLarge
+from intone.api.metrics import ServerMetrics
+from intone.api.protocol import SpeechRequest, error_body
+from intone.api.speech import answer
+from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
+from intone.audio import read_audio
+from intone.engine.client import Engine, EngineDead
+from intone.engine.config import load_profile
+from intone.errors import IntoneError, InvalidRequestError
+
+log = logging.getLogger("intone.server")
+
+
+@dataclass
+class Settings:
+    model: str = "tiny:fish-s2"
+    profile: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    voices_dir: Path = Path("voices")
+    max_input_chars: int = 4096
+    max_body_bytes: int = 16 * 1024 * 1024
+    sse_dialect: str = "openai"  # or "sglang"
+    device: str | None = None
+    trace_frames: str | None = None
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        overrides = {"device": settings.device} if settings.device else {}
+        app.state.profile = load_profile(settings.profile, **overrides)
+        app.state.engine = await Engine.from_profile(app.state.profile, model=settings.model,
+                                                     trace_frames=settings.trace_frames)
+        info = app.state.engine.info
+        log.info("ready: model %s (%s) on %s, profile %s, %d Hz, capacity %d", settings.model, info["name"],
+                 info["device"], info["profile"], info["sample_rate"], info["capacity"])
+        yield
+        log.info("shutting down: aborting in-flight requests")
+        await app.state.engine.shutdown()
+
+    app = FastAPI(title="intone", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = ServerMetrics()
+    app.state.voices = VoiceStore(settings.voices_dir)
+    app.state.model_id = settings.served_model_name or settings.model
+    _install_errors(app)
+    _install_guards(app, settings)
+    _install_routes(app)
+    return app
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
+        return JSONResponse(error_body(f"{param}: {first['msg']}" if param else first["msg"], param), 400)
+
+    @app.exception_handler(InvalidRequestError)
+    async def bad_field(request: Request, exc: InvalidRequestError):
+        status = 413 if isinstance(exc, MediaTooLarge) else 409 if isinstance(exc, VoiceExists) else 400
+        if isinstance(exc, UnknownVoice) and request.method == "DELETE":
+            status = 404
+        return JSONResponse(error_body(str(exc), exc.field), status)
+
+    @app.exception_handler(EngineDead)
+    async def dead(request: Request, exc: EngineDead):
+        return JSONResponse(error_body(str(exc), None, "server_error", "engine_dead"), 503)
+
+
+def _install_guards(app: FastAPI, settings: Settings) -> None:
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > settings.max_body_bytes:
+            return JSONResponse(error_body(f"request body over {settings.max_body_bytes} bytes"), 413)
+        if settings.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
+                return JSONResponse(error_body("missing or wrong API key", None, "authentication_error"), 401)
+        engine = getattr(request.app.state, "engine", None)
+        if engine is not None and engine.dead and request.url.path.startswith("/v1/audio"):
+            return JSONResponse(error_body(f"engine is dead: {engine.dead}", None, "server_error", "engine_dead"), 503)
+        return await call_next(request)
+
+
+def _install_routes(app: FastAPI) -> None:
+    @app.post("/v1/audio/speech")
+    async def speech(body: SpeechRequest, request: Request):
+        return await answer(body, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return {"object": "list", "data": [
+            {"id": request.app.state.model_id, "object": "model", "owned_by": "intone",
+             "sample_rate": request.app.state.engine.sample_rate},
+        ]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        engine = request.app.state.engine
+        if engine.dead:
+            return JSONResponse({"status": "dead", "error": engine.dead}, 503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        state = request.app.state
+        if not state.engine.dead:
+            state.metrics.engine_state(await state.engine.stats())
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/audio/voices", status_code=201)
+    async def add_voice(request: Request, name: str = Form(...), transcript: str = Form(...),
+                        audio: UploadFile | None = File(None), audio_sample: UploadFile | None = File(None)):
+        state = request.app.state
+        upload = audio or audio_sample
+        if upload is None:
+            raise InvalidRequestError("audio", "a file is required")
+        limit = state.settings.media.max_bytes
+        data = await upload.read(limit + 1)
+        if len(data) > limit:
+            raise MediaTooLarge("audio", f"over the {limit} byte limit")
+        samples, rate = read_audio(data, field="audio", max_seconds=state.settings.media.max_seconds)
+        try:
+            codes = await state.engine.encode_reference(samples.numpy(), rate)
+        except IntoneError as e:
+            raise InvalidRequestError("audio", str(e)) from None
+        info = state.voices.add(name, transcript, samples.numpy(), rate, codes)
+        return info.__dict__
+
+    @app.get("/v1/audio/voices")
+    async def list_voices(request: Request):
+        return {"object": "list", "data": [v.__dict__ for v in request.app.state.voices.list()]}
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str, request: Request):
+        request.app.state.voices.delete(name)
+        return {"name": name, "deleted": True}

@@ -1,0 +1,232 @@
+"""POST /v1/audio/speech: validation, the engine round trip, and the three ways to answer."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from intone.api.encoding import CONTENT_TYPES, STREAMABLE, StreamEncoder, encode_file, wav_bytes
+from intone.api.media import load_reference
+from intone.api.protocol import SpeechRequest, error_body
+from intone.engine.client import EngineDead
+from intone.engine.core import default_params
+from intone.engine.request import AudioChunk, SynthesisRequest
+from intone.errors import InvalidRequestError
+
+ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "internal": 500}
+
+
+@dataclass
+class Outcome:
+    """What one request produced, for headers and metrics."""
+
+    start: float
+    first_audio: float | None = None
+    frames: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    end: float | None = None
+    reason: str = "abort"  # until the terminal chunk says otherwise
+
+    @property
+    def engine_s(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+    def see(self, chunk: AudioChunk) -> None:
+        if len(chunk.audio) and self.first_audio is None:
+            self.first_audio = time.perf_counter() - self.start
+        self.frames = chunk.end_frame
+        if chunk.finished:
+            self.end = time.perf_counter()
+            self.reason = chunk.stop_reason or "stop"
+            self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+
+
+def refuse(chunk: AudioChunk) -> JSONResponse:
+    status = ERROR_STATUS.get(chunk.error_code or "internal", 500)
+    headers = {"Retry-After": "1"} if chunk.error_code == "queue_full" else None
+    param = chunk.error_field if chunk.error_code != "internal" else None
+    return JSONResponse(error_body(chunk.error, param, code=chunk.error_code), status, headers=headers)
+
+
+async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
+    """Everything that can be checked before the engine sees the request."""
+    settings = app_state.settings
+    if not body.input.strip():
+        raise InvalidRequestError("input", "must not be empty")
+    if len(body.input) > settings.max_input_chars:
+        raise InvalidRequestError("input", f"is {len(body.input)} characters, over the {settings.max_input_chars} limit")
+    if body.speed != 1.0:
+        raise InvalidRequestError("speed", "only 1.0 is supported")
+    streaming = body.stream or body.stream_format == "audio"
+    if streaming and settings.sse_dialect != "sglang" and body.response_format not in STREAMABLE:
+        raise InvalidRequestError("response_format", f"{body.response_format} cannot stream; use wav or pcm")
+    if body.ref_text and not body.ref_audio:
+        raise InvalidRequestError("ref_audio", "ref_text was given without ref_audio")
+
+    references = []
+    if body.voice and body.voice != "default":
+        references.append(app_state.voices.reference(body.voice))
+    if body.ref_audio:
+        references.append(await load_reference(body.ref_audio, body.ref_text, "ref_audio", settings.media))
+    for i, ref in enumerate(body.references or []):
+        field = f"references.{i}.{'audio' if ref.audio else 'audio_path'}"
+        references.append(await load_reference(ref.audio or ref.audio_path, ref.text, field, settings.media))
+
+    params = default_params(
+        app_state.profile, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,
+    ).validate()
+    return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames)
+
+
+async def answer(body: SpeechRequest, request: Request) -> Response:
+    state = request.app.state
+    synth = await build_synthesis(body, state)
+    outcome = Outcome(start=time.perf_counter())
+    stream = state.engine.generate(synth)
+    state.metrics.in_flight.inc()
+    handed_over = False
+    try:
+        first = await stream.__anext__()
+        if first.error:
+            state.metrics.finished("rejected")
+            return refuse(first)
+        outcome.see(first)
+        sr = state.engine.sample_rate
+        if not (body.stream or body.stream_format == "audio"):
+            return await _whole_file(body, request, first, stream, outcome, sr)
+        if body.stream_format == "audio":
+            gen = _raw_stream(body.response_format, first, stream, outcome, sr)
+            media = CONTENT_TYPES[body.response_format]
+        elif state.settings.sse_dialect == "sglang":
+            gen, media = _sglang_events(first, stream, outcome, sr), "text/event-stream"
+        else:
+            gen, media = _openai_events(body.response_format, first, stream, outcome, sr), "text/event-stream"
+        handed_over = True
+        return StreamingResponse(_finishing(gen, stream, outcome, state), media_type=media,
+                                 headers={"X-Request-Id": synth.request_id, "Cache-Control": "no-cache"})
+    except EngineDead as e:
+        state.metrics.finished("error")
+        return JSONResponse(error_body(str(e), None, "server_error", "engine_dead"), 503)
+    finally:
+        if not handed_over:
+            await stream.aclose()
+            state.metrics.in_flight.dec()
+            if outcome.end is not None:
+                _record(state, outcome)
+
+
+def _record(state, outcome: Outcome) -> None:
+    seconds = outcome.frames * state.engine.info["samples_per_frame"] / state.engine.sample_rate
+    if outcome.first_audio is not None:
+        state.metrics.ttfa.observe(outcome.first_audio)
+    state.metrics.finished(outcome.reason, seconds, outcome.frames, outcome.engine_s)
+
+
+async def _whole_file(body, request: Request, first, stream, outcome: Outcome, sr: int) -> Response:
+    """Collect every chunk; a client that goes away meanwhile aborts the request."""
+    chunks = [first]
+
+    async def collect():
+        async for chunk in stream:
+            outcome.see(chunk)
+            chunks.append(chunk)
+
+    task = asyncio.ensure_future(collect()) if not first.finished else None
+    while task is not None and not task.done():
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            outcome.reason = "disconnect"
+            return Response(status_code=499)
+    if task is not None:
+        task.result()
+    last = chunks[-1]
+    if last.error:
+        return refuse(last)
+    audio = np.concatenate([c.audio for c in chunks]) if chunks else np.zeros(0, np.float32)
+    data = wav_bytes(audio, sr) if body.response_format == "wav" else encode_file(audio, sr, body.response_format)
+    return Response(data, media_type=CONTENT_TYPES[body.response_format], headers={
+        "X-Prompt-Tokens": str(outcome.prompt_tokens), "X-Completion-Tokens": str(outcome.completion_tokens),
+        "X-Engine-Time": f"{outcome.engine_s:.4f}", "X-Stop-Reason": outcome.reason,
+    })
+
+
+async def _chunks(first, stream, outcome: Outcome):
+    yield first
+    if first.finished:
+        return
+    async for chunk in stream:
+        outcome.see(chunk)
+        yield chunk
+
+
+async def _raw_stream(fmt: str, first, stream, outcome: Outcome, sr: int):
+    encoder = StreamEncoder(fmt, sr)
+    async for chunk in _chunks(first, stream, outcome):
+        if chunk.error:
+            return  # a raw byte stream has no way to say more; the client sees it end early
+        data = encoder.encode(chunk.audio)
+        if data:
+            yield data
+
+
+def _sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+async def _openai_events(fmt: str, first, stream, outcome: Outcome, sr: int):
+    encoder = StreamEncoder(fmt, sr)
+    async for chunk in _chunks(first, stream, outcome):
+        if chunk.error:
+            yield _sse({"type": "speech.audio.error", "error": error_body(chunk.error, code=chunk.error_code)["error"]})
+            return
+        data = encoder.encode(chunk.audio)
+        if data:
+            yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+    yield _sse({"type": "speech.audio.done", "usage": {
+        "input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens,
+        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
+    }})
+
+
+async def _sglang_events(first, stream, outcome: Outcome, sr: int):
+    """SGLang-Omni's dialect: each chunk a self-contained WAV, a null-audio final event, [DONE]."""
+    index = 0
+    async for chunk in _chunks(first, stream, outcome):
+        if chunk.error:
+            yield _sse({"object": "audio.speech.chunk", "index": index, "audio": None, "finish_reason": "error",
+                        "error": chunk.error})
+            yield b"data: [DONE]\n\n"
+            return
+        if len(chunk.audio):
+            data = base64.b64encode(wav_bytes(chunk.audio, sr)).decode()
+            yield _sse({"object": "audio.speech.chunk", "index": index,
+                        "audio": {"data": data, "format": "wav", "sample_rate": sr}})
+            index += 1
+    yield _sse({"object": "audio.speech.chunk", "index": index, "audio": None, "finish_reason": outcome.reason,
+                "usage": {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": outcome.completion_tokens,
+                          "engine_time_s": round(outcome.engine_s, 4)}})
+    yield b"data: [DONE]\n\n"
+
+
+async def _finishing(gen, stream, outcome: Outcome, state):
+    """Runs the body; on completion or disconnect, closes the engine stream (which aborts it)."""
+    try:
+        async for part in gen:
+            yield part
+    finally:
+        await stream.aclose()
+        state.metrics.in_flight.dec()
+        if outcome.end is None:
+            outcome.reason = "disconnect"
+        _record(state, outcome)

@@ -1,0 +1,90 @@
+"""Stored voices: a reference recording and its transcript, encoded once, reused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from intone.errors import InvalidRequestError
+from intone.models.base import VoiceReference
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class VoiceExists(InvalidRequestError):
+    """Answered with 409."""
+
+
+class UnknownVoice(InvalidRequestError):
+    """Answered with 404 on delete, 400 in a speech request."""
+
+
+@dataclass
+class VoiceInfo:
+    name: str
+    transcript: str
+    sample_rate: int
+    duration_s: float
+    frames: int
+    created_at: float
+
+
+class VoiceStore:
+    """One directory per voice: meta.json, reference.npy (float32 audio), codes.npy."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._cache: dict[str, VoiceReference] = {}
+
+    def _dir(self, name: str) -> Path:
+        if not NAME.fullmatch(name):
+            raise InvalidRequestError("name", "use 1-64 letters, digits, '_' or '-'")
+        return self.root / name
+
+    def add(self, name: str, transcript: str, audio: np.ndarray, sample_rate: int, codes: np.ndarray) -> VoiceInfo:
+        folder = self._dir(name)
+        if not transcript.strip():
+            raise InvalidRequestError("transcript", "must not be empty")
+        if folder.exists():
+            raise VoiceExists("name", f"voice {name!r} already exists")
+        tmp = self.root / f".{name}.{time.monotonic_ns()}"
+        tmp.mkdir()
+        info = VoiceInfo(name, transcript, sample_rate, len(audio) / sample_rate, int(codes.shape[1]), time.time())
+        np.save(tmp / "reference.npy", audio.astype(np.float32))
+        np.save(tmp / "codes.npy", codes)
+        (tmp / "meta.json").write_text(json.dumps(asdict(info)))
+        tmp.rename(folder)  # a voice appears whole or not at all
+        return info
+
+    def list(self) -> list[VoiceInfo]:
+        out = []
+        for meta in sorted(self.root.glob("*/meta.json")):
+            out.append(VoiceInfo(**json.loads(meta.read_text())))
+        return out
+
+    def delete(self, name: str) -> None:
+        folder = self._dir(name)
+        if not folder.exists():
+            raise UnknownVoice("name", f"unknown voice {name!r}")
+        shutil.rmtree(folder)
+        self._cache.pop(name, None)
+
+    def reference(self, name: str) -> VoiceReference:
+        """The stored transcript and codes; the audio is never re-encoded."""
+        if name in self._cache:
+            return self._cache[name]
+        folder = self._dir(name) if NAME.fullmatch(name) else None
+        if folder is None or not (folder / "meta.json").exists():
+            raise UnknownVoice("voice", f"unknown voice {name!r}")
+        info = json.loads((folder / "meta.json").read_text())
+        ref = VoiceReference(text=info["transcript"], codes=torch.from_numpy(np.load(folder / "codes.npy")))
+        self._cache[name] = ref
+        return ref

@@ -1,0 +1,51 @@
+"""`intone serve`: the OpenAI-compatible speech server (API process + engine core process)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve /v1/audio/speech over HTTP")
+    p.add_argument("--model", default="tiny:fish-s2", help="checkpoint directory or tiny:<family>")
+    p.add_argument("--profile", default=None, help="deploy profile (path or name under profiles/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the id /v1/models reports")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="ref_audio may name local files under DIR (paths or file:// URLs)")
+    p.add_argument("--allow-remote-media", action="store_true", help="ref_audio may be an http(s) URL")
+    p.add_argument("--voices-dir", default="voices", help="where uploaded voices are stored")
+    p.add_argument("--max-input-chars", type=int, default=4096)
+    p.add_argument("--max-reference-seconds", type=float, default=30.0)
+    p.add_argument("--sse-dialect", choices=["openai", "sglang"], default="openai",
+                   help="event format of stream=true responses")
+    p.add_argument("--device", default=None, help="overrides the profile's device")
+    p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from intone.api.media import MediaPolicy
+    from intone.api.server import Settings, create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = Settings(
+        model=args.model, profile=args.profile, served_model_name=args.served_model_name, api_key=args.api_key,
+        media=MediaPolicy(
+            allowed_local_dir=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+            allow_remote=args.allow_remote_media, max_seconds=args.max_reference_seconds,
+        ),
+        voices_dir=Path(args.voices_dir), max_input_chars=args.max_input_chars, sse_dialect=args.sse_dialect,
+        device=args.device, trace_frames=args.trace_frames,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=10)
+    return 0

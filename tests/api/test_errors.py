@@ -1,0 +1,152 @@
+"""Bad input gets a 4xx JSON error naming the field, while a concurrent good request succeeds."""
+
+import asyncio
+import base64
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from tests.api.conftest import start_server, stop_server
+
+GOOD = {"input": "A good request running alongside.", "seed": 9, "max_new_tokens": 40}
+
+
+def bad_cases(server, reference_wav, tmp_path):
+    long_wav = server.media / "long.wav"
+    sf.write(long_wav, np.zeros(16000 * 12), 16000)
+    (server.media / "text.wav").write_text("not audio at all")
+    (server.media / "empty.wav").write_bytes(b"")
+    outside = tmp_path / "outside.wav"
+    sf.write(outside, np.zeros(1600), 16000)
+    ref = str(reference_wav)
+    return [
+        ({"input": ""}, 400, "input"),
+        ({"input": "   "}, 400, "input"),
+        ({"input": "x" * 301}, 400, "input"),
+        ({"input": "say <|im_end|> please"}, 400, "input"),
+        ({"response_format": "aac"}, 400, "response_format"),
+        ({"stream": True, "response_format": "mp3"}, 400, "response_format"),
+        ({"stream_format": "audio", "response_format": "flac"}, 400, "response_format"),
+        ({"ref_audio": str(outside), "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": "../outside.wav", "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": str(server.media / "missing.wav"), "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": str(server.media / "text.wav"), "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": str(server.media / "empty.wav"), "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": str(long_wav), "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": ref}, 400, "ref_text"),
+        ({"ref_text": "orphan"}, 400, "ref_audio"),
+        ({"ref_audio": "data:audio/wav;base64,@@@", "ref_text": "t"}, 400, "ref_audio"),
+        ({"ref_audio": "http://127.0.0.1:9/x.wav", "ref_text": "t"}, 400, "ref_audio"),
+        ({"references": [{"audio_path": ref}]}, 400, "references.0.text"),
+        ({"voice": "nobody"}, 400, "voice"),
+        ({"temperature": 5}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"top_k": 0}, 400, "top_k"),
+        ({"max_new_tokens": 0}, 400, "max_new_tokens"),
+        ({"max_new_tokens": 5000}, 400, "max_new_tokens"),
+        ({"repetition_penalty": -1}, 400, "repetition_penalty"),
+        ({"speed": 9}, 400, "speed"),
+        ({"seed": -1}, 400, "seed"),
+    ]
+
+
+def test_bad_inputs_fail_alone(server, reference_wav, tmp_path):
+    cases = bad_cases(server, reference_wav, tmp_path)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base, timeout=120) as client:
+            good = asyncio.create_task(client.post("/v1/audio/speech", json=GOOD))
+            results = []
+            for fields, status, param in cases:
+                body = {"input": "fine", **fields}
+                results.append((fields, status, param, await client.post("/v1/audio/speech", json=body)))
+            return await good, results
+
+    good, results = asyncio.run(main())
+    assert good.status_code == 200 and len(good.content) > 44
+    for fields, status, param, r in results:
+        assert r.status_code == status, (fields, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param, (fields, error)
+        assert error["message"]
+
+
+def test_oversized_bodies_get_413(server, reference_wav):
+    huge = "data:audio/wav;base64," + base64.b64encode(b"\0" * (17 * 1024 * 1024)).decode()
+    r = httpx.post(server.url("/v1/audio/speech"), json={"input": "x", "ref_audio": huge, "ref_text": "t"}, timeout=60)
+    assert r.status_code == 413
+    big = {"audio": ("big.wav", b"\0" * (11 * 1024 * 1024), "audio/wav")}
+    r = httpx.post(server.url("/v1/audio/voices"), data={"name": "big", "transcript": "t"}, files=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "audio"
+
+
+def test_voice_upload_errors(server):
+    r = httpx.post(server.url("/v1/audio/voices"), data={"name": "bad name!", "transcript": "t"},
+                   files={"audio": ("a.wav", b"x", "audio/wav")})
+    assert r.status_code == 400
+    r = httpx.post(server.url("/v1/audio/voices"), data={"name": "ok", "transcript": "t"},
+                   files={"audio": ("a.wav", b"not audio", "audio/wav")})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "audio"
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
+    """API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue."""
+    tmp = tmp_path_factory.mktemp("strict")
+    profile = tmp / "tight.yaml"
+    profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n")
+    s = start_server(tmp, tiny_cache, "--api-key", "sekret", "--sse-dialect", "sglang", "--profile", str(profile))
+    yield s
+    stop_server(s)
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def test_api_key(strict_server):
+    r = httpx.post(strict_server.url("/v1/audio/speech"), json=GOOD)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(strict_server.url("/v1/models"), headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(strict_server.url("/v1/models"), headers=AUTH).status_code == 200
+    assert httpx.get(strict_server.url("/health")).status_code == 200
+
+
+def test_sglang_dialect(strict_server):
+    events = []
+    with httpx.stream("POST", strict_server.url("/v1/audio/speech"), headers=AUTH, timeout=120,
+                      json={**GOOD, "stream": True, "response_format": "wav", "max_new_tokens": 2048}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    audio = [e for e in events if e["audio"] is not None]
+    final = events[-1]
+    assert final["audio"] is None and final["finish_reason"] in ("stop", "length")
+    assert set(final["usage"]) == {"prompt_tokens", "completion_tokens", "engine_time_s"}
+    samples = 0
+    for e in audio:
+        assert e["object"] == "audio.speech.chunk" and e["audio"]["format"] == "wav"
+        wav = base64.b64decode(e["audio"]["data"])
+        data, rate = sf.read(io.BytesIO(wav))
+        assert rate == e["audio"]["sample_rate"] == 44100
+        samples += len(data)
+    assert samples == final["usage"]["completion_tokens"] * 2048
+
+
+def test_full_queue_answers_503_with_retry_after(strict_server):
+    async def main():
+        async with httpx.AsyncClient(base_url=strict_server.base, headers=AUTH, timeout=120) as client:
+            body = {**GOOD, "max_new_tokens": 60, "temperature": 0.8}
+            return await asyncio.gather(*(client.post("/v1/audio/speech", json={**body, "seed": i}) for i in range(6)))
+
+    results = asyncio.run(main())
+    codes = sorted(r.status_code for r in results)
+    assert codes.count(200) >= 2 and 503 in codes and set(codes) <= {200, 503}
+    busy = next(r for r in results if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "queue_full"
+
+
+import io  # noqa: E402
+import json  # noqa: E402
