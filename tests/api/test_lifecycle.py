@@ -44,3 +44,74 @@ def test_64_streams_half_disconnected_leave_nothing(server):
     assert metric(text, "intone_kv_cache_blocks_used") == 0
     assert metric(text, "intone_kv_cache_usage_ratio") == 0
     assert 'intone_requests_total{outcome="disconnect"}' in text
+
+
+def _engine_pid(server_pid: int) -> int:
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text().split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat[3]) == server_pid and "intone.engine.process" in cmdline:
+            return int(proc.name)
+    raise AssertionError("engine core process not found")
+
+
+def test_engine_death_gives_503_and_a_log_line(tiny_cache, tiny_fish_dir, tmp_path):
+    import os
+    import signal
+    import time
+
+    from tests.api.conftest import start_server, stop_server
+
+    s = start_server(tmp_path, tiny_cache)
+    try:
+        os.kill(_engine_pid(s.process.pid), signal.SIGKILL)
+        for _ in range(100):
+            if httpx.get(s.url("/health")).status_code == 503:
+                break
+            time.sleep(0.1)
+        assert httpx.get(s.url("/health")).status_code == 503
+        r = httpx.post(s.url("/v1/audio/speech"), json={"input": "hello"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert "engine core died" in s.log.read_text()
+    finally:
+        stop_server(s)
+
+
+def test_shutdown_ends_in_flight_streams_cleanly(tiny_cache, tiny_fish_dir, tmp_path):
+    import signal
+    import threading
+
+    from tests.api.conftest import start_server
+
+    s = start_server(tmp_path, tiny_cache)
+    got = {}
+
+    def listen():
+        body = {"input": "A long stream.", "seed": 1, "max_new_tokens": 2000, "stream": True,
+                "stream_format": "audio", "response_format": "pcm", "temperature": 0.8}
+        try:
+            with httpx.stream("POST", s.url("/v1/audio/speech"), json=body, timeout=60) as r:
+                got["status"] = r.status_code
+                got["bytes"] = sum(len(p) for p in r.iter_bytes())
+        except httpx.HTTPError as e:
+            got["error"] = type(e).__name__
+
+    t = threading.Thread(target=listen)
+    t.start()
+    import time
+
+    time.sleep(3)
+    s.process.send_signal(signal.SIGTERM)
+    # uvicorn re-raises the signal once its shutdown is complete
+    assert s.process.wait(40) in (0, -signal.SIGTERM)
+    t.join(30)
+    assert not t.is_alive() and got.get("status") == 200
+    log = s.log.read_text()
+    assert "aborting in-flight requests" in log and "Application shutdown complete" in log
