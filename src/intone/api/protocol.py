@@ -44,6 +44,7 @@ class SpeechRequest(BaseModel):
     top_k: int | None = Field(None, ge=1, le=4096)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     initial_codec_chunk_frames: int | None = Field(None, ge=0, le=1024)
+    ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens frames
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",

@@ -12,9 +12,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="intone", description="Serve LLM-based text-to-speech models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from intone.cli import audit_frames, make_tiny, serve, speak
+    from intone.cli import audit_frames, bench, make_tiny, serve, speak
+    from intone.cli import eval as eval_cmd
 
-    for module in (speak, serve, make_tiny, audit_frames):
+    for module in (speak, serve, bench, eval_cmd, make_tiny, audit_frames):
         module.add_parser(sub)
     return parser
 

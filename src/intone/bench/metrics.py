@@ -1,0 +1,94 @@
+"""Benchmark metrics, defined once.
+
+Per request (times are seconds from the request's send):
+- completion: send -> last byte (the end-to-end latency);
+- first audio: send -> first non-empty audio chunk (streaming only);
+- audio seconds: samples received / the model's own sample rate (never an assumed 24 kHz);
+- RTF: completion / audio seconds (< 1 is faster than real time);
+- inter-chunk gaps: arrival time differences of consecutive non-empty chunks;
+- underrun: a simulated player starts playing at the first chunk's arrival and plays every chunk
+  as soon as both it has arrived and the previous one has finished; underrun is the total time
+  it waits with nothing to play after starting (0 for a stream that always stays ahead).
+Per run (the measured phase only, warm-up excluded): requests/s = completed requests / wall time;
+audio-s/s = sum of audio seconds / wall time. Failed requests are counted, never dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    utt_id: str
+    ok: bool = False
+    error: str | None = None
+    sent_at: float = 0.0  # wall clock, for ordering
+    completion_s: float | None = None
+    chunks: list[tuple[float, float]] = field(default_factory=list)  # (arrival s, audio s) per non-empty chunk
+    audio_s: float = 0.0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+    @property
+    def first_audio_s(self) -> float | None:
+        return self.chunks[0][0] if self.chunks else None
+
+    @property
+    def rtf(self) -> float | None:
+        return self.completion_s / self.audio_s if self.ok and self.audio_s > 0 else None
+
+    @property
+    def gaps(self) -> list[float]:
+        arrivals = [a for a, _ in self.chunks]
+        return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+    @property
+    def underrun_s(self) -> float:
+        return underrun(self.chunks)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(first_audio_s=self.first_audio_s, rtf=self.rtf, underrun_s=self.underrun_s)
+        return d
+
+
+def underrun(chunks: list[tuple[float, float]]) -> float:
+    """Total stall of a player that starts at the first arrival (see the module docstring)."""
+    if not chunks:
+        return 0.0
+    stalled, play_end = 0.0, chunks[0][0]
+    for arrival, duration in chunks:
+        start = max(arrival, play_end)
+        stalled += start - play_end
+        play_end = start + duration
+    return stalled
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return dict(mean=None, p50=None, p90=None, p99=None)
+    a = np.asarray(values, dtype=float)
+    return dict(mean=float(a.mean()), p50=float(np.percentile(a, 50)), p90=float(np.percentile(a, 90)),
+                p99=float(np.percentile(a, 99)))
+
+
+def summarize(records: list[RequestRecord], wall_s: float, stream: bool) -> dict:
+    ok = [r for r in records if r.ok]
+    audio = sum(r.audio_s for r in ok)
+    gaps = [g for r in ok for g in r.gaps]
+    return dict(
+        requests=len(records), completed=len(ok), failed=len(records) - len(ok), wall_s=wall_s,
+        requests_per_s=len(ok) / wall_s if wall_s > 0 else 0.0,
+        audio_s_per_s=audio / wall_s if wall_s > 0 else 0.0,
+        mean_audio_s=audio / len(ok) if ok else None,
+        completion_s=_stats([r.completion_s for r in ok]),
+        first_audio_s=_stats([r.first_audio_s for r in ok if r.first_audio_s is not None]) if stream else None,
+        rtf=_stats([r.rtf for r in ok if r.rtf is not None]),
+        inter_chunk_gap_s=_stats(gaps) if stream else None,
+        underrun_s=_stats([r.underrun_s for r in ok]) if stream else None,
+        streams_with_underrun=sum(1 for r in ok if r.underrun_s > 0) if stream else None,
+    )

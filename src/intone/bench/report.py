@@ -1,0 +1,95 @@
+"""report.md and PNG plots from a benchmark's results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = ["concurrency", "WER %", "SIM", "mean audio s", "req/s", "audio-s/s", "mean completion s",
+           "mean first audio s", "failed"]
+
+
+def _fmt(value, digits=3) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def table_row(level: dict) -> list[str]:
+    s = level["summary"]
+    quality = level.get("quality", {})
+    first = s["first_audio_s"]["mean"] if s.get("first_audio_s") else None
+    return [
+        str(level["concurrency"]), _fmt(quality.get("wer_mean_x100"), 2), _fmt(quality.get("sim_mean_x100"), 1),
+        _fmt(s["mean_audio_s"], 2), _fmt(s["requests_per_s"]), _fmt(s["audio_s_per_s"], 2),
+        _fmt(s["completion_s"]["mean"]), _fmt(first), str(s["failed"]),
+    ]
+
+
+def write_report(results: dict, out_dir: Path) -> Path:
+    lines = [f"# intone bench: {results['title']}", ""]
+    meta = results["run"]
+    lines += [f"- {k}: `{v}`" for k, v in meta.items()]
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for level in results["levels"]:
+        lines.append("| " + " | ".join(table_row(level)) + " |")
+    lines += ["", "Latency percentiles (s):", "",
+              "| concurrency | completion p50 | p90 | p99 | first audio p50 | p90 | p99 | RTF p50 | underrun streams |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for level in results["levels"]:
+        s = level["summary"]
+        c, f = s["completion_s"], s.get("first_audio_s") or {}
+        lines.append(f"| {level['concurrency']} | {_fmt(c['p50'])} | {_fmt(c['p90'])} | {_fmt(c['p99'])} | "
+                     f"{_fmt(f.get('p50'))} | {_fmt(f.get('p90'))} | {_fmt(f.get('p99'))} | "
+                     f"{_fmt(s['rtf']['p50'])} | {_fmt(s.get('streams_with_underrun'))} |")
+    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def write_plots(results: dict, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for key, title, fname in (("completion_s", "Completion time", "completion_cdf.png"),
+                              ("first_audio_s", "Time to first audio", "first_audio_cdf.png")):
+        series = [(lvl["concurrency"], sorted(r[key] for r in lvl["records"] if r["ok"] and r[key] is not None))
+                  for lvl in results["levels"]]
+        series = [(c, v) for c, v in series if v]
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for c, values in series:
+            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=f"concurrency {c}")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"{title} (CDF)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=120)
+        plt.close(fig)
+        made.append(fname)
+    if len(results["levels"]) > 1:
+        c = [lvl["concurrency"] for lvl in results["levels"]]
+        fig, ax1 = plt.subplots(figsize=(6, 4))
+        ax1.plot(c, [lvl["summary"]["audio_s_per_s"] for lvl in results["levels"]], "o-", label="audio-s/s")
+        ax1.set_xlabel("concurrency")
+        ax1.set_ylabel("audio seconds per second")
+        ax2 = ax1.twinx()
+        ax2.plot(c, [lvl["summary"]["requests_per_s"] for lvl in results["levels"]], "s--", color="C1", label="req/s")
+        ax2.set_ylabel("requests per second")
+        ax1.set_xscale("log", base=2)
+        ax1.set_title("Throughput against concurrency")
+        ax1.grid(alpha=0.3)
+        fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88))
+        fig.tight_layout()
+        fig.savefig(out_dir / "throughput.png", dpi=120)
+        plt.close(fig)
+        made.append("throughput.png")
+    return made

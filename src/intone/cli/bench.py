@@ -1,0 +1,53 @@
+"""`intone bench [abba]`: load a speech server and report throughput, latency and quality."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark a server: concurrency sweep, or 'abba' to compare two servers")
+    p.add_argument("mode", nargs="?", choices=["run", "abba"], default="run")
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default=None, help="an already running server")
+    target.add_argument("--model", default=None, help="start (and stop) our own server with this model")
+    target.add_argument("--profile", default=None)
+    target.add_argument("--device", default=None)
+    target.add_argument("--serve-args", default=None, help="more `intone serve` arguments, as one string")
+    target.add_argument("--api-key", default=None)
+    target.add_argument("--a", default=None, help="abba: `intone serve` arguments of arm A")
+    target.add_argument("--b", default=None, help="abba: `intone serve` arguments of arm B")
+    load = p.add_argument_group("load")
+    load.add_argument("--dataset", default="synthetic", help="'synthetic' or a Seed-TTS meta.lst")
+    load.add_argument("--num-requests", type=int, default=64)
+    load.add_argument("--concurrency", default="1", help="one level or a comma list (a sweep)")
+    load.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    load.add_argument("--warmup", type=int, default=4, help="requests run first and excluded from the figures")
+    load.add_argument("--stream", action="store_true", help="stream raw PCM and time every chunk")
+    load.add_argument("--seed", type=int, default=0, help="request i gets seed + i")
+    load.add_argument("--max-new-tokens", type=int, default=None)
+    load.add_argument("--force-output-frames", default=None, metavar="SPEC",
+                      help="exact output lengths for random-weight runs: N, uniform:A:B or normal:MEAN:STD")
+    load.add_argument("--sample-rate", type=int, default=None, help="if the server does not report one")
+    out = p.add_argument_group("output")
+    out.add_argument("--output-dir", required=True)
+    out.add_argument("--save-audio", default=None, metavar="DIR", help="write <utt_id>.wav per request")
+    out.add_argument("--title", default=None)
+    quality = p.add_argument_group("quality (needs --save-audio)")
+    quality.add_argument("--asr-model", default=None, metavar="DIR", help="local Whisper directory for WER")
+    quality.add_argument("--sim-checkpoint", default=None, metavar="FILE", help="wavlm_large_finetune.pth for SIM")
+    quality.add_argument("--wavlm", default=None, metavar="DIR", help="local WavLM-Large config directory")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from intone.bench.runner import run as run_sweep
+    from intone.bench.runner import run_abba
+
+    if args.mode == "abba":
+        run_abba(args)
+    else:
+        results = run_sweep(args)
+        if any(level["summary"]["failed"] for level in results["levels"]):
+            return 1
+    return 0

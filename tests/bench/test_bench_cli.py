@@ -1,0 +1,54 @@
+"""`intone bench` end to end on the tiny model (its own server), and the A/B/B/A protocol."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def bench(*args, cache):
+    return subprocess.run([sys.executable, "-m", "intone.cli.main", "bench", *args], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "INTONE_CACHE": str(cache)})
+
+
+def test_sweep_writes_results_report_and_plots(tiny_cache, tiny_fish_dir, tmp_path):
+    out = tmp_path / "out"
+    r = bench("--model", "tiny:fish-s2", "--device", "cpu", "--dataset", "synthetic", "--num-requests", "6",
+              "--concurrency", "1,3", "--stream", "--warmup", "1", "--max-new-tokens", "24",
+              "--output-dir", str(out), "--save-audio", str(tmp_path / "wavs"), cache=tiny_cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert [lvl["concurrency"] for lvl in results["levels"]] == [1, 3]
+    for lvl in results["levels"]:
+        assert lvl["summary"]["completed"] == 6 and len(lvl["records"]) == 6
+        assert lvl["summary"]["first_audio_s"]["mean"] > 0
+        assert all(r["audio_s"] > 0 and r["first_audio_s"] <= r["completion_s"] for r in lvl["records"])
+    assert results["sample_rate"] == 44100
+    report = (out / "report.md").read_text()
+    assert "| WER % | SIM | mean audio s | req/s | audio-s/s | mean completion s | mean first audio s |" in report
+    assert "| 1 | — | — |" in report
+    for plot in ("completion_cdf.png", "first_audio_cdf.png", "throughput.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+    assert len(list((tmp_path / "wavs" / "c3").glob("*.wav"))) == 6
+
+
+def test_forced_lengths_and_failures_are_counted(tiny_cache, tiny_fish_dir, tmp_path):
+    out = tmp_path / "out"
+    r = bench("--model", "tiny:fish-s2", "--device", "cpu", "--num-requests", "3", "--concurrency", "3",
+              "--force-output-frames", "7", "--warmup", "0", "--output-dir", str(out), cache=tiny_cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    level = json.loads((out / "results.json").read_text())["levels"][0]
+    assert all(rec["completion_tokens"] == 7 for rec in level["records"])
+    assert level["summary"]["mean_audio_s"] == 7 * 2048 / 44100
+
+
+def test_abba(tiny_cache, tiny_fish_dir, tmp_path):
+    out = tmp_path / "abba"
+    arm = "--model tiny:fish-s2 --device cpu"
+    r = bench("abba", "--a", arm, "--b", arm + " --profile fish-s2-default", "--num-requests", "2",
+              "--concurrency", "2", "--warmup", "0", "--max-new-tokens", "8", "--output-dir", str(out), cache=tiny_cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((out / "abba.json").read_text())
+    assert [a["label"] for a in report["arms"]] == list("ABBA")
+    assert set(report["pooled"]) == {"A", "B"} and "spread_pct" in report["pooled"]["A"]["2"]["audio_s_per_s"]
+    assert "pooled" in (out / "abba.md").read_text()
