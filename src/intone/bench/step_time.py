@@ -73,11 +73,14 @@ def main(argv=None) -> None:
 
     model = random_s2_pro(device="cuda", dtype=torch.bfloat16)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": []}
-    for context in map(int, args.context.split(",")):
+    for graphs, context in [(g, c) for g in (False, True) for c in map(int, args.context.split(","))]:
+        model.fast_graphs = None
+        if graphs:
+            model.enable_cuda_graphs()
         for batch in map(int, args.batch.split(",")):
             step, kv = decode_batch(model, batch, context)
             ms = timed(lambda: model.step(step, kv))
-            row = dict(batch=batch, context=context, step_ms=round(ms, 3),
+            row = dict(fast_ar_graphs=graphs, batch=batch, context=context, step_ms=round(ms, 3),
                        frames_per_s=round(batch * 1000 / ms, 1),
                        audio_s_per_s=round(batch * 1000 / ms / (model.sample_rate / model.samples_per_frame), 2))
             results["decode"].append(row)

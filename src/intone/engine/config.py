@@ -29,6 +29,7 @@ class ARConfig(_Strict):
     block_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    cuda_graphs: bool = Field(True, description="replay captured graphs where the model has them (GPU only)")
 
 
 class CodecStageConfig(_Strict):

@@ -48,6 +48,8 @@ class EngineCore:
     def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None):
         self.model, self.profile, self.tracer = model, profile, tracer
         ar = profile.ar
+        if ar.cuda_graphs:
+            model.enable_cuda_graphs()
         kv_tokens = ar.kv_cache_tokens or self._default_kv_tokens()
         num_blocks = max(1, kv_tokens // ar.block_size)
         self.blocks = BlockManager(num_blocks, ar.block_size)

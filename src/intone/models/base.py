@@ -107,6 +107,9 @@ class TTSModel(abc.ABC):
     @abc.abstractmethod
     def step(self, batch: StepBatch, kv: KVCache) -> StepOutput: ...
 
+    def enable_cuda_graphs(self) -> None:
+        """Opt in to CUDA-graph replay where the model supports it (default: nothing to do)."""
+
     @abc.abstractmethod
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         """codes [B, K, T] -> audio [B, T * samples_per_frame].

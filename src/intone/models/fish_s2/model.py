@@ -14,6 +14,7 @@ from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceReference
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.config import FishS2Config
+from intone.models.fish_s2.fast_graph import FastARGraphs
 from intone.models.fish_s2.loader import load_strict, read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
 from intone.models.fish_s2.transformer import DualARTransformer
@@ -40,6 +41,12 @@ class FishS2(TTSModel):
         self.kv_layout = KVLayout(cfg.slow.n_layer, cfg.slow.n_kv_head, cfg.slow.head_dim)
         self.device = lm.slow_rope.device
         self.dtype = lm.text_model.model.norm.weight.dtype
+        self.fast_graphs: FastARGraphs | None = None
+
+    def enable_cuda_graphs(self) -> None:
+        """Replay the fast AR from CUDA graphs keyed by padded batch size (no-op off CUDA)."""
+        if self.device.type == "cuda":
+            self.fast_graphs = FastARGraphs(self._fast_codes)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -128,7 +135,7 @@ class FishS2(TTSModel):
         hidden = lm.forward_slow(x, batch.meta, kv)
         logits = lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
         tokens = self._sample_semantic(logits, batch.sampling, batch.history)
-        codes = self._fast_codes(hidden, tokens, batch.sampling)
+        codes = (self.fast_graphs or self._fast_codes)(hidden, tokens, batch.sampling)
         return StepOutput(tokens=tokens, codes=codes, stopped=tokens == self.tokenizer.im_end_id)
 
     def _to_token_ids(self, index: Tensor) -> Tensor:
