@@ -5,7 +5,6 @@ import io
 import json
 
 import httpx
-import numpy as np
 import pytest
 import soundfile as sf
 

@@ -3,10 +3,8 @@ A/B/B/A protocol. Writes results.json, report.md and plots."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import random
 import time
 from pathlib import Path
 
