@@ -122,7 +122,7 @@ async def answer(body: SpeechRequest, request: Request) -> Response:
         if not handed_over:
             await stream.aclose()
             state.metrics.in_flight.dec()
-            if outcome.end is not None:
+            if outcome.end is not None or outcome.reason == "disconnect":
                 _record(state, outcome)
 
 
