@@ -21,8 +21,7 @@ from pathlib import Path
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.engine.request import SynthesisRequest
-from intone.engine.trace import FrameTracer, audit_file
-from intone.models import load_model
+from intone.engine.trace import audit_file
 from intone.models.base import SamplingParams
 
 TEXTS = [
@@ -83,16 +82,8 @@ def main(argv=None) -> None:
         overrides["device"] = args.device
     profile = load_profile(args.profile, **overrides)
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
-    device = profile.device if profile.device != "auto" else None
-    import torch
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = None if profile.ar.dtype == "auto" else getattr(torch, profile.ar.dtype)
-    codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
-    if device == "cpu":  # half precision is for GPUs
-        dtype, codec_dtype = torch.float32, torch.float32
-    model = load_model(args.model, device=device, dtype=dtype, codec_dtype=codec_dtype)
-    core = EngineCore(model, profile, FrameTracer(trace))
+    core = EngineCore.build(args.model, profile, str(trace))
+    model = core.model
     max_new = args.forced_frames or args.max_new_tokens
     run_once(core, 1, 1, min(max_new, 8), bool(args.forced_frames), tag="warmup")
     results = []

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
@@ -119,9 +120,7 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return
-        emitted = self.planner.emitted(request_id) if request_id in self.planner else 0
-        self._release(req, "abort")
-        self._send(self._terminal(request_id, emitted, "abort", req=req))
+        self._end(req, "abort")
 
     def snapshot(self) -> dict:
         """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
@@ -205,10 +204,14 @@ class EngineCore:
     # ---- endings --------------------------------------------------------------------------------
 
     def _fail(self, req: EngineRequest, message: str) -> None:
+        self._end(req, "error", error=message, code="internal")
+
+    def _end(self, req: EngineRequest, reason: str, error: str | None = None, code: str | None = None) -> None:
+        """End a request early: release it, then one terminal chunk at its frontier."""
         emitted = self.planner.emitted(req.request_id) if req.request_id in self.planner else 0
-        self._release(req, "error")
-        chunk = self._terminal(req.request_id, emitted, "error", error=message, req=req)
-        chunk.error_code = "internal"
+        self._release(req, reason)
+        chunk = self._terminal(req.request_id, emitted, reason, error=error, req=req)
+        chunk.error_code = code
         self._send(chunk)
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
@@ -221,8 +224,6 @@ class EngineCore:
 
     def _terminal(self, rid: str, emitted: int, reason: str, error: str | None = None,
                   req: EngineRequest | None = None) -> AudioChunk:
-        import numpy as np
-
         return AudioChunk(
             request_id=rid, seq=req.seq if req else 0, start_frame=emitted, end_frame=emitted,
             audio=np.zeros(0, dtype=np.float32), sample_rate=self.model.sample_rate, finished=True,
@@ -247,6 +248,8 @@ class EngineCore:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = None if profile.ar.dtype == "auto" else getattr(torch, profile.ar.dtype)
         codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
+        if device == "cpu" and {dtype, codec_dtype} & {torch.float16, torch.bfloat16}:
+            dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
         model = load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
         return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None)
 
