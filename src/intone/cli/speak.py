@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     prompt = model.build_prompt(args.text, references)
     request = run_to_completion(model, [OfflineRequest(prompt, params)])[0]
-    audio = model.decode(request.codes.unsqueeze(0))[0] if request.frames else torch.zeros(0)
+    audio = model.vocode(request.codes, prompt) if request.frames else torch.zeros(0)
     elapsed = time.perf_counter() - start
     write_wav(args.output, audio, model.sample_rate)
 

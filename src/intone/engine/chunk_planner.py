@@ -3,9 +3,14 @@
 Each request keeps an absolute frontier `emitted`: frames [0, emitted) have been released.
 A chunk is always the next contiguous span [emitted, end) plus up to `left_context` frames
 before it as codec context only. The chunk-size policy (initial chunk, steady size, backlog
-size under load) only decides *when* a chunk is due and how long it may be; it never decides
-which frames it holds, so switching sizes can neither skip nor repeat a frame. Finishing
-flushes the whole pending tail, and the terminal chunk is produced exactly once.
+size under load, growth) only decides *when* a chunk is due and how long it may be; it never
+decides which frames it holds, so switching sizes can neither skip nor repeat a frame.
+Finishing flushes the whole pending tail, and the terminal chunk is produced exactly once.
+
+CosyVoice3's schedule is expressed with the same frontier: a chunk is due only once
+`lookahead_frames` more frames exist beyond its end (the flow reads them as context), hops
+grow by `growth_factor` up to `max_chunk_frames`, and the first hop is padded so that the
+codec's prompt plus the first hop ends on a multiple of `align_first_chunk` frames.
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ class ChunkPolicy:
     backlog_load_threshold: float = 0.75
     backlog_min_ready: int = 2
     left_context_frames: int = 25
+    lookahead_frames: int = 0  # frames that must exist beyond a non-final chunk's end
+    growth_factor: int = 1  # each chunk's hop is the previous one's times this ...
+    max_chunk_frames: int = 0  # ... up to this (0: no cap)
+    align_first_chunk: int = 0  # pad the first hop so codec prompt + hop is a multiple of this
 
     def __post_init__(self):
-        if self.steady_chunk_frames < 1:
-            raise ValueError("steady_chunk_frames must be >= 1")
-        if self.initial_chunk_frames < 0 or self.left_context_frames < 0 or self.backlog_chunk_frames < 0:
-            raise ValueError("chunk sizes and context must be >= 0")
+        if self.steady_chunk_frames < 1 or self.growth_factor < 1:
+            raise ValueError("steady_chunk_frames and growth_factor must be >= 1")
+        sizes = (self.initial_chunk_frames, self.left_context_frames, self.backlog_chunk_frames,
+                 self.lookahead_frames, self.max_chunk_frames, self.align_first_chunk)
+        if min(sizes) < 0:
+            raise ValueError("chunk sizes, context and lookahead must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,7 @@ class Chunk:
 class _Frontier:
     initial: int  # this request's first-chunk size (0: none)
     emitted: int = 0
+    chunks: int = 0  # non-final chunks released so far (for hop growth)
     terminated: bool = False
 
 
@@ -59,10 +71,14 @@ class ChunkPlanner:
         self._frontiers: dict[str, _Frontier] = {}
         self.backlog_active = False  # the mode chosen at the last plan(), for tracing
 
-    def add(self, request_id: str, initial_chunk_frames: int | None = None) -> None:
-        """initial_chunk_frames overrides the policy's for this request (capped at the steady size)."""
-        initial = self.policy.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
-        initial = max(0, min(initial, self.policy.steady_chunk_frames))
+    def add(self, request_id: str, initial_chunk_frames: int | None = None, prompt_frames: int = 0) -> None:
+        """initial_chunk_frames overrides the policy's for this request (capped at the steady size);
+        prompt_frames: the codec prompt's length, for `align_first_chunk`."""
+        p = self.policy
+        initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
+        initial = max(0, min(initial, p.steady_chunk_frames))
+        if p.align_first_chunk:
+            initial = p.steady_chunk_frames + (-prompt_frames) % p.align_first_chunk
         self._frontiers.setdefault(request_id, _Frontier(initial))
 
     def remove(self, request_id: str) -> None:
@@ -90,6 +106,13 @@ class ChunkPlanner:
         self.backlog_active = load >= p.backlog_load_threshold and ready >= p.backlog_min_ready
         return p.backlog_chunk_frames if self.backlog_active else p.steady_chunk_frames
 
+    def _hop(self, front: _Frontier, steady: int) -> int:
+        if front.chunks == 0 and front.initial > 0:
+            return front.initial
+        p = self.policy
+        hop = steady * p.growth_factor ** front.chunks
+        return min(hop, p.max_chunk_frames) if p.max_chunk_frames else hop
+
     def plan(self, frames: dict[str, int], finished: Sequence[str] = ()) -> list[Chunk]:
         """frames: frames generated so far per live request; finished: requests that stopped.
 
@@ -110,10 +133,11 @@ class ChunkPlanner:
             if rid in done:
                 end, final = n, True
             else:
-                target = front.initial if front.emitted == 0 and front.initial > 0 else steady
-                if n - front.emitted < target:
+                target = self._hop(front, steady)
+                if n - front.emitted < target + self.policy.lookahead_frames:
                     continue
                 end, final = front.emitted + target, False
+                front.chunks += 1
             # The first chunk never takes context: there is nothing before it.
             context = min(front.emitted, self.policy.left_context_frames)
             chunks.append(Chunk(rid, front.emitted, end, context, final))

@@ -43,11 +43,25 @@ def group_jobs(lengths: list[int], max_batch: int, max_padded_frames: int) -> li
 
 
 class CodecStage:
+    """The default stage: each chunk is a window of codes decoded by `model.decode`.
+
+    A model with its own codec pipeline (e.g. CosyVoice3's flow + vocoder) returns another
+    stage from `TTSModel.make_codec_stage` with the same `run` and `calls`.
+    """
+
     def __init__(self, model: TTSModel, max_batch: int, max_padded_frames: int):
         self.model = model
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         self.calls = 0  # decode calls made, for tests and metrics
+
+    def run(self, items: list) -> list[np.ndarray]:
+        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
+        jobs = []
+        for req, chunk in items:
+            lo, hi = chunk.window
+            jobs.append(CodecJob(req.codes[:, lo:hi], chunk.context, lo))
+        return self.decode(jobs)
 
     def decode(self, jobs: list[CodecJob]) -> list[np.ndarray]:
         """Audio of each job's new frames (float32), in the order of `jobs`."""

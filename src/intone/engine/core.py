@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
-from intone.engine.codec_stage import CodecJob, CodecStage
 from intone.engine.config import Profile
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.model_runner import ModelRunner, StepInput
@@ -59,7 +58,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.policy = profile.chunking.policy(ar.max_num_seqs)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
-        self.codec = CodecStage(model, profile.codec.max_batch, profile.codec.max_padded_frames)
+        self.codec = model.make_codec_stage(profile.codec.max_batch, profile.codec.max_padded_frames)
         self.requests: dict[str, EngineRequest] = {}
         self._outbox: list[AudioChunk] = []
         self.stats = EngineStats()
@@ -81,7 +80,7 @@ class EngineCore:
             if rid in self.requests:
                 raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             prompt = self.model.build_prompt(request.text, request.references)
-            params = resolve_params(request.params, len(prompt), self.model.max_seq_len)
+            params = resolve_params(request.params, prompt, self.model.max_seq_len)
             req = EngineRequest(rid, prompt, params, request.initial_chunk_frames)
             if len(prompt) > self.scheduler.max_num_batched_tokens:
                 raise TooLarge(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens")
@@ -103,7 +102,7 @@ class EngineCore:
             return
         req.allocate_codes(self.model.num_codebooks, self.model.device)
         self.requests[rid] = req
-        self.planner.add(rid, request.initial_chunk_frames)
+        self.planner.add(rid, request.initial_chunk_frames, prompt.codec_prompt_frames)
 
     def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
         chunk = self._terminal(rid, 0, "error", error=message)
@@ -160,17 +159,16 @@ class EngineCore:
 
     def _run_ar(self, batch: list[EngineRequest], finished: list[str]) -> None:
         out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.codes[:, r.num_frames - 1] if r.tokens else None)
-            for r in batch
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in batch
         ])
         tokens, stopped = out.tokens.tolist(), out.stopped.tolist()
         for i, req in enumerate(batch):
             if stopped[i]:
                 req.stop_reason = "stop"
             else:
-                req.append_frame(tokens[i], out.codes[i])
+                req.append_frame(tokens[i], out.codes[i], self.model.forwards_frame)
                 self.stats.frames += 1
-                if req.num_frames >= req.params.max_new_tokens:
+                if len(req.tokens) >= req.params.max_new_tokens:
                     req.stop_reason = "length"
             if req.stop_reason:
                 finished.append(req.request_id)
@@ -182,12 +180,7 @@ class EngineCore:
         return chunks
 
     def _emit(self, chunks: list[Chunk]) -> None:
-        jobs = []
-        for c in chunks:
-            req = self.requests[c.request_id]
-            lo, hi = c.window
-            jobs.append(CodecJob(req.codes[:, lo:hi], c.context, lo))
-        audio = self.codec.decode(jobs) if jobs else []
+        audio = self.codec.run([(self.requests[c.request_id], c) for c in chunks]) if chunks else []
         for c, samples in zip(chunks, audio):
             req = self.requests[c.request_id]
             self.stats.chunk_sizes[c.end - c.start] += 1
@@ -195,7 +188,7 @@ class EngineCore:
                 request_id=c.request_id, seq=req.seq, start_frame=c.start, end_frame=c.end, audio=samples,
                 sample_rate=self.model.sample_rate, finished=c.finished,
                 stop_reason=req.stop_reason if c.finished else None,
-                prompt_tokens=len(req.prompt), completion_tokens=req.num_frames,
+                prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
             ), context=c.context)
             req.seq += 1
             if c.finished:
@@ -220,7 +213,7 @@ class EngineCore:
         self.planner.remove(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.stats.finished[reason or "unknown"] += 1
-        req.codes = None
+        req.codes = req.codec_state = None
 
     def _terminal(self, rid: str, emitted: int, reason: str, error: str | None = None,
                   req: EngineRequest | None = None) -> AudioChunk:
@@ -228,7 +221,7 @@ class EngineCore:
             request_id=rid, seq=req.seq if req else 0, start_frame=emitted, end_frame=emitted,
             audio=np.zeros(0, dtype=np.float32), sample_rate=self.model.sample_rate, finished=True,
             stop_reason=reason, error=error, prompt_tokens=len(req.prompt) if req else 0,
-            completion_tokens=req.num_frames if req else 0,
+            completion_tokens=len(req.tokens) if req else 0,
         )
 
     def _send(self, chunk: AudioChunk, context: int = 0) -> None:

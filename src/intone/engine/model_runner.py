@@ -20,7 +20,7 @@ class StepInput:
     prompt: Prompt
     params: SamplingParams
     tokens: list[int]  # main tokens generated so far
-    last_codes: torch.Tensor | None  # [K] codes of the last frame (None before the first)
+    last_codes: torch.Tensor | None  # [K] codes of the last generated frame (None before the first)
 
 
 class ModelRunner:
@@ -49,11 +49,17 @@ class ModelRunner:
             codes=torch.cat(codes),
             meta=AttentionMetadata.build(q_lens, ctx_lens, tables, self.blocks.block_size, device),
             sampling=sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device),
-            history=torch.tensor(history, dtype=torch.long, device=device).view(len(reqs), -1),
+            history=_history_tensor(history, device),
         )
 
     def run(self, reqs: list[StepInput]) -> StepOutput:
         return self.model.step(self.build(reqs), self.kv)
+
+
+def _history_tensor(rows: list[list[int]], device) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    padded = [r + [-1] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(rows), width)
 
 
 def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:
@@ -70,4 +76,8 @@ def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> Sa
         max_top_k=max(p.top_k for p in params),
         has_penalty=any(p.repetition_penalty != 1.0 for p in params),
         ban_stop=col([p.ignore_eos for p in params], torch.bool),
+        below_min=col([s < p.min_new_tokens for p, s in zip(params, steps)], torch.bool),
+        ras=col([p.mode != "standard" for p in params], torch.bool),
+        has_standard=any(p.mode == "standard" for p in params),
+        all_standard=all(p.mode == "standard" for p in params),
     )

@@ -26,13 +26,14 @@ class OfflineRequest:
     params: SamplingParams
     request_id: str = ""
     tokens: list[int] = field(default_factory=list)  # main token of each generated frame
-    frames: list[Tensor] = field(default_factory=list)  # [K] codes of each generated frame
+    frames: list[Tensor] = field(default_factory=list)  # [K] codes of each frame forwarded to the codec
+    last_codes: Tensor | None = None
     finished: bool = False
     stop_reason: str = ""
 
     @property
     def codes(self) -> Tensor:
-        """[K, n] codes of the frames generated (the stop step makes no frame)."""
+        """[K, n] codes of the frames for the codec (the stop step makes no frame)."""
         if not self.frames:
             return torch.zeros(0, 0, dtype=torch.long)
         return torch.stack(self.frames, dim=1)
@@ -41,7 +42,7 @@ class OfflineRequest:
 def run_to_completion(model: TTSModel, requests: list[OfflineRequest]) -> list[OfflineRequest]:
     for i, req in enumerate(requests):
         req.request_id = req.request_id or f"req-{i}"
-        req.params = resolve_params(req.params, len(req.prompt), model.max_seq_len)
+        req.params = resolve_params(req.params, req.prompt, model.max_seq_len)
 
     num_blocks = sum(-(-(len(r.prompt) + r.params.max_new_tokens) // BLOCK_SIZE) for r in requests)
     blocks = BlockManager(num_blocks, BLOCK_SIZE)
@@ -57,7 +58,7 @@ def run_to_completion(model: TTSModel, requests: list[OfflineRequest]) -> list[O
 
 def _step(runner: ModelRunner, active: list[OfflineRequest]) -> None:
     out = runner.run([
-        StepInput(r.request_id, r.prompt, r.params, r.tokens, r.frames[-1] if r.frames else None) for r in active
+        StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in active
     ])
     out_tokens, out_codes, stopped = out.tokens.tolist(), out.codes.cpu(), out.stopped.tolist()
     for i, r in enumerate(active):
@@ -65,6 +66,8 @@ def _step(runner: ModelRunner, active: list[OfflineRequest]) -> None:
             r.finished, r.stop_reason = True, "stop"
             continue
         r.tokens.append(out_tokens[i])
-        r.frames.append(out_codes[i])
+        r.last_codes = out_codes[i]
+        if runner.model.forwards_frame(r.tokens):
+            r.frames.append(out_codes[i])
         if len(r.tokens) >= r.params.max_new_tokens:
             r.finished, r.stop_reason = True, "length"

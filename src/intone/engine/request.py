@@ -15,14 +15,19 @@ from intone.errors import InvalidRequestError
 from intone.models.base import Prompt, SamplingParams, VoiceReference
 
 
-def resolve_params(params: SamplingParams, prompt_len: int, max_seq_len: int) -> SamplingParams:
-    """Validated params with a seed drawn if none was given and max_new_tokens cut to the model's length."""
+def resolve_params(params: SamplingParams, prompt: Prompt, max_seq_len: int) -> SamplingParams:
+    """Validated params with a seed drawn if none was given and max_new_tokens cut to the
+    model's length and to the prompt's own limit."""
     params = params.validate()
-    budget = max_seq_len - prompt_len
+    budget = max_seq_len - len(prompt)
     if budget < 1:
-        raise InvalidRequestError("input", f"prompt is {prompt_len} tokens; the model allows {max_seq_len} in all")
+        raise InvalidRequestError("input", f"prompt is {len(prompt)} tokens; the model allows {max_seq_len} in all")
+    if prompt.max_new_tokens is not None:
+        budget = min(budget, max(1, prompt.max_new_tokens))
     seed = secrets.randbits(63) if params.seed is None else params.seed
-    return dataclasses.replace(params, seed=seed, max_new_tokens=min(params.max_new_tokens, budget))
+    max_new = min(params.max_new_tokens, budget)
+    min_new = min(max(params.min_new_tokens, prompt.min_new_tokens), max_new)
+    return dataclasses.replace(params, seed=seed, max_new_tokens=max_new, min_new_tokens=min_new)
 
 
 @dataclass
@@ -44,7 +49,10 @@ class AudioChunk:
     seq: int
     start_frame: int
     end_frame: int
-    audio: np.ndarray  # float32 mono, (end_frame - start_frame) * samples_per_frame samples
+    # float32 mono. A codec without look-ahead releases (end_frame - start_frame) * samples_per_frame
+    # samples; one that looks ahead (CosyVoice3's HiFT) holds the audio of the last few frames
+    # back until a later chunk. Over a whole request the total is always frames * samples_per_frame.
+    audio: np.ndarray
     sample_rate: int
     finished: bool = False
     stop_reason: str | None = None  # on the terminal chunk: stop, length, abort or error
@@ -70,22 +78,25 @@ class EngineRequest:
     params: SamplingParams  # seed resolved, max_new_tokens clamped to the model's length
     initial_chunk_frames: int | None = None
     status: Status = Status.WAITING
-    tokens: list[int] = field(default_factory=list)  # main token of each frame
-    codes: Tensor | None = None  # [K, max_new_tokens] on the model device; frames [0, n) are valid
+    tokens: list[int] = field(default_factory=list)  # main token of each generated frame
+    last_codes: Tensor | None = None  # [K] codes of the last generated frame (the next step's input)
+    codes: Tensor | None = None  # [K, max_new_tokens] codec frames; [0, num_frames) are valid
+    num_frames: int = 0  # generated frames forwarded to the codec (a model may trim some)
+    codec_state: object = None  # the codec stage's per-request state (dropped with the request)
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far
-
-    @property
-    def num_frames(self) -> int:
-        return len(self.tokens)
 
     @property
     def kv_tokens_needed(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
 
-    def append_frame(self, token: int, frame: Tensor) -> None:
-        self.codes[:, len(self.tokens)] = frame
+    def append_frame(self, token: int, frame: Tensor, forwards=lambda generated: True) -> None:
+        """forwards(tokens generated so far) says whether this frame goes to the codec."""
         self.tokens.append(token)
+        self.last_codes = frame
+        if forwards(self.tokens):
+            self.codes[:, self.num_frames] = frame
+            self.num_frames += 1
 
     def allocate_codes(self, num_codebooks: int, device) -> None:
         self.codes = torch.zeros(num_codebooks, self.params.max_new_tokens, dtype=torch.long, device=device)

@@ -15,6 +15,7 @@ request's draws never depend on which other requests share the batch (invariant 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -57,16 +58,16 @@ class SamplingBatch:
     max_top_k: int  # host-side bound on top_k, so no device sync is needed to size the top-k
     has_penalty: bool = False  # host-side: any row with repetition_penalty != 1
     ban_stop: Tensor | None = None  # [R] bool: rows that must not sample the stop token
-
+    below_min: Tensor | None = None  # [R] bool: rows still short of their min_new_tokens
+    ras: Tensor | None = None  # [R] bool: rows in the model's repetition-aware mode (the default)
+    has_standard: bool = False  # host-side: some rows use mode "standard" ...
+    all_standard: bool = False  # ... or all of them
 
     def with_overrides(self, temperature: float | None = None, top_p: float | None = None) -> "SamplingBatch":
         def fill(t, value):
             return t if value is None else torch.full_like(t, value)
 
-        return SamplingBatch(
-            fill(self.temperature, temperature), fill(self.top_p, top_p), self.top_k,
-            self.repetition_penalty, self.seeds, self.steps, self.max_top_k, self.has_penalty, self.ban_stop,
-        )
+        return dataclasses.replace(self, temperature=fill(self.temperature, temperature), top_p=fill(self.top_p, top_p))
 
 
 def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBatch) -> Tensor:

@@ -25,8 +25,10 @@ class SamplingParams:
     top_k: int = 30
     repetition_penalty: float = 1.0
     max_new_tokens: int = 2048
+    min_new_tokens: int = 0  # the stop token is not sampled before this many frames
     seed: int | None = None
     ignore_eos: bool = False  # never sample the stop token: exactly max_new_tokens frames (benchmarks)
+    mode: str | None = None  # the model's sampling mode ("ras" or "standard"); None: the model's default
 
     def validate(self) -> "SamplingParams":
         from intone.errors import InvalidRequestError
@@ -37,7 +39,9 @@ class SamplingParams:
             ("top_k", self.top_k >= 1, "must be >= 1"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
+            ("min_new_tokens", 0 <= self.min_new_tokens, "must be >= 0"),
             ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
+            ("mode", self.mode in (None, "ras", "standard"), "must be 'ras' or 'standard'"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -67,6 +71,12 @@ class StepOutput:
 class Prompt:
     tokens: Tensor  # [L] int64
     codes: Tensor  # [L, K] int64
+    # Model-defined codec conditioning (e.g. a reference's mel and speaker embedding); it lives
+    # with the request and is dropped with it.
+    conditioning: object = None
+    codec_prompt_frames: int = 0  # frames of reference the codec sees before frame 0 (chunk alignment)
+    min_new_tokens: int = 0  # the model's own length rules for this prompt
+    max_new_tokens: int | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -74,12 +84,13 @@ class Prompt:
 
 @dataclass
 class VoiceReference:
-    """Reference audio (mono float32, any rate) with its transcript, or precomputed codes."""
+    """Reference audio (mono float32, any rate) with its transcript, or its stored encoding."""
 
     text: str
     audio: Tensor | None = None
     sample_rate: int | None = None
     codes: Tensor | None = None  # [K, T]
+    features: dict[str, Tensor] | None = None  # what `TTSModel.reference_features` returned
 
 
 class TTSModel(abc.ABC):
@@ -100,15 +111,39 @@ class TTSModel(abc.ABC):
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
         """Mono audio [N] -> codes [K, T]."""
 
+    def reference_features(self, audio: Tensor, sample_rate: int) -> dict[str, Tensor]:
+        """What a stored voice keeps so that its audio is never encoded again.
+
+        The first entry's last axis is the reference's length in frames.
+        """
+        return {"codes": self.encode_reference(audio, sample_rate)}
+
     @abc.abstractmethod
     def history_row(self, generated: list[int]) -> list[int]:
-        """The `history` row for a request that has generated these main tokens."""
+        """The `history` row for a request that has generated these main tokens.
+
+        Rows may differ in length; the runner right-pads them with -1.
+        """
+
+    def forwards_frame(self, generated: list[int]) -> bool:
+        """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
+        return True
+
+    def make_codec_stage(self, max_batch: int, max_padded_frames: int):
+        """The stage that turns planned chunks into audio (default: windows through `decode`)."""
+        from intone.engine.codec_stage import CodecStage
+
+        return CodecStage(self, max_batch, max_padded_frames)
 
     @abc.abstractmethod
     def step(self, batch: StepBatch, kv: KVCache) -> StepOutput: ...
 
     def enable_cuda_graphs(self) -> None:
         """Opt in to CUDA-graph replay where the model supports it (default: nothing to do)."""
+
+    def vocode(self, codes: Tensor, prompt: Prompt) -> Tensor:
+        """A whole utterance at once: codes [K, T] of the frames for the codec -> audio [N]."""
+        return self.decode(codes.unsqueeze(0))[0]
 
     @abc.abstractmethod
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:

@@ -150,14 +150,18 @@ class FishS2(TTSModel):
             (pen_window >= begin) & (pen_window <= self.tokenizer.semantic_end), pen_window - begin, -1
         )
         logits = apply_repetition_penalty(logits, pen_idx, params)
-        if params.ban_stop is not None:
+        bans = [b for b in (params.ban_stop, params.below_min) if b is not None]
+        if bans:
+            ban = bans[0] if len(bans) == 1 else bans[0] | bans[1]
             stop_col = logits[:, self.cfg.codebook_size]
-            logits[:, self.cfg.codebook_size] = torch.where(params.ban_stop, float("-inf"), stop_col)
+            logits[:, self.cfg.codebook_size] = torch.where(ban, float("-inf"), stop_col)
         normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC))
         fallback = self._to_token_ids(
             sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS)
         )
         repeated = (ras_window == normal.unsqueeze(1)).any(dim=1)
+        if params.ras is not None:
+            repeated &= params.ras
         is_semantic = normal != self.tokenizer.im_end_id
         return torch.where(repeated & is_semantic, fallback, normal)
 

@@ -1,0 +1,208 @@
+"""The DiT velocity estimator of the CosyVoice3 flow decoder (`decoder.estimator.*` in flow.pt).
+
+Submodule and parameter names follow the official checkpoint. Activations are laid out
+[batch, time, channels] throughout (the official code works channels-first and transposes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Defaults are the `estimator:` block of the official cosyvoice3.yaml."""
+
+    dim: int = 1024
+    depth: int = 22
+    heads: int = 16
+    dim_head: int = 64
+    ff_mult: int = 2
+    mel_dim: int = 80
+    mu_dim: int = 80
+    spk_dim: int = 80
+    out_channels: int = 80
+    static_chunk_size: int = 50  # mel frames; <= 0 disables the chunk mask
+    time_freq_dim: int = 256
+    conv_pos_kernel: int = 31
+    conv_pos_groups: int = 16
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.out_channels != self.mel_dim:  # the output is a velocity in mel space
+            raise ValueError("out_channels must equal mel_dim")
+
+
+def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+def time_features(t: Tensor, dim: int) -> Tensor:
+    """Sinusoidal features of t * 1000; the frequency table is always fp32, as officially."""
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+    angles = (1000 * t[:, None]) * freqs[None]
+    return torch.cat((angles.sin(), angles.cos()), dim=-1).to(t.dtype)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int, freq_dim: int):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.time_mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: Tensor) -> Tensor:
+        return self.time_mlp(time_features(t, self.freq_dim))
+
+
+class CausalConvPositionEmbedding(nn.Module):
+    def __init__(self, dim: int, kernel: int, groups: int):
+        super().__init__()
+        self.pad = kernel - 1
+        self.conv1 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+        self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.transpose(1, 2)
+        for conv in (self.conv1, self.conv2):
+            y = conv(F.pad(y, (self.pad, 0)))
+        return y.transpose(1, 2)
+
+
+class InputEmbedding(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.proj = nn.Linear(2 * cfg.mel_dim + cfg.mu_dim + cfg.spk_dim, cfg.dim)
+        self.conv_pos_embed = CausalConvPositionEmbedding(cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups)
+
+    def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
+        spks = spks[:, None].expand(-1, x.shape[1], -1)
+        h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))
+        return self.conv_pos_embed(h) + h
+
+
+class RotaryEmbedding(nn.Module):
+    """x-transformers 2.11.24 rotary tables: interleaved pairs, positions cast to the buffer dtype."""
+
+    def __init__(self, dim: int, base: float):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))  # a flow.pt key
+
+    def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        pos = torch.arange(seq_len, device=self.inv_freq.device).to(self.inv_freq.dtype)
+        angles = (pos[:, None] * self.inv_freq[None]).repeat_interleave(2, dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate the first rot_dim channels of the *flattened* projection, i.e. head 0 only, as officially."""
+    cos, sin = rope
+    head, rest = x[..., : cos.shape[-1]], x[..., cos.shape[-1]:]
+    pairs = head.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return torch.cat((head * cos + turned * sin, rest), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int):
+        super().__init__()
+        self.heads = heads
+        inner = heads * dim_head
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # official slot 1 is a parameterless dropout
+
+    def forward(self, x: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        b, n, _ = x.shape
+        q = apply_rope(self.to_q(x), rope)
+        k = apply_rope(self.to_k(x), rope)
+        q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
+        return out.masked_fill(~valid[..., None], 0.0)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, mult: float):
+        super().__init__()
+        inner = int(dim * mult)
+        # indices mirror the checkpoint: ff.0.0 in, ff.1 dropout slot, ff.2 out
+        self.ff = nn.Sequential(
+            nn.Sequential(nn.Linear(dim, inner), nn.GELU(approximate="tanh")), nn.Identity(), nn.Linear(inner, dim)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ff(x)
+
+
+class AdaLayerNormZero(nn.Module):
+    """SiLU -> Linear on the time embedding, split into `parts` modulation vectors."""
+
+    def __init__(self, dim: int, parts: int):
+        super().__init__()
+        self.parts = parts
+        self.linear = nn.Linear(dim, dim * parts)
+
+    def forward(self, t: Tensor) -> tuple[Tensor, ...]:
+        return self.linear(F.silu(t)).chunk(self.parts, dim=1)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.eps = cfg.norm_eps
+        self.attn_norm = AdaLayerNormZero(cfg.dim, 6)
+        self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
+        self.ff = FeedForward(cfg.dim, cfg.ff_mult)
+
+    def forward(self, x: Tensor, t: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(t)
+        h = modulate(F.layer_norm(x, x.shape[-1:], eps=self.eps), scale_a, shift_a)
+        x = x + gate_a[:, None] * self.attn(h, mask, valid, rope)
+        h = modulate(F.layer_norm(x, x.shape[-1:], eps=self.eps), scale_f, shift_f)
+        return x + gate_f[:, None] * self.ff(h)
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.config = cfg
+        self.time_embed = TimestepEmbedding(cfg.dim, cfg.time_freq_dim)
+        self.input_embed = InputEmbedding(cfg)
+        self.rotary_embed = RotaryEmbedding(cfg.dim_head, cfg.rope_base)
+        self.transformer_blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
+        self.norm_out = AdaLayerNormZero(cfg.dim, 2)
+        self.proj_out = nn.Linear(cfg.dim, cfg.out_channels)
+
+    def attention_mask(self, lengths: Tensor, streaming: Tensor, total: int) -> tuple[Tensor, Tensor]:
+        """Boolean SDPA mask [B, 1, T, T] and frame validity [B, T] for right-padded rows.
+
+        Streaming rows let frame i see every frame before the end of its chunk, (i // chunk + 1) * chunk,
+        with chunks counted from frame 0 (the first prompt frame); other rows see all valid frames.
+        """
+        pos = torch.arange(total, device=lengths.device)
+        valid = pos[None] < lengths[:, None]
+        chunk = self.config.static_chunk_size
+        if chunk <= 0:
+            streaming = torch.zeros_like(streaming)
+        chunk_end = (pos // max(chunk, 1) + 1) * max(chunk, 1)
+        visible = (pos[None, :] < chunk_end[:, None])[None] | ~streaming[:, None, None]
+        return (visible & valid[:, None, :])[:, None], valid
+
+    def forward(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, mask: Tensor, valid: Tensor) -> Tensor:
+        """x, mu, cond: [B, T, mel]; spks: [B, spk]; t: [B]; mask, valid: from `attention_mask`."""
+        temb = self.time_embed(t)
+        h = self.input_embed(x, cond, mu, spks)
+        rope = self.rotary_embed(h.shape[1])
+        for block in self.transformer_blocks:
+            h = block(h, temb, mask, valid, rope)
+        scale, shift = self.norm_out(temb)
+        h = modulate(F.layer_norm(h, h.shape[-1:], eps=self.config.norm_eps), scale, shift)
+        return self.proj_out(h)

@@ -1,0 +1,167 @@
+"""CosyVoice3 flow-matching decoder: speech tokens (+ prompt tokens, prompt mel, speaker) -> mel.
+
+A re-implementation of the official `CausalMaskedDiffWithDiT` + `CausalConditionalCFM` whose module tree
+yields exactly the `flow.pt` keys. `CosyFlow.inference` runs a batch of right-padded requests at once;
+each row gets what the official batch-1 `inference` gives it, up to floating-point effects of the shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pad_sequence
+
+from intone.models.cosyvoice3.dit import DiT, DiTConfig
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    """Defaults are the `flow:` block of the official cosyvoice3.yaml."""
+
+    vocab_size: int = 6561
+    input_size: int = 80
+    output_size: int = 80
+    spk_embed_dim: int = 192
+    pre_lookahead_len: int = 3
+    pre_lookahead_channels: int = 1024
+    token_mel_ratio: int = 2
+    n_timesteps: int = 10
+    inference_cfg_rate: float = 0.7
+    noise_frames: int = 15000  # 300 s at 50 Hz: caps prompt + output length
+    noise_seed: int = 0
+    dit: DiTConfig = field(default_factory=DiTConfig)
+
+
+@dataclass
+class FlowRequest:
+    tokens: Tensor  # [N] int64 speech tokens, incl. the trailing lookahead tokens when not finalize
+    prompt_tokens: Tensor  # [P] int64
+    prompt_mel: Tensor  # [M, 80] prompt features; the output starts at mel frame M
+    speaker: Tensor  # [192] raw CAM++ embedding, L2-normalised inside
+    streaming: bool  # chunk-causal DiT attention
+    finalize: bool  # False: the last pre_lookahead_len tokens are lookahead context only
+
+
+class PreLookaheadLayer(nn.Module):
+    """conv1 looks `lookahead` tokens ahead, conv2 looks 2 back, plus a residual. Input [B, N, C]."""
+
+    def __init__(self, channels: int, hidden: int, lookahead: int):
+        super().__init__()
+        self.lookahead = lookahead
+        self.conv1 = nn.Conv1d(channels, hidden, lookahead + 1)
+        self.conv2 = nn.Conv1d(hidden, channels, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Rows must be zero past their length: a finalized row then looks ahead into zeros, as officially,
+        and a non-final row's lookahead context is simply its last tokens (their outputs are dropped later)."""
+        y = F.leaky_relu(self.conv1(F.pad(x.transpose(1, 2), (0, self.lookahead))))
+        y = self.conv2(F.pad(y, (self.conv2.kernel_size[0] - 1, 0)))
+        return y.transpose(1, 2) + x
+
+
+def cosine_euler_steps(n: int, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[Tensor, Tensor]]:
+    """(t, dt) per Euler step on the schedule 1 - cos(pi/2 * k/n), with t accumulated as t + dt and
+    dt re-derived from the schedule, in the model dtype and on the device, as officially (bit-exact)."""
+    span = 1 - torch.cos(torch.linspace(0, 1, n + 1, device=device, dtype=dtype) * 0.5 * torch.pi)
+    t, dt = span[0], span[1] - span[0]
+    for step in range(1, n + 1):
+        yield t, dt
+        t = t + dt
+        if step < n:
+            dt = span[step + 1] - t
+
+
+class CausalCFM(nn.Module):
+    """Fixed-noise Euler ODE solve with classifier-free guidance (rows doubled: conditioned, then zeroed)."""
+
+    def __init__(self, cfg: FlowConfig):
+        super().__init__()
+        self.n_timesteps = cfg.n_timesteps
+        self.cfg_rate = cfg.inference_cfg_rate
+        self.estimator = DiT(cfg.dit)
+        noise = torch.randn(1, cfg.output_size, cfg.noise_frames, generator=torch.Generator().manual_seed(cfg.noise_seed))
+        # Kept as raw fp32 bits: dtype casts of the module (.half(), .double()) then leave it exact.
+        self.register_buffer("noise_bits", noise.view(torch.int32), persistent=False)
+
+    @property
+    def noise(self) -> Tensor:
+        """The official `rand_noise`: fp32 [1, mel, noise_frames], indexed by absolute mel frame."""
+        return self.noise_bits.view(torch.float32)
+
+    def forward(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor) -> Tensor:
+        """mu, cond: [B, T, mel]; spks: [B, mel]; lengths: [B] valid frames; streaming: [B] bool. -> fp32 [B, T, mel]."""
+        b, total, _ = mu.shape
+        if total > self.noise.shape[-1]:
+            raise ValueError(f"{total} mel frames exceed the {self.noise.shape[-1]}-frame noise buffer")
+        x = self.noise[0, :, :total].T.to(mu.dtype).expand(b, -1, -1)
+        mask, valid = self.estimator.attention_mask(lengths, streaming, total)
+        mask, valid = mask.repeat(2, 1, 1, 1), valid.repeat(2, 1)
+        mu, cond, spks = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
+        for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, mu.dtype):
+            v = self.estimator(torch.cat((x, x)), mu, cond, spks, t.expand(2 * b), mask, valid)
+            v_cond, v_uncond = v.chunk(2)
+            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+        return x.float()
+
+
+class CosyFlow(nn.Module):
+    def __init__(self, cfg: FlowConfig | None = None):
+        super().__init__()
+        cfg = cfg or FlowConfig()
+        self.config = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.pre_lookahead_layer = PreLookaheadLayer(cfg.input_size, cfg.pre_lookahead_channels, cfg.pre_lookahead_len)
+        self.decoder = CausalCFM(cfg)
+
+    def mel_lengths(self, requests: list[FlowRequest]) -> list[int]:
+        """Mel frames each request conditions on (prompt + output)."""
+        cfg = self.config
+        return [
+            cfg.token_mel_ratio * (len(r.prompt_tokens) + len(r.tokens) - (0 if r.finalize else cfg.pre_lookahead_len))
+            for r in requests
+        ]
+
+    def _mu(self, requests: list[FlowRequest], total: int) -> Tensor:
+        """Token embeddings -> lookahead layer -> repeated to mel rate: [B, total, mel]."""
+        dev = self.input_embedding.weight.device
+        seqs = [torch.cat((r.prompt_tokens, r.tokens)).to(dev) for r in requests]
+        ids = pad_sequence(seqs, batch_first=True)
+        n_tok = torch.tensor([len(s) for s in seqs], device=dev)
+        keep = torch.arange(ids.shape[1], device=dev)[None] < n_tok[:, None]
+        emb = self.input_embedding(ids.clamp(min=0)) * keep[..., None].to(self.input_embedding.weight.dtype)
+        h = self.pre_lookahead_layer(emb)
+        return h.repeat_interleave(self.config.token_mel_ratio, dim=1)[:, :total]
+
+    def _speakers(self, requests: list[FlowRequest]) -> Tensor:
+        weight = self.spk_embed_affine_layer.weight
+        spk = torch.stack([r.speaker.reshape(-1) for r in requests]).to(weight.device)
+        # normalised in the caller's dtype, as officially (fp32 input to a half model: as under autocast)
+        return self.spk_embed_affine_layer(F.normalize(spk, dim=1).to(weight.dtype))
+
+    @torch.inference_mode()
+    def inference(self, requests: list[FlowRequest]) -> list[Tensor]:
+        """Per request, fp32 mel [80, T_out] with T_out = mel_lengths - M (= 2N, or 2(N-3) when not finalize)."""
+        lengths = self.mel_lengths(requests)
+        starts = [r.prompt_mel.shape[0] for r in requests]
+        for n, m in zip(lengths, starts):
+            if not 0 <= m <= n:
+                raise ValueError(f"prompt mel of {m} frames does not fit {n} conditioned frames")
+        total = max(lengths)
+        mu = self._mu(requests, total)
+        cond = torch.zeros_like(mu)
+        prompt = pad_sequence([r.prompt_mel for r in requests], batch_first=True)
+        cond[:, : prompt.shape[1]] = prompt.to(cond)  # zero rows past each M_i stay zero
+        dev = mu.device
+        mel = self.decoder(
+            mu,
+            cond,
+            self._speakers(requests),
+            torch.tensor(lengths, device=dev),
+            torch.tensor([r.streaming for r in requests], device=dev),
+        )
+        return [mel[i, m:n].T.contiguous() for i, (m, n) in enumerate(zip(starts, lengths))]

@@ -1,0 +1,164 @@
+"""The CosyVoice3 talker: a Qwen2 decoder fed with text and speech-token embeddings.
+
+Module names mirror `llm.pt` (`llm.model.model.*` is the Qwen2 stack, `speech_embedding`,
+`llm_decoder`), so loading is a strict state-dict load. Attention runs over the engine's
+paged KV cache; RoPE is Qwen2's (NeoX halves, cos/sin in fp32 then cast to the model dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from intone.engine.attention import AttentionMetadata, paged_attention, store_kv
+from intone.engine.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    hidden_size: int = 896
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    intermediate_size: int = 4864
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    vocab_size: int = 151936
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 32768
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "QwenShape":
+        """From a Qwen2 `config.json` (transformers 4.x puts rope_theta at the top, 5.x may nest it)."""
+        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 1e6)
+        keys = cls.__dataclass_fields__.keys() - {"rope_theta"}
+        return cls(rope_theta=float(theta), **{k: config[k] for k in keys if k in config})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """[T, head_dim] cos and sin at `positions`, computed in fp32 (fp64 for fp64 models)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).to(compute) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.to(compute).unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, H, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = s.num_attention_heads, s.num_key_value_heads, s.head_dim
+        self.q_proj = nn.Linear(s.hidden_size, self.heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(s.hidden_size, self.kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(s.hidden_size, self.kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, s.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]):
+        q = apply_rope(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)), cos, sin)
+        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        store_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        return self.o_proj(paged_attention(q, kv[0], kv[1], meta).flatten(-2))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.self_attn = Attention(s)
+        self.mlp = MLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta, kv):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class QwenModel(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_hidden_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+
+class QwenForCausalLM(nn.Module):
+    """`llm.model`: the stack and its text head (unused for speech; kept so `llm.pt` loads strictly)."""
+
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.model = QwenModel(s)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        if s.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class QwenEncoder(nn.Module):
+    def __init__(self, s: QwenShape):
+        super().__init__()
+        self.model = QwenForCausalLM(s)
+
+
+class CosyTalker(nn.Module):
+    """Speech-token LM: `speech_embedding` rows for sos/task/speech inputs, text rows otherwise."""
+
+    def __init__(self, s: QwenShape, speech_token_size: int = 6561, extra_ids: int = 200):
+        super().__init__()
+        self.shape = s
+        self.llm = QwenEncoder(s)
+        self.speech_embedding = nn.Embedding(speech_token_size + extra_ids, s.hidden_size)
+        self.llm_decoder = nn.Linear(s.hidden_size, speech_token_size + extra_ids, bias=False)
+
+    def embed(self, text_ids: Tensor, speech_ids: Tensor) -> Tensor:
+        """Per position: speech_embedding[speech_id] where speech_id >= 0, else embed_tokens[text_id]."""
+        is_speech = (speech_ids >= 0).unsqueeze(-1)
+        speech = self.speech_embedding(speech_ids.clamp(min=0))
+        text = self.llm.model.model.embed_tokens(torch.where(speech_ids >= 0, 0, text_ids))
+        return torch.where(is_speech, speech, text)
+
+    def forward(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
+        """Packed embeddings [T, D] -> logits [R, V] of each request's last position (fp32)."""
+        stack = self.llm.model.model
+        cos, sin = rope_cos_sin(meta.positions, self.shape.head_dim, self.shape.rope_theta, x.dtype)
+        for i, layer in enumerate(stack.layers):
+            x = layer(x, cos, sin, meta, kv.layer(i))
+        last = stack.norm(x[meta.last_token_rows])
+        return self.llm_decoder(last).float()

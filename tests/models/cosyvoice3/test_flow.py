@@ -1,0 +1,193 @@
+"""CosyVoice3 flow decoder on a tiny config: checkpoint layout, fixed noise, shapes, the streaming
+chunk property, batching, the attention mask and RoPE layout. Fidelity to the official code itself is
+checked outside the repo (bit-exact in fp32/fp64/bf16 on CPU at the time of writing)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from intone.models.cosyvoice3.dit import DiTConfig, RotaryEmbedding, apply_rope
+from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest, cosine_euler_steps
+
+TINY = FlowConfig(pre_lookahead_channels=32, dit=DiTConfig(dim=64, depth=2, heads=4, dim_head=16))
+CHUNK = TINY.dit.static_chunk_size
+
+
+def make_flow(dtype=torch.float64, seed=0) -> CosyFlow:
+    """Random non-trivial weights (the gates are not zero-initialised in a real checkpoint either)."""
+    flow = CosyFlow(TINY).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in flow.parameters():
+            std = 0.3 / max(1, p.shape[-1]) ** 0.5 if p.ndim > 1 else 0.1
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return flow.to(dtype)
+
+
+@pytest.fixture(scope="module")
+def flow():
+    return make_flow()
+
+
+def request(g, prompt=10, tokens=30, mel=None, streaming=True, finalize=True, dtype=torch.float64):
+    return FlowRequest(
+        tokens=torch.randint(0, TINY.vocab_size, (tokens,), generator=g),
+        prompt_tokens=torch.randint(0, TINY.vocab_size, (prompt,), generator=g),
+        prompt_mel=torch.randn(2 * prompt if mel is None else mel, 80, generator=g).to(dtype),
+        speaker=(3 * torch.randn(192, generator=g)).to(dtype),
+        streaming=streaming,
+        finalize=finalize,
+    )
+
+
+def official_keys(depth: int) -> set[str]:
+    """flow.pt keys as the official module tree names them (CausalMaskedDiffWithDiT, read off the source)."""
+    est = "decoder.estimator."
+    keys = {
+        "input_embedding.weight",
+        "spk_embed_affine_layer.weight", "spk_embed_affine_layer.bias",
+        "pre_lookahead_layer.conv1.weight", "pre_lookahead_layer.conv1.bias",
+        "pre_lookahead_layer.conv2.weight", "pre_lookahead_layer.conv2.bias",
+        est + "rotary_embed.inv_freq",  # x-transformers registers it as a persistent buffer
+    }
+    layers = ["time_embed.time_mlp.0", "time_embed.time_mlp.2", "input_embed.proj",
+              "input_embed.conv_pos_embed.conv1.0", "input_embed.conv_pos_embed.conv2.0", "norm_out.linear", "proj_out"]
+    for i in range(depth):
+        block = f"transformer_blocks.{i}."
+        layers += [block + name for name in ("attn_norm.linear", "attn.to_q", "attn.to_k", "attn.to_v",
+                                             "attn.to_out.0", "ff.ff.0.0", "ff.ff.2")]
+    return keys | {est + layer + suffix for layer in layers for suffix in (".weight", ".bias")}
+
+
+def test_state_dict_keys_are_the_official_ones():
+    flow = CosyFlow(TINY)
+    assert set(flow.state_dict()) == official_keys(TINY.dit.depth)
+    flow.load_state_dict(make_flow(seed=1).state_dict(), strict=True)
+
+
+def test_default_config_is_the_real_model():
+    cfg = FlowConfig()
+    assert (cfg.vocab_size, cfg.spk_embed_dim, cfg.pre_lookahead_channels, cfg.noise_frames) == (6561, 192, 1024, 15000)
+    assert (cfg.dit.dim, cfg.dit.depth, cfg.dit.heads, cfg.dit.dim_head, cfg.dit.ff_mult) == (1024, 22, 16, 64, 2)
+
+
+def test_noise_is_seed0_randn_and_not_a_checkpoint_key():
+    torch.manual_seed(1234)  # a private generator: the global RNG state must not matter
+    flow = CosyFlow(TINY)
+    expected = torch.randn(1, 80, TINY.noise_frames, generator=torch.Generator().manual_seed(0))
+    assert flow.decoder.noise.dtype == torch.float32
+    assert torch.equal(flow.decoder.noise, expected)
+    assert not any("noise" in k for k in flow.state_dict())
+    flow.half().double()  # module dtype casts must not round the stored noise
+    assert torch.equal(flow.decoder.noise, expected)
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("prompt,mel", [(0, 0), (12, 24), (12, 21)])
+def test_output_shapes(flow, finalize, prompt, mel):
+    g = torch.Generator().manual_seed(3)
+    out = flow.inference([request(g, prompt=prompt, tokens=20, mel=mel, finalize=finalize)])[0]
+    conditioned = 2 * (prompt + 20 - (0 if finalize else TINY.pre_lookahead_len))
+    assert out.shape == (80, conditioned - mel) and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+
+
+def stable_frames(prompt: int, tokens: int) -> int:
+    """Output frames (after the M = 2P prompt frames) inside completed chunks of a non-final call."""
+    conditioned = 2 * (prompt + tokens - TINY.pre_lookahead_len)
+    return conditioned // CHUNK * CHUNK - 2 * prompt
+
+
+@settings(max_examples=4, deadline=None)
+@given(prompt=st.integers(0, 30), tokens=st.integers(26, 50), more=st.integers(1, 30), finalize=st.booleans())
+def test_streaming_frames_in_completed_chunks_never_change(flow, prompt, tokens, more, finalize):
+    g = torch.Generator().manual_seed(prompt * 1000 + tokens)
+    full = request(g, prompt=prompt, tokens=tokens + more, finalize=finalize)
+    part = FlowRequest(full.tokens[:tokens], full.prompt_tokens, full.prompt_mel, full.speaker, True, False)
+    before, after = flow.inference([part])[0], flow.inference([full])[0]
+    n = stable_frames(prompt, tokens)
+    assert torch.equal(before[:, : max(n, 0)], after[:, : max(n, 0)])
+
+
+def test_chunks_are_counted_from_the_prompt_start(flow):
+    # P=17, M=34, N=50 non-final: 128 conditioned frames, so chunks [0,50) [50,100) complete and
+    # frames 100..127 (output 66..93) are not. Chunks counted from the output start (frame 34) would
+    # instead make frames up to 134 (output 100) complete.
+    g = torch.Generator().manual_seed(5)
+    full = request(g, prompt=17, tokens=90, finalize=True)
+    part = FlowRequest(full.tokens[:50], full.prompt_tokens, full.prompt_mel, full.speaker, True, False)
+    before, after = flow.inference([part])[0], flow.inference([full])[0]
+    assert stable_frames(17, 50) == 66
+    assert torch.equal(before[:, :66], after[:, :66])
+    assert (before[:, 66:] - after[:, 66:94]).abs().amax(dim=0).min() > 0  # every later frame moves
+
+
+def test_attention_mask_layout(flow):
+    lengths, streaming = torch.tensor([130, 70, 120]), torch.tensor([True, True, False])
+    mask, valid = flow.decoder.estimator.attention_mask(lengths, streaming, 130)
+    assert mask.shape == (3, 1, 130, 130) and mask.dtype == torch.bool
+    for b in range(3):
+        for i in range(130):
+            end = (i // CHUNK + 1) * CHUNK if streaming[b] else 130
+            expected = torch.arange(130) < min(end, int(lengths[b]))
+            assert torch.equal(mask[b, 0, i], expected)
+        assert torch.equal(valid[b], torch.arange(130) < lengths[b])
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(4, 40), st.booleans(), st.booleans()), min_size=2, max_size=3))
+def test_batched_rows_equal_each_row_alone(flow, rows):
+    # fp64: padding changes the matrix shapes, so BLAS may block reductions differently; that is
+    # ulp-level (observed: exact) and stays far below 1e-12 after 10 Euler steps.
+    g = torch.Generator().manual_seed(len(rows))
+    reqs = [request(g, prompt=p, tokens=n, streaming=s, finalize=f) for p, n, s, f in rows]
+    for alone, batched in zip((flow.inference([r])[0] for r in reqs), flow.inference(reqs)):
+        assert alone.shape == batched.shape
+        torch.testing.assert_close(batched, alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_low_precision_runs_and_roughly_agrees(flow, dtype):
+    g = torch.Generator().manual_seed(9)
+    req = request(g, prompt=8, tokens=40, streaming=True, finalize=False)
+    ref = flow.inference([req])[0]
+    low = make_flow(dtype).inference([req])[0]
+    assert low.dtype == torch.float32 and low.shape == ref.shape
+    assert (low - ref).abs().max() < {torch.float32: 1e-4}.get(dtype, 0.2)
+
+
+def test_cosine_euler_schedule():
+    steps = list(cosine_euler_steps(10, torch.device("cpu"), torch.float64))
+    assert len(steps) == 10
+    ts = torch.stack([t for t, _ in steps])
+    expected = 1 - torch.cos(torch.arange(10, dtype=torch.float64) / 10 * math.pi / 2)
+    torch.testing.assert_close(ts, expected)
+    assert abs(float(steps[-1][0] + steps[-1][1]) - 1.0) < 1e-15
+
+
+def test_rope_rotates_interleaved_pairs_of_head0_only():
+    rope = RotaryEmbedding(4, 100.0)
+    cos, sin = rope(3)
+    x = torch.randn(1, 3, 12, dtype=torch.float64)  # 3 heads of 4 flattened: only channels 0..3 rotate
+    out = apply_rope(x, (cos.double(), sin.double()))
+    assert torch.equal(out[..., 4:], x[..., 4:])
+    for pos in range(3):
+        for pair, freq in enumerate((1.0, 0.1)):  # 1 / 100 ** (2i / 4)
+            a, b = x[0, pos, 2 * pair], x[0, pos, 2 * pair + 1]
+            c, s = math.cos(pos * freq), math.sin(pos * freq)
+            torch.testing.assert_close(out[0, pos, 2 * pair: 2 * pair + 2], torch.stack([a * c - b * s, b * c + a * s]))
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu():
+    cpu = make_flow()
+    gpu = make_flow().cuda()
+    g = torch.Generator().manual_seed(11)
+    reqs = [request(g, prompt=10, tokens=50, streaming=True, finalize=False), request(g, prompt=0, tokens=20)]
+    for a, b in zip(cpu.inference(reqs), gpu.inference(reqs)):
+        torch.testing.assert_close(b.cpu(), a, rtol=0, atol=1e-9)
+    bf16 = make_flow(torch.bfloat16).cuda().inference(reqs)
+    assert all(m.is_cuda and m.dtype == torch.float32 and torch.isfinite(m).all() for m in bf16)
