@@ -335,7 +335,7 @@ def test_thirty_second_limit_names_the_field(models):
     (torch.zeros(879), 16000, "too short"),
     (torch.zeros(1000), 8000, "16000 Hz"),
     (torch.tensor([0.0, float("nan")] * 4000), 16000, "NaN"),
-    (torch.zeros(2, 3, 4000), 16000, "shape"),
+    (torch.zeros(2, 3, 4000), 16000, "channels, samples"),
 ])
 def test_bad_reference_audio_is_rejected(models, audio, rate, words):
     with pytest.raises(InvalidRequestError, match=words) as err:

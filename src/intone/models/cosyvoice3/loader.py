@@ -1,0 +1,89 @@
+"""Reading a Fun-CosyVoice3 checkpoint directory, strictly.
+
+Layout: cosyvoice3.yaml, llm.pt, flow.pt, hift.pt (pickled state dicts),
+CosyVoice-BlankEN/{config.json, tokenizer files, model.safetensors}, campplus.onnx and
+speech_tokenizer_v3.onnx. `llm.pt` holds every talker tensor (the BlankEN safetensors are
+what it overwrites officially), so the backbone's own weights are not read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from intone.errors import ModelLoadError
+from intone.models.cosyvoice3.config import read_model_yaml, section
+from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
+from intone.models.fish_s2.loader import load_strict
+
+BLANK_EN = "CosyVoice-BlankEN"
+
+
+def read_state(path: Path) -> dict[str, Tensor]:
+    if not path.exists():
+        raise ModelLoadError(f"{path}: file not found")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read torch checkpoint ({e})") from None
+    if not isinstance(state, dict):
+        raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
+    return state
+
+
+def qwen_shape(model_dir: Path) -> QwenShape:
+    path = model_dir / BLANK_EN / "config.json"
+    try:
+        return QwenShape.from_hf(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: file not found") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: not a Qwen2 config ({e})") from None
+
+
+def build_strict(make, state: dict[str, Tensor], source: str, dtype: torch.dtype, device) -> nn.Module:
+    with torch.device("meta"):
+        module = make()
+    load_strict(module, state, source, dtype, device)
+    return module.eval()
+
+
+def load_talker(model_dir: Path, cfg: dict, dtype: torch.dtype, device) -> CosyTalker:
+    shape = qwen_shape(model_dir)
+    llm = section(cfg, "llm")
+    talker = build_strict(lambda: CosyTalker(shape, llm.get("speech_token_size", 6561)),
+                          read_state(model_dir / "llm.pt"), str(model_dir / "llm.pt"), dtype, device)
+    if shape.tie_word_embeddings:  # assign=True loaded the two names as two tensors
+        talker.llm.model.lm_head.weight = talker.llm.model.model.embed_tokens.weight
+    return talker
+
+
+def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dtype, codec_dtype: torch.dtype):
+    from intone.models.cosyvoice3.codec_config import flow_config, hift_config
+    from intone.models.cosyvoice3.flow import CosyFlow
+    from intone.models.cosyvoice3.frontend import ReferenceFrontend
+    from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
+    from intone.models.cosyvoice3.noise import official_noise
+    from intone.models.cosyvoice3.prompt import CosyTokenizer
+
+    yaml_path = model_dir / "cosyvoice3.yaml"
+    cfg = read_model_yaml(yaml_path)
+    tokenizer = CosyTokenizer(model_dir / BLANK_EN)
+    talker = load_talker(model_dir, cfg, dtype, device)
+    if len(tokenizer) > talker.shape.vocab_size:
+        raise ModelLoadError(f"{model_dir / BLANK_EN}: tokenizer has {len(tokenizer)} tokens, "
+                             f"more than the embedding's {talker.shape.vocab_size}")
+    fcfg, hcfg = flow_config(cfg, yaml_path), hift_config(cfg, yaml_path)
+    flow = build_strict(lambda: CosyFlow(fcfg), read_state(model_dir / "flow.pt"), str(model_dir / "flow.pt"),
+                        codec_dtype, device)
+    hift_state = fold_hift_weight_norm(read_state(model_dir / "hift.pt"))
+    hift = build_strict(lambda: CausalHiFT(hcfg), hift_state, str(model_dir / "hift.pt"), codec_dtype, device)
+    noise = official_noise(fcfg, hcfg)
+    flow.set_noise(noise["flow"])
+    hift.set_noise(noise)
+    frontend = ReferenceFrontend(model_dir).load()
+    return cls(talker, flow, hift, tokenizer, frontend.tokenizer, frontend.speaker_encoder,
+               sample_rate=int(cfg.get("sample_rate", 24000)))

@@ -1,0 +1,138 @@
+"""CosyVoice3 behind the TTSModel interface: talker steps, reference frontend, flow + HiFT codec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from intone.engine.kv_cache import KVCache, KVLayout
+from intone.errors import InvalidRequestError
+from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceReference
+from intone.models.cosyvoice3.frontend import ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_reference
+from intone.models.cosyvoice3.prompt import (
+    MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
+)
+from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
+from intone.models.cosyvoice3.talker import CosyTalker
+from intone.models.cosyvoice3.vocoder_stage import LOOKAHEAD_TOKENS, CosyCodecStage
+
+# FSQ codes of silence and breath: after 5 in a row, further ones are not vocoded (official).
+SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
+MAX_SILENT_RUN = 5
+
+
+class CosyVoice3(TTSModel):
+    name = "cosyvoice3"
+    num_codebooks = 1
+
+    def __init__(self, talker: CosyTalker, flow, hift, tokenizer: CosyTokenizer,
+                 speech_tokenizer: SpeechTokenizer, speaker_encoder: SpeakerEncoder, sample_rate: int = 24000):
+        self.talker, self.flow, self.hift, self.tokenizer = talker, flow, hift, tokenizer
+        self.speech_tokenizer, self.speaker_encoder = speech_tokenizer, speaker_encoder
+        self.sample_rate = sample_rate
+        self.samples_per_frame = 2 * hift.samples_per_mel_frame  # one token = 2 mel frames
+        s = talker.shape
+        self.kv_layout = KVLayout(s.num_hidden_layers, s.num_key_value_heads, s.head_dim)
+        self.max_seq_len = s.max_position_embeddings
+        self.history_width = RAS_WINDOW
+        self.device = talker.llm_decoder.weight.device
+        self.dtype = talker.llm_decoder.weight.dtype
+        self.codec_device = next(flow.parameters()).device
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
+             codec_dtype: torch.dtype = torch.float32) -> "CosyVoice3":
+        from intone.models.cosyvoice3.loader import load_cosyvoice3
+
+        return load_cosyvoice3(cls, Path(model_dir), torch.device(device), dtype or torch.float32, codec_dtype)
+
+    # ---- references and prompts -------------------------------------------------------------
+
+    def reference_features(self, audio: Tensor, sample_rate: int, field: str = "ref_audio") -> dict[str, Tensor]:
+        f = extract_reference(audio, sample_rate, self.speech_tokenizer, self.speaker_encoder, field=field)
+        return {"speech_tokens": f.speech_tokens, "prompt_mel": f.prompt_mel, "speaker": f.speaker}
+
+    def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
+        return self.reference_features(audio, sample_rate)["speech_tokens"].unsqueeze(0)
+
+    def _features(self, ref: VoiceReference, field: str) -> ReferenceFeatures:
+        if ref.features is not None and {"speech_tokens", "prompt_mel", "speaker"} <= ref.features.keys():
+            f = ref.features
+        elif ref.audio is not None and ref.sample_rate is not None:
+            f = self.reference_features(ref.audio, ref.sample_rate, field)
+        else:
+            raise InvalidRequestError(field, "CosyVoice3 needs the reference audio (or a stored voice), "
+                                             "not codes alone")
+        return ReferenceFeatures(torch.as_tensor(f["speech_tokens"]).long(), torch.as_tensor(f["prompt_mel"]).float(),
+                                 torch.as_tensor(f["speaker"]).float())
+
+    def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt:
+        if len(references) != 1:
+            raise InvalidRequestError("ref_audio", "CosyVoice3 needs exactly one reference voice "
+                                                   f"(ref_audio or voice), got {len(references)}")
+        ref = references[0]
+        features = self._features(ref, "ref_audio" if ref.audio is not None else "voice")
+        tokens, codes, target_len = talker_prompt(self.tokenizer, text, ref.text, features.speech_tokens)
+        return Prompt(
+            tokens=tokens, codes=codes, conditioning=features,
+            codec_prompt_frames=int(features.speech_tokens.shape[0]),
+            min_new_tokens=MIN_TOKEN_TEXT_RATIO * target_len, max_new_tokens=MAX_TOKEN_TEXT_RATIO * target_len,
+        )
+
+    # ---- talker -----------------------------------------------------------------------------
+
+    def history_row(self, generated: list[int]) -> list[int]:
+        """[last 10 generated ids, right-aligned] + every generated id (for the standard penalty)."""
+        recent = generated[-RAS_WINDOW:]
+        return [-1] * (RAS_WINDOW - len(recent)) + recent + generated
+
+    def forwards_frame(self, generated: list[int]) -> bool:
+        tail = generated[-(MAX_SILENT_RUN + 1):]
+        return not (len(tail) > MAX_SILENT_RUN and all(t in SILENT_TOKENS for t in tail))
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch, kv: KVCache) -> StepOutput:
+        x = self.talker.embed(batch.tokens, batch.codes[:, 0])
+        logits = self.talker(x, batch.meta, kv)
+        ids = sample_speech_tokens(logits, batch.sampling, batch.history)
+        stopped = ids >= SPEECH_TOKENS
+        return StepOutput(tokens=ids, codes=ids.clamp(max=SPEECH_TOKENS - 1).unsqueeze(1), stopped=stopped)
+
+    # ---- codec ------------------------------------------------------------------------------
+
+    def make_codec_stage(self, max_batch: int, max_padded_frames: int) -> CosyCodecStage:
+        return CosyCodecStage(self, max_batch, max_padded_frames)
+
+    def mel_zeros(self) -> Tensor:
+        return torch.zeros(self.flow.cfg.output_size, 0, device=self.codec_device)
+
+    def flow_request(self, prompt: Prompt, tokens: Tensor, chunk):
+        """The flow input for a chunk (None when there are no tokens at all)."""
+        from intone.models.cosyvoice3.flow import FlowRequest
+
+        n = chunk.end if chunk.finished else chunk.end + LOOKAHEAD_TOKENS
+        if n == 0:
+            return None
+        f: ReferenceFeatures = prompt.conditioning
+        dev = self.codec_device
+        return FlowRequest(
+            tokens=tokens[:n].to(dev), prompt_tokens=f.speech_tokens.to(dev), prompt_mel=f.prompt_mel.to(dev),
+            speaker=f.speaker.to(dev), streaming=not chunk.finished, finalize=chunk.finished,
+        )
+
+    @torch.inference_mode()
+    def vocode(self, codes: Tensor, prompt: Prompt) -> Tensor:
+        """The non-streaming (full response) audio of a whole utterance."""
+        from intone.engine.chunk_planner import Chunk
+
+        n = codes.shape[1]
+        job = self.flow_request(prompt, codes[0], Chunk("", 0, n, 0, True))
+        if job is None:
+            return torch.zeros(0)
+        mel = self.flow.inference([job])[0]
+        return self.hift.vocode_batch([mel], [True])[0].float().cpu()
+
+    def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
+        raise NotImplementedError("CosyVoice3 decodes through its codec stage (it needs the reference)")

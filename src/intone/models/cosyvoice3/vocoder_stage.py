@@ -1,0 +1,86 @@
+"""CosyVoice3's codec stage: speech tokens -> mel (flow) -> audio (HiFT), batched across requests.
+
+Per chunk it does what the official streaming loop (`CosyVoice2Model.tts` with
+`CosyVoice3Model.token2wav`) does for one request, with the state kept on the request:
+  - flow over the reference tokens plus *all* tokens up to the chunk's end (+3 lookahead
+    tokens, read as context) with the chunk-causal mask; the final chunk runs with full
+    attention and no lookahead, as officially;
+  - the chunk's new mel frames (2 per token) are appended to the request's mel history;
+  - HiFT over the whole history (finalize only on the last chunk); the samples beyond those
+    already released are the chunk's audio.
+So the audio a request receives is the official streaming output for the same tokens and
+the same hop schedule (the planner's); the test suite checks this against a plain
+re-run of that loop, request by request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from intone.engine.codec_stage import group_jobs
+
+LOOKAHEAD_TOKENS = 3
+MEL_PER_TOKEN = 2
+
+
+@dataclass
+class StreamState:
+    mel: Tensor  # [80, n] mel frames handed to HiFT so far
+    released: int = 0  # audio samples sent so far
+
+
+class CosyCodecStage:
+    def __init__(self, model, max_batch: int, max_padded_frames: int):
+        self.model = model
+        self.max_batch = max_batch
+        self.max_padded_frames = max_padded_frames
+        self.calls = 0
+
+    def run(self, items: list) -> list[np.ndarray]:
+        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
+        new_mel = self._flow(items)
+        histories = []
+        for (req, chunk), mel in zip(items, new_mel):
+            state = req.codec_state
+            if state is None:
+                state = req.codec_state = StreamState(mel.new_zeros(mel.shape[0], 0))
+            state.mel = torch.cat([state.mel, mel], dim=1)
+            histories.append(state.mel)
+        audio = self._hift(histories, [c.finished for _, c in items])
+        out = []
+        for (req, _), wav in zip(items, audio):
+            state = req.codec_state
+            out.append(np.ascontiguousarray(wav[state.released :].float().cpu().numpy(), dtype=np.float32))
+            state.released = max(state.released, wav.shape[0])
+        return out
+
+    def _flow(self, items: list) -> list[Tensor]:
+        """The new mel frames [80, 2 * (end - start)] of each chunk."""
+        model = self.model
+        jobs = [model.flow_request(req.prompt, req.codes[0], chunk) for req, chunk in items]
+        empty = model.mel_zeros()
+        out: list[Tensor] = [empty] * len(items)
+        live = [i for i, job in enumerate(jobs) if job is not None]
+        lengths = [jobs[i].prompt_tokens.shape[0] + jobs[i].tokens.shape[0] for i in live]
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+            idx = [live[g] for g in group]
+            mels = model.flow.inference([jobs[i] for i in idx])
+            self.calls += 1
+            for i, mel in zip(idx, mels):
+                out[i] = mel[:, MEL_PER_TOKEN * items[i][1].start :]
+        return out
+
+    def _hift(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
+        out: list[Tensor] = [mels[0].new_zeros(0)] * len(mels)
+        live = [i for i, m in enumerate(mels) if m.shape[1] > 0]
+        lengths = [mels[i].shape[1] // MEL_PER_TOKEN for i in live]
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+            idx = [live[g] for g in group]
+            audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx])
+            for i, wav in zip(idx, audio):
+                out[i] = wav
+        return out
