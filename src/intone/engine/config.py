@@ -45,6 +45,10 @@ class ChunkingConfig(_Strict):
     backlog_load_threshold: float = Field(0.75, gt=0, le=1)
     backlog_min_ready: int | None = Field(None, ge=1, description="default: max(2, 3/4 of capacity)")
     left_context_frames: int = Field(25, ge=0)
+    lookahead_frames: int = Field(0, ge=0, description="frames needed beyond a streamed chunk's end")
+    growth_factor: int = Field(1, ge=1, description="each chunk's hop is the previous one's times this")
+    max_chunk_frames: int = Field(0, ge=0, description="cap for grown hops (0: none)")
+    align_first_chunk: int = Field(0, ge=0, description="pad the first hop so prompt + hop is a multiple")
 
     def policy(self, capacity: int) -> ChunkPolicy:
         min_ready = self.backlog_min_ready or max(2, min(capacity, int(0.75 * capacity)))
@@ -52,6 +56,8 @@ class ChunkingConfig(_Strict):
             initial_chunk_frames=self.initial_chunk_frames, steady_chunk_frames=self.steady_chunk_frames,
             backlog_chunk_frames=self.backlog_chunk_frames, backlog_load_threshold=self.backlog_load_threshold,
             backlog_min_ready=min_ready, left_context_frames=self.left_context_frames,
+            lookahead_frames=self.lookahead_frames, growth_factor=self.growth_factor,
+            max_chunk_frames=self.max_chunk_frames, align_first_chunk=self.align_first_chunk,
         )
 
 
@@ -61,6 +67,7 @@ class SamplingDefaults(_Strict):
     top_k: int = Field(30, ge=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     max_new_tokens: int = Field(2048, ge=1)
+    mode: Literal["ras", "standard"] | None = Field(None, description="the model's sampling mode (None: its default)")
 
 
 class Profile(_Strict):

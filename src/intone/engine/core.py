@@ -250,6 +250,6 @@ class EngineCore:
 def default_params(profile: Profile, **overrides) -> SamplingParams:
     s = profile.sampling
     values = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                  repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens)
+                  repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens, mode=s.mode)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingParams(**values)

@@ -13,8 +13,13 @@ import torch
 from intone.errors import ModelLoadError
 from intone.models.base import TTSModel
 
-TINY_MAKERS = {"fish-s2": "intone.models.fish_s2.tiny:make_tiny_fish_s2"}
+TINY_MAKERS = {
+    "fish-s2": "intone.models.fish_s2.tiny:make_tiny_fish_s2",
+    "cosyvoice3": "intone.models.cosyvoice3.tiny:make_tiny_cosyvoice3",
+}
 FAMILIES_BY_MODEL_TYPE = {"fish_qwen3_omni": "intone.models.fish_s2:FishS2"}
+# Checkpoints without a top-level config.json, recognised by a file of their own.
+FAMILIES_BY_MARKER = {"cosyvoice3.yaml": "intone.models.cosyvoice3.model:CosyVoice3"}
 
 
 def _import(ref: str):
@@ -41,7 +46,7 @@ def resolve_model_dir(spec: str) -> Path:
         return path
     family = spec[len("tiny:"):]
     target = cache_dir() / "tiny" / family
-    if not (target / "config.json").exists():
+    if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=target.parent))
         try:
@@ -68,6 +73,9 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
             raise ModelLoadError(f"unknown model {spec!r}; random: knows {', '.join(RANDOM_FULL_SIZE)}")
         return _import(RANDOM_FULL_SIZE[family])(device=device, dtype=dtype, codec_dtype=codec_dtype)
     model_dir = resolve_model_dir(spec)
+    for marker, ref in FAMILIES_BY_MARKER.items():
+        if (model_dir / marker).exists():
+            return _import(ref).load(model_dir, device=device, dtype=dtype, codec_dtype=codec_dtype)
     config = model_dir / "config.json"
     try:
         model_type = json.loads(config.read_text()).get("model_type")
