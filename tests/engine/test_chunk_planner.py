@@ -137,3 +137,39 @@ def test_real_backlog_switch_depends_on_load():
     chunks = planner.plan({"a": 4, "b": 3})  # only b pending: load 0.5, steady size 2
     assert not planner.backlog_active
     assert [(c.request_id, c.start, c.end, c.context) for c in chunks] == [("b", 0, 2, 0)]
+
+
+# ---- CosyVoice3's schedule: prompt-aligned first hop, lookahead, growing hops ----------------
+
+COSY = ChunkPolicy(steady_chunk_frames=25, align_first_chunk=25, lookahead_frames=3, growth_factor=2,
+                   max_chunk_frames=100, left_context_frames=0)
+
+
+def official_cosy_schedule(n_tokens: int, prompt_tokens: int) -> list[tuple[int, int, bool]]:
+    """The official streaming loop's chunk boundaries (CosyVoice2Model.tts, per-request hop)."""
+    pad = -(-prompt_tokens // 25) * 25 - prompt_tokens
+    offset, hop, out = 0, 25, []
+    for available in range(n_tokens + 1):
+        this_hop = hop + pad if offset == 0 else hop
+        if available - offset >= this_hop + 3:
+            out.append((offset, offset + this_hop, False))
+            offset += this_hop
+            hop = min(100, hop * 2)
+    out.append((offset, n_tokens, True))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 700), prompt=st.integers(0, 400), others=st.integers(0, 3))
+def test_cosy_schedule_equals_the_official_loop(n, prompt, others):
+    planner = ChunkPlanner(COSY, capacity=8)
+    planner.add("r", prompt_frames=prompt)
+    for i in range(others):  # other requests interleave; their hops are their own
+        planner.add(f"o{i}", prompt_frames=prompt + 7 * i)
+    got = []
+    for count in range(n + 1):
+        frames = {"r": count, **{f"o{i}": count * 2 for i in range(others)}}
+        for c in planner.plan(frames, finished=["r"] if count == n else []):
+            if c.request_id == "r":
+                got.append((c.start, c.end, c.finished))
+    assert got == official_cosy_schedule(n, prompt)

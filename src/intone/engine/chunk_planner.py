@@ -116,9 +116,11 @@ class ChunkPlanner:
     def plan(self, frames: dict[str, int], finished: Sequence[str] = ()) -> list[Chunk]:
         """frames: frames generated so far per live request; finished: requests that stopped.
 
-        Returns the chunks due now, at most one per request. A finished request gets its whole
-        pending tail as one terminal chunk (possibly empty), once; repeated finish calls for it
-        return nothing more.
+        Returns the chunks due now: per request at most one regular chunk and, for a finished
+        request, then one terminal chunk with the whole pending tail (possibly empty), once;
+        repeated finish calls return nothing more. A chunk that is due is released as such even
+        if its request finished in the same step, so the chunk boundaries never depend on
+        when a request stops.
         """
         done = set(finished)
         pending = {rid: frames[rid] - f.emitted for rid, f in self._frontiers.items() if rid in frames}
@@ -130,20 +132,19 @@ class ChunkPlanner:
             n = frames[rid]
             if n < front.emitted:
                 raise ValueError(f"{rid}: frame count went backwards ({n} < {front.emitted})")
-            if rid in done:
-                end, final = n, True
-            else:
-                target = self._hop(front, steady)
-                if n - front.emitted < target + self.policy.lookahead_frames:
-                    continue
-                end, final = front.emitted + target, False
+            target = self._hop(front, steady)
+            if n - front.emitted >= target + self.policy.lookahead_frames:
+                chunks.append(self._release(rid, front, front.emitted + target, False))
                 front.chunks += 1
-            # The first chunk never takes context: there is nothing before it.
-            context = min(front.emitted, self.policy.left_context_frames)
-            chunks.append(Chunk(rid, front.emitted, end, context, final))
-            front.emitted = end
-            front.terminated = final
+            if rid in done:
+                chunks.append(self._release(rid, front, n, True))
         return chunks
+
+    def _release(self, rid: str, front: _Frontier, end: int, final: bool) -> Chunk:
+        # The first chunk never takes context: there is nothing before it.
+        chunk = Chunk(rid, front.emitted, end, min(front.emitted, self.policy.left_context_frames), final)
+        front.emitted, front.terminated = end, final
+        return chunk
 
 
 def take_window(frames, chunk: Chunk):

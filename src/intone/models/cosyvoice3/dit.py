@@ -189,12 +189,12 @@ class DiT(nn.Module):
         """
         pos = torch.arange(total, device=lengths.device)
         valid = pos[None] < lengths[:, None]
+        visible = valid[:, None, :].expand(-1, total, -1)
         chunk = self.config.static_chunk_size
-        if chunk <= 0:
-            streaming = torch.zeros_like(streaming)
-        chunk_end = (pos // max(chunk, 1) + 1) * max(chunk, 1)
-        visible = (pos[None, :] < chunk_end[:, None])[None] | ~streaming[:, None, None]
-        return (visible & valid[:, None, :])[:, None], valid
+        if chunk > 0:
+            in_chunk = pos[None, :] < ((pos // chunk + 1) * chunk)[:, None]
+            visible = visible & (in_chunk[None] | ~streaming[:, None, None])
+        return visible[:, None], valid
 
     def forward(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, mask: Tensor, valid: Tensor) -> Tensor:
         """x, mu, cond: [B, T, mel]; spks: [B, spk]; t: [B]; mask, valid: from `attention_mask`."""
