@@ -139,10 +139,10 @@ def _install_routes(app: FastAPI) -> None:
             raise MediaTooLarge("audio", f"over the {limit} byte limit")
         samples, rate = read_audio(data, field="audio", max_seconds=state.settings.media.max_seconds)
         try:
-            codes = await state.engine.encode_reference(samples.numpy(), rate)
+            features = await state.engine.encode_reference(samples.numpy(), rate)
         except IntoneError as e:
             raise InvalidRequestError("audio", str(e)) from None
-        info = state.voices.add(name, transcript, samples.numpy(), rate, codes)
+        info = state.voices.add(name, transcript, samples.numpy(), rate, features)
         return info.__dict__
 
     @app.get("/v1/audio/voices")

@@ -84,7 +84,7 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
     params = default_params(
         app_state.profile, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,
-        ignore_eos=body.ignore_eos or None,
+        ignore_eos=body.ignore_eos or None, mode=body.sampling_mode, min_new_tokens=body.min_new_tokens,
     ).validate()
     return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames)
 

@@ -37,7 +37,8 @@ class VoiceInfo:
 
 
 class VoiceStore:
-    """One directory per voice: meta.json, reference.npy (float32 audio), codes.npy."""
+    """One directory per voice: meta.json, reference.npy (float32 audio), features.npz (the model's
+    reference features; older voices have codes.npy)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -49,7 +50,8 @@ class VoiceStore:
             raise InvalidRequestError("name", "use 1-64 letters, digits, '_' or '-'")
         return self.root / name
 
-    def add(self, name: str, transcript: str, audio: np.ndarray, sample_rate: int, codes: np.ndarray) -> VoiceInfo:
+    def add(self, name: str, transcript: str, audio: np.ndarray, sample_rate: int,
+            features: dict[str, np.ndarray]) -> VoiceInfo:
         folder = self._dir(name)
         if not transcript.strip():
             raise InvalidRequestError("transcript", "must not be empty")
@@ -57,9 +59,10 @@ class VoiceStore:
             raise VoiceExists("name", f"voice {name!r} already exists")
         tmp = self.root / f".{name}.{time.monotonic_ns()}"
         tmp.mkdir()
-        info = VoiceInfo(name, transcript, sample_rate, len(audio) / sample_rate, int(codes.shape[1]), time.time())
+        frames = int(next(iter(features.values())).shape[-1])
+        info = VoiceInfo(name, transcript, sample_rate, len(audio) / sample_rate, frames, time.time())
         np.save(tmp / "reference.npy", audio.astype(np.float32))
-        np.save(tmp / "codes.npy", codes)
+        np.savez(tmp / "features.npz", **features)
         (tmp / "meta.json").write_text(json.dumps(asdict(info)))
         tmp.rename(folder)  # a voice appears whole or not at all
         return info
@@ -78,13 +81,18 @@ class VoiceStore:
         self._cache.pop(name, None)
 
     def reference(self, name: str) -> VoiceReference:
-        """The stored transcript and codes; the audio is never re-encoded."""
+        """The stored transcript and features; the audio is never re-encoded."""
         if name in self._cache:
             return self._cache[name]
         folder = self._dir(name) if NAME.fullmatch(name) else None
         if folder is None or not (folder / "meta.json").exists():
             raise UnknownVoice("voice", f"unknown voice {name!r}")
         info = json.loads((folder / "meta.json").read_text())
-        ref = VoiceReference(text=info["transcript"], codes=torch.from_numpy(np.load(folder / "codes.npy")))
+        if (folder / "features.npz").exists():
+            with np.load(folder / "features.npz") as stored:
+                features = {k: torch.from_numpy(stored[k]) for k in stored.files}
+        else:
+            features = {"codes": torch.from_numpy(np.load(folder / "codes.npy"))}
+        ref = VoiceReference(text=info["transcript"], codes=features.get("codes"), features=features)
         self._cache[name] = ref
         return ref

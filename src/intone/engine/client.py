@@ -145,7 +145,7 @@ class Engine:
         return await waiter
 
     async def encode_reference(self, audio, sample_rate: int):
-        """Mono float32 audio -> codes [K, T] (numpy), computed by the engine's codec."""
+        """Mono float32 audio -> the model's reference features (numpy arrays by name)."""
         if self.dead:
             raise EngineDead(f"engine core is dead: {self.dead}")
         token = uuid.uuid4().hex

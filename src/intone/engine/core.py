@@ -109,10 +109,10 @@ class EngineCore:
         chunk.error_code, chunk.error_field = code, field
         self._outbox.append(chunk)
 
-    def encode_reference(self, audio, sample_rate: int):
-        """Reference audio -> codes [K, T] (numpy), so a stored voice is encoded only once."""
-        codes = self.model.encode_reference(torch.as_tensor(audio, dtype=torch.float32), sample_rate)
-        return codes.cpu().numpy()
+    def encode_reference(self, audio, sample_rate: int) -> dict:
+        """Reference audio -> the model's reference features (numpy), so a stored voice is encoded once."""
+        features = self.model.reference_features(torch.as_tensor(audio, dtype=torch.float32), sample_rate)
+        return {name: value.cpu().numpy() for name, value in features.items()}
 
     def abort(self, request_id: str) -> None:
         """Cancel: free everything; the client gets one terminal chunk unless it already had one."""

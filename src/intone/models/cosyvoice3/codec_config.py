@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -84,9 +85,14 @@ def tiny_codec(flow: dict, hift: dict) -> tuple[dict, dict]:
     return dict(f.state_dict()), unfold_weight_norm(h.state_dict(), weight_normed(h))
 
 
+_WEIGHT_NORMED = re.compile(r"(conv_pre|conv_post|ups\.\d+|(source_)?resblocks\.\d+\.convs[12]\.\d+"
+                            r"|f0_predictor\.condnet\.\d+)\.weight")
+
+
 def weight_normed(h: CausalHiFT) -> set[str]:
-    """Names of the HiFT weights the official generator keeps under weight norm."""
-    return set(h.weight_norm_names()) if hasattr(h, "weight_norm_names") else set()
+    """Names of the HiFT weights the official generator keeps under weight norm (77 + the F0
+    predictor's 5 at full size; the source downsamplers and linear layers have none)."""
+    return {k for k in h.state_dict() if _WEIGHT_NORMED.fullmatch(k)}
 
 
 def unfold_weight_norm(state: dict, names: set[str]) -> dict:

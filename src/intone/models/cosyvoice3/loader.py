@@ -62,10 +62,8 @@ def load_talker(model_dir: Path, cfg: dict, dtype: torch.dtype, device) -> CosyT
 
 
 def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dtype, codec_dtype: torch.dtype):
-    from intone.models.cosyvoice3.codec_config import flow_config, hift_config
-    from intone.models.cosyvoice3.flow import CosyFlow
+    from intone.models.cosyvoice3.codec_config import flow_config, flow_sizes, hift_config
     from intone.models.cosyvoice3.frontend import ReferenceFrontend
-    from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
     from intone.models.cosyvoice3.noise import official_noise
     from intone.models.cosyvoice3.prompt import CosyTokenizer
 
@@ -77,13 +75,36 @@ def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dty
         raise ModelLoadError(f"{model_dir / BLANK_EN}: tokenizer has {len(tokenizer)} tokens, "
                              f"more than the embedding's {talker.shape.vocab_size}")
     fcfg, hcfg = flow_config(cfg, yaml_path), hift_config(cfg, yaml_path)
-    flow = build_strict(lambda: CosyFlow(fcfg), read_state(model_dir / "flow.pt"), str(model_dir / "flow.pt"),
-                        codec_dtype, device)
-    hift_state = fold_hift_weight_norm(read_state(model_dir / "hift.pt"))
-    hift = build_strict(lambda: CausalHiFT(hcfg), hift_state, str(model_dir / "hift.pt"), codec_dtype, device)
-    noise = official_noise(fcfg, hcfg)
-    flow.set_noise(noise["flow"])
-    hift.set_noise(noise)
+    noise = official_noise(flow_sizes(fcfg), hcfg, include_uv=False)
+    flow = load_flow(model_dir / "flow.pt", fcfg, noise, codec_dtype, device)
+    hift = load_hift(model_dir / "hift.pt", hcfg, noise, codec_dtype, device)
     frontend = ReferenceFrontend(model_dir).load()
     return cls(talker, flow, hift, tokenizer, frontend.tokenizer, frontend.speaker_encoder,
                sample_rate=int(cfg.get("sample_rate", 24000)))
+
+
+def load_flow(path: Path, cfg, noise: dict, dtype: torch.dtype, device):
+    from intone.models.cosyvoice3.flow import CosyFlow
+    from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY
+
+    flow = build_strict(lambda: CosyFlow(cfg), read_state(path), str(path), dtype, device)
+    flow.decoder.noise_bits = noise[FLOW_NOISE_KEY].view(torch.int32).to(device)
+    return flow
+
+
+def load_hift(path: Path, cfg, noise: dict, dtype: torch.dtype, device):
+    from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
+    from intone.models.cosyvoice3.noise import HIFT_RAND_INI_KEY, HIFT_SINE_NOISE_KEY
+
+    state = fold_hift_weight_norm(read_state(path))
+    placeholder = {HIFT_RAND_INI_KEY: torch.zeros(1, cfg.nb_harmonics + 1),
+                   HIFT_SINE_NOISE_KEY: torch.zeros(1, cfg.noise_samples, cfg.nb_harmonics + 1)}
+    with torch.device("meta"):
+        hift = CausalHiFT(cfg, noise=placeholder)
+    # The official F0 predictor runs in float64 (folded in float64 too); the rest in `dtype`.
+    load_strict(hift, state, str(path), lambda name: torch.float64 if name.startswith("f0_predictor.") else dtype,
+                device)
+    holder = hift.m_source.l_sin_gen
+    holder.sine_waves = torch.zeros(0, device=device)  # set_noise installs on the holder's device
+    hift.set_noise(noise)
+    return hift.eval()

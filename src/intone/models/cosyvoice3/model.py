@@ -32,7 +32,7 @@ class CosyVoice3(TTSModel):
         self.talker, self.flow, self.hift, self.tokenizer = talker, flow, hift, tokenizer
         self.speech_tokenizer, self.speaker_encoder = speech_tokenizer, speaker_encoder
         self.sample_rate = sample_rate
-        self.samples_per_frame = 2 * hift.samples_per_mel_frame  # one token = 2 mel frames
+        self.samples_per_frame = 2 * hift.cfg.hop  # one token = 2 mel frames
         s = talker.shape
         self.kv_layout = KVLayout(s.num_hidden_layers, s.num_key_value_heads, s.head_dim)
         self.max_seq_len = s.max_position_embeddings
@@ -106,7 +106,7 @@ class CosyVoice3(TTSModel):
         return CosyCodecStage(self, max_batch, max_padded_frames)
 
     def mel_zeros(self) -> Tensor:
-        return torch.zeros(self.flow.cfg.output_size, 0, device=self.codec_device)
+        return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
 
     def flow_request(self, prompt: Prompt, tokens: Tensor, chunk):
         """The flow input for a chunk (None when there are no tokens at all)."""

@@ -63,8 +63,11 @@ def read_codec_weights(path: Path) -> dict[str, Tensor]:
     return state
 
 
-def load_strict(module: nn.Module, state: dict[str, Tensor], source: str, dtype: torch.dtype, device) -> None:
-    """Assign every tensor; name the first missing, unexpected or mis-shaped one on failure."""
+def load_strict(module: nn.Module, state: dict[str, Tensor], source: str, dtype, device) -> None:
+    """Assign every tensor; name the first missing, unexpected or mis-shaped one on failure.
+
+    dtype: one dtype for all tensors, or a function of the tensor name giving it.
+    """
     expected = module.state_dict(keep_vars=True)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -77,4 +80,6 @@ def load_strict(module: nn.Module, state: dict[str, Tensor], source: str, dtype:
             raise ModelLoadError(
                 f"{source}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
             )
-    module.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
+    dtype_of = dtype if callable(dtype) else (lambda name: dtype)
+    module.load_state_dict({k: v.to(device=device, dtype=dtype_of(k)) for k, v in state.items()},
+                           strict=True, assign=True)
