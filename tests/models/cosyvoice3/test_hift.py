@@ -4,7 +4,9 @@ float64 F0 and the replayed official noise. Tiny configs; the official code is n
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 
 import pytest
 import torch
@@ -47,7 +49,7 @@ def official_tree(cfg: HiFTConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
     for i, k in enumerate(cfg.upsample_kernel_sizes):
         conv(f"ups.{i}", base // 2 ** (i + 1), base // 2**i, k)
     # downsample_rates = [1] + rates[::-1][:-1]; cumulative product, reversed
-    cum = list(reversed(list(__import__("itertools").accumulate([1] + list(cfg.upsample_rates[::-1][:-1]), lambda a, b: a * b))))
+    cum = list(reversed(list(itertools.accumulate([1, *cfg.upsample_rates[::-1][:-1]], operator.mul))))
     for i, u in enumerate(cum):
         conv(f"source_downs.{i}", base // 2 ** (i + 1), spec, 1 if u == 1 else 2 * u, wn=False)
     for i, (k, d) in enumerate(zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)):
@@ -78,7 +80,10 @@ def random_official_state(cfg: HiFTConfig, seed: int = 0, legacy: bool = False, 
             mag_lo, mag_span = (1.0, 2.0) if base.startswith("f0_predictor.") else (0.1, 0.3)
             mag = mag_lo + mag_span * torch.rand(shape[0], 1, 1, generator=g)
             direction = torch.randn(shape, generator=g)
-            g_key, v_key = (".weight_g", ".weight_v") if legacy else (".parametrizations.weight.original0", ".parametrizations.weight.original1")
+            if legacy:
+                g_key, v_key = ".weight_g", ".weight_v"
+            else:
+                g_key, v_key = ".parametrizations.weight.original0", ".parametrizations.weight.original1"
             state[prefix + base + g_key] = mag
             state[prefix + base + v_key] = direction
         elif key.endswith("alpha"):

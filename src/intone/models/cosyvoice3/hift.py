@@ -16,6 +16,7 @@ official random draws at construction, replayed by `intone.models.cosyvoice3.noi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -109,10 +110,12 @@ class ResBlock(nn.Module):
         return x
 
 
+@functools.lru_cache(maxsize=16)
 def _hann(n_fft: int, device: torch.device) -> Tensor:
     # Periodic Hann computed in float64 and rounded to float32: the official scipy window bit for bit
-    # (torch.hann_window in float32 differs in the last bit).
-    return torch.hann_window(n_fft, periodic=True, dtype=torch.float64).to(device=device, dtype=torch.float32)
+    # (torch.hann_window in float32 differs in the last bit). Cached: one host-to-device copy per device.
+    with torch.inference_mode(False), torch.no_grad():
+        return torch.hann_window(n_fft, periodic=True, dtype=torch.float64).to(device=device, dtype=torch.float32)
 
 
 class CausalHiFT(nn.Module):
@@ -193,8 +196,10 @@ class CausalHiFT(nn.Module):
             raise KeyError(f"noise needs {RAND_INI_KEY} and {SINE_NOISE_KEY}; got {sorted(noise)}")
         channels, samples = self.cfg.nb_harmonics + 1, self.cfg.noise_samples
         rand_ini, sine = found[RAND_INI_KEY], found[SINE_NOISE_KEY]
-        if tuple(rand_ini.shape) != (1, channels) or sine.dim() != 3 or sine.shape[0] != 1 or sine.shape[2] != channels:
-            raise ValueError(f"noise shapes {tuple(rand_ini.shape)}, {tuple(sine.shape)} do not fit {channels} channels")
+        if tuple(rand_ini.shape) != (1, channels) or sine.dim() != 3 or (sine.shape[0], sine.shape[2]) != (1, channels):
+            raise ValueError(
+                f"noise shapes {tuple(rand_ini.shape)}, {tuple(sine.shape)} do not fit {channels} channels"
+            )
         if sine.shape[1] < samples:
             raise ValueError(f"sine noise holds {sine.shape[1]} samples, config needs {samples}")
         if sine.shape[1] > samples:
@@ -257,8 +262,7 @@ class CausalHiFT(nn.Module):
             else:
                 t_max = max(lengths[i] for i in live)
                 mel = torch.stack([F.pad(rows[i], (0, t_max - lengths[i])) for i in live])
-                with torch.inference_mode():
-                    audio = self._run(mel, [lengths[i] for i in live], [finalize[i] for i in live], pad=True)
+                audio = self._run(mel, [lengths[i] for i in live], [finalize[i] for i in live], pad=True)
             for j, i in enumerate(live):
                 out[i] = audio[j, : self.cfg.output_samples(lengths[i], finalize[i])]
         return out  # type: ignore[return-value]
@@ -274,7 +278,7 @@ class CausalHiFT(nn.Module):
         compute = self._excitation_dtype()
         stft_hop = cfg.hop_len
         frames_per_mel = hop // stft_hop  # STFT frames per mel frame (120)
-        window = _hann(cfg.n_fft, mel.device)
+        window = _hann(cfg.n_fft, torch.device(mel.device))
 
         # F0 at frame rate, float64, cast like the official (to the mel dtype; float32 at least here).
         f0 = self.f0_predictor(mel, pad=pad).to(compute)
@@ -317,7 +321,8 @@ class CausalHiFT(nn.Module):
         del x, magnitude, phase
 
         # A final row keeps all n * hop samples of its iSTFT; a non-final one drops the last hop.
-        audio = mel.new_zeros(batch, max(n * hop - (0 if fin else hop) for n, fin in zip(conv_frames, finals)), dtype=compute)
+        width = max(n * hop - (0 if fin else hop) for n, fin in zip(conv_frames, finals))
+        audio = mel.new_zeros(batch, width, dtype=compute)
         for (n_keep, fin), idx in _groups(zip(conv_frames, finals)).items():
             frames = n_keep * frames_per_mel + 1
             wave = torch.istft(spectrum[idx, :, :frames], cfg.n_fft, stft_hop, cfg.n_fft, window=window)
@@ -327,12 +332,13 @@ class CausalHiFT(nn.Module):
         return audio
 
 
-def _groups(keys) -> dict[tuple, list[int]]:
-    """Row indices grouped by key, in first-seen order."""
+def _groups(keys) -> dict[tuple, list[int] | slice]:
+    """Row selectors grouped by key, in first-seen order; a run of consecutive rows is a slice
+    (a view, and no index tensor to copy to the device)."""
     groups: dict[tuple, list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault(tuple(key), []).append(i)
-    return groups
+    return {k: slice(v[0], v[-1] + 1) if v[-1] - v[0] + 1 == len(v) else v for k, v in groups.items()}
 
 
 # ---------------------------------------------------------------- checkpoint
@@ -367,7 +373,7 @@ def fold_hift_weight_norm(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
                 used.update((key, v_key))
     for key, value in state.items():
         if key not in used:
-            if key.endswith(_WN_FORMS[0][1]) or key.endswith(_WN_FORMS[1][1]):
+            if key.endswith((_WN_FORMS[0][1], _WN_FORMS[1][1])):
                 raise KeyError(f"{key} has no matching weight-norm magnitude")
             out[key] = value
     return out

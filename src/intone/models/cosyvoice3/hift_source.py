@@ -91,8 +91,8 @@ class CausalF0Predictor(PinnedDtype):
     def __init__(self, in_channels: int = 80, cond_channels: int = 512, look_right: int = 3):
         super().__init__()
         f64 = torch.float64
-        layers: list[nn.Module] = [PaddedConv1d(in_channels, cond_channels, look_right + 1, right=look_right, dtype=f64)]
-        layers.append(nn.ELU())
+        first = PaddedConv1d(in_channels, cond_channels, look_right + 1, right=look_right, dtype=f64)
+        layers: list[nn.Module] = [first, nn.ELU()]
         for _ in range(4):
             layers += [PaddedConv1d(cond_channels, cond_channels, 3, left=2, dtype=f64), nn.ELU()]
         self.condnet = nn.ModuleList(layers)

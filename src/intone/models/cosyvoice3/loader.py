@@ -97,9 +97,9 @@ def load_hift(path: Path, cfg, noise: dict, dtype: torch.dtype, device):
     from intone.models.cosyvoice3.noise import HIFT_RAND_INI_KEY, HIFT_SINE_NOISE_KEY
 
     state = fold_hift_weight_norm(read_state(path))
-    placeholder = {HIFT_RAND_INI_KEY: torch.zeros(1, cfg.nb_harmonics + 1),
-                   HIFT_SINE_NOISE_KEY: torch.zeros(1, cfg.noise_samples, cfg.nb_harmonics + 1)}
     with torch.device("meta"):
+        placeholder = {HIFT_RAND_INI_KEY: torch.zeros(1, cfg.nb_harmonics + 1),
+                       HIFT_SINE_NOISE_KEY: torch.zeros(1, cfg.noise_samples, cfg.nb_harmonics + 1)}
         hift = CausalHiFT(cfg, noise=placeholder)
     # The official F0 predictor runs in float64 (folded in float64 too); the rest in `dtype`.
     load_strict(hift, state, str(path), lambda name: torch.float64 if name.startswith("f0_predictor.") else dtype,

@@ -71,7 +71,7 @@ def _skip_uniform(gen: torch.Generator, count: int) -> None:
 
 def official_noise(
     flow_sizes: FlowSizes = FlowSizes(),
-    hift_cfg: HiFTConfig = HiFTConfig(),
+    hift_cfg: HiFTConfig | None = None,
     *,
     noise_samples: int | None = None,
     include_uv: bool = True,
@@ -80,8 +80,10 @@ def official_noise(
     `flow.decoder.rand_noise` [1, 80, 15000] (normal), `hift.m_source.l_sin_gen.rand_ini` [1, 9],
     `hift.m_source.l_sin_gen.sine_waves` [1, N, 9] and, with include_uv, `hift.m_source.uv`
     [1, N, 1] (uniform), float32 on the CPU. N is `noise_samples` (default hift_cfg.noise_samples,
-    at most 7.2 M): the first N samples of the official 7.2 M-sample buffers.
+    at most 7.2 M): the first N samples of the official 7.2 M-sample buffers. hift_cfg (default
+    HiFTConfig()) matters through the F0 predictor's sizes and nb_harmonics.
     """
+    hift_cfg = HiFTConfig() if hift_cfg is None else hift_cfg
     n = hift_cfg.noise_samples if noise_samples is None else noise_samples
     if not 0 < n <= OFFICIAL_NOISE_SAMPLES:
         raise ValueError(f"noise_samples must be in 1..{OFFICIAL_NOISE_SAMPLES}, got {n}")

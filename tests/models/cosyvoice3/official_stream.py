@@ -1,0 +1,52 @@
+"""The official streaming loop for one request, re-run directly on the model's flow and HiFT.
+
+`CosyVoice2Model.tts(stream=True)` with `CosyVoice3Model.token2wav`, with its hop kept per
+request (the official code keeps it on the shared model object, a known bug): chunks of
+hop + 3 available tokens, the first hop padded so that reference + hop is a multiple of 25,
+hops doubling to 100; the flow re-run over the whole prefix with the chunk mask, the HiFT over
+the whole mel history; the final call with full attention and finalize. The engine batches
+all of this across requests and must release exactly these samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from intone.models.cosyvoice3.flow import FlowRequest
+
+
+def _token2wav(model, tokens, features, offset, state, stream: bool, finalize: bool) -> torch.Tensor:
+    dev = model.codec_device
+    job = FlowRequest(torch.tensor(tokens, dtype=torch.long, device=dev), features.speech_tokens.to(dev),
+                      features.prompt_mel.to(dev), features.speaker.to(dev), streaming=stream, finalize=finalize)
+    mel = model.flow.inference([job])[0][:, 2 * offset :]
+    state["mel"] = mel if state["mel"] is None else torch.cat([state["mel"], mel], dim=1)
+    speech = model.hift.inference(state["mel"].unsqueeze(0), finalize=finalize)[0]
+    new = speech[state["released"] :]
+    state["released"] += new.shape[0]
+    return new.float().cpu()
+
+
+def official_stream(model, tokens: list[int], features) -> list[tuple[int, int, torch.Tensor]]:
+    """[(start token, end token, audio)] per chunk, the last one final."""
+    pad = -(-features.speech_tokens.shape[0] // 25) * 25 - features.speech_tokens.shape[0]
+    offset, hop, state, out = 0, 25, {"mel": None, "released": 0}, []
+    for available in range(len(tokens) + 1):
+        this_hop = hop + pad if offset == 0 else hop
+        if available - offset >= this_hop + 3:
+            audio = _token2wav(model, tokens[: offset + this_hop + 3], features, offset, state, True, False)
+            out.append((offset, offset + this_hop, audio))
+            offset += this_hop
+            hop = min(100, 2 * hop)
+    if tokens:
+        out.append((offset, len(tokens), _token2wav(model, tokens, features, offset, state, False, True)))
+    else:
+        out.append((0, 0, torch.zeros(0)))
+    return out
+
+
+def official_full(model, tokens: list[int], features) -> torch.Tensor:
+    """Non-stream mode: one token2wav call with full attention and finalize."""
+    if not tokens:
+        return torch.zeros(0)
+    return _token2wav(model, tokens, features, 0, {"mel": None, "released": 0}, False, True)

@@ -1,0 +1,137 @@
+"""CosyVoice3 through the engine: the official streaming property, per-request hop state,
+batched codec == each request alone, full response, seeds, and the frame audit."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore
+from intone.engine.offline import OfflineRequest, run_to_completion
+from intone.engine.request import SynthesisRequest
+from intone.engine.trace import FrameTracer
+from intone.models.base import SamplingParams, VoiceReference
+
+from .conftest import voice_audio
+from .official_stream import official_full, official_stream
+
+TEXTS = ["Hello world.", "The rain falls on the quiet town.", "Numbers like 1, 2, 3.",
+         "Streaming audio arrives in chunks, frame after frame, exactly once and in order."]
+
+
+def voices(n):
+    """References of different lengths, so each request has its own first-hop padding."""
+    return [VoiceReference(text="She said the weather would be fine.", audio=voice_audio(1.0 + 0.37 * i, pitch=110 + 9 * i),
+                           sample_rate=16000) for i in range(n)]
+
+
+def run_engine(model, profile, requests, tracer=None):
+    core = EngineCore(model, profile, tracer)
+    for r in requests:
+        core.add_request(r)
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    snap = core.snapshot()
+    assert snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
+    return chunks
+
+
+def alone_tokens(model, text, ref, params):
+    prompt = model.build_prompt(text, [ref])
+    r = run_to_completion(model, [OfflineRequest(prompt, params)])[0]
+    return [int(t) for t in r.codes[0]], r.tokens, prompt
+
+
+def test_streams_release_exactly_the_official_streaming_audio(cosy64):
+    """Interleaved requests with different references and modes: every chunk's span and samples
+    equal the official loop run for that request alone (float64: to 1e-9)."""
+    refs = voices(4)
+    # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
+    # so request 3 surely runs long enough for the hop to reach 100.
+    params = [SamplingParams(seed=7 + i, min_new_tokens=(60, 80, 100, 200)[i], max_new_tokens=(160, 160, 160, 240)[i],
+                             top_k=25, top_p=0.8, temperature=1.0, mode="ras" if i % 2 == 0 else "standard")
+              for i in range(4)]
+    reqs = [SynthesisRequest(f"r{i}", TEXTS[i], [refs[i]], params[i]) for i in range(4)]
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 4})
+    chunks = run_engine(cosy64, profile, reqs)
+    hops_seen = set()
+    for i in range(4):
+        frames, _, prompt = alone_tokens(cosy64, TEXTS[i], refs[i], params[i])
+        expected = official_stream(cosy64, frames, prompt.conditioning)
+        got = chunks[f"r{i}"]
+        assert [(c.start_frame, c.end_frame) for c in got] == [(s, e) for s, e, _ in expected]
+        assert got[-1].finished and sum(c.finished for c in got) == 1
+        for c, (_, _, audio) in zip(got, expected):
+            assert c.audio.shape[0] == audio.shape[0]
+            assert torch.allclose(torch.from_numpy(c.audio).double(), audio.double(), atol=1e-9, rtol=0)
+        total = sum(c.audio.shape[0] for c in got)
+        assert total == len(frames) * cosy64.samples_per_frame  # nothing lost, nothing repeated
+        hops_seen |= {c.end_frame - c.start_frame for c in got[1:-1]}
+    assert {50, 100} <= hops_seen  # hops grew per request, whatever the others did
+
+
+def test_full_response_is_one_chunk_equal_to_the_request_vocoded_alone(cosy64):
+    """Batched flow + HiFT vs each request alone, in float64 (to 1e-9). In float32 the batch
+    shape moves the flow's mel by ~1e-6 (GEMM blocking), and HiFT integrates F0 into phase,
+    so such rounding grows along the utterance: bit-level agreement is only meaningful in float64."""
+    tiny_cosy = cosy64
+    refs = voices(3)
+    params = [SamplingParams(seed=40 + i, max_new_tokens=80, temperature=0.7, top_k=20, repetition_penalty=1.21,
+                             mode="standard") for i in range(3)]
+    reqs = [SynthesisRequest(f"f{i}", TEXTS[i], [refs[i]], params[i]) for i in range(3)]
+    profile = load_profile("cosyvoice3-full-response", device="cpu", **{"ar.max_num_seqs": 3})
+    chunks = run_engine(tiny_cosy, profile, reqs)
+    for i in range(3):
+        got = chunks[f"f{i}"]
+        assert len(got) == 1 and got[0].finished
+        frames, _, prompt = alone_tokens(tiny_cosy, TEXTS[i], refs[i], params[i])
+        alone = official_full(tiny_cosy, frames, prompt.conditioning)
+        assert got[0].audio.shape[0] == alone.shape[0] == len(frames) * 960
+        assert torch.allclose(torch.from_numpy(got[0].audio).double(), alone.double(), atol=1e-9, rtol=0)
+
+
+def test_same_seed_same_audio_different_seed_different_tokens(tiny_cosy):
+    ref = voices(1)[0]
+    profile = load_profile("cosyvoice3-streaming", device="cpu")
+    runs = []
+    for seed in (5, 5, 6):
+        params = SamplingParams(seed=seed, min_new_tokens=30, max_new_tokens=60, temperature=1.0, top_k=25)
+        chunks = run_engine(tiny_cosy, profile, [SynthesisRequest("s", TEXTS[1], [ref], params)])["s"]
+        runs.append(torch.cat([torch.from_numpy(c.audio) for c in chunks]))
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape != runs[2].shape or not torch.equal(runs[0], runs[2])
+
+
+def test_16_concurrent_streams_pass_the_audit_and_match_their_tokens_alone(tiny_cosy, tmp_path):
+    refs = voices(4)
+    params = [SamplingParams(seed=100 + i, max_new_tokens=90, temperature=1.0, top_k=25) for i in range(16)]
+    reqs = [SynthesisRequest(f"c{i}", TEXTS[i % 4], [refs[i % 4]], params[i]) for i in range(16)]
+    trace = tmp_path / "trace.jsonl"
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 16})
+    tracer = FrameTracer(trace)
+    chunks = run_engine(tiny_cosy, profile, reqs, tracer)
+    tracer.close()
+    audit = subprocess.run([sys.executable, "-m", "intone.cli.main", "audit-frames", str(trace)],
+                           capture_output=True, text=True)
+    assert audit.returncode == 0, audit.stdout
+    assert "0 missing and 0 repeated frames" in audit.stdout
+    for i in range(16):
+        frames, _, _ = alone_tokens(tiny_cosy, TEXTS[i % 4], refs[i % 4], params[i])
+        got = chunks[f"c{i}"]
+        assert got[-1].end_frame == len(frames)
+        assert sum(c.audio.shape[0] for c in got) == len(frames) * 960
+
+
+@pytest.mark.parametrize("refs, field", [([], "ref_audio"), (None, "ref_audio")])
+def test_a_request_without_a_usable_reference_is_refused_and_harms_no_other(tiny_cosy, refs, field):
+    bad_refs = refs if refs is not None else voices(2)  # none, or two
+    good = SynthesisRequest("good", TEXTS[0], voices(1), SamplingParams(seed=1, max_new_tokens=30))
+    bad = SynthesisRequest("bad", TEXTS[0], bad_refs, SamplingParams(seed=1))
+    chunks = run_engine(tiny_cosy, load_profile("cosyvoice3-streaming", device="cpu"), [bad, good])
+    assert len(chunks["bad"]) == 1 and chunks["bad"][0].error_code == "invalid_request"
+    assert chunks["bad"][0].error_field == field and "reference" in chunks["bad"][0].error
+    assert chunks["good"][-1].stop_reason in ("stop", "length") and chunks["good"][-1].error is None
