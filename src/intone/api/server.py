@@ -20,6 +20,7 @@ from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
 from intone.audio import read_audio
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
+from intone.models import default_profile
 from intone.errors import IntoneError, InvalidRequestError
 
 log = logging.getLogger("intone.server")
@@ -44,7 +45,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         overrides = {"device": settings.device} if settings.device else {}
-        app.state.profile = load_profile(settings.profile, **overrides)
+        app.state.profile = load_profile(settings.profile or default_profile(settings.model), **overrides)
         app.state.engine = await Engine.from_profile(app.state.profile, model=settings.model,
                                                      trace_frames=settings.trace_frames)
         info = app.state.engine.info

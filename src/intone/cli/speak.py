@@ -23,14 +23,17 @@ def add_parser(sub) -> None:
                    help="transcript of each --ref-audio, in the same order")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=2048, help="cap on generated frames")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=30)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None, help="default: the profile's")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--sampling-mode", choices=["ras", "standard"], default=None,
+                   help="the model's sampling mode (default: the profile's)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--stream", action="store_true",
                    help="run through the engine (its own process) and write the wav as chunks arrive")
-    p.add_argument("--profile", default=None, help="deploy profile (path or name under profiles/), with --stream")
+    p.add_argument("--profile", default=None,
+                   help="deploy profile (path or name under profiles/): sampling defaults, and the engine with --stream")
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="with --stream: one JSON line per chunk")
     p.set_defaults(run=run)
 
@@ -40,14 +43,17 @@ def run(args: argparse.Namespace) -> int:
 
     from intone.audio import read_audio, write_wav
     from intone.engine.offline import OfflineRequest, run_to_completion
-    from intone.models import load_model
-    from intone.models.base import SamplingParams, VoiceReference
+    from intone.engine.config import load_profile
+    from intone.engine.core import default_params
+    from intone.models import default_profile, load_model
+    from intone.models.base import VoiceReference
 
     if len(args.ref_audio) != len(args.ref_text):
         missing = "--ref-text" if len(args.ref_audio) > len(args.ref_text) else "--ref-audio"
         raise InvalidRequestError(missing, "give one --ref-text for each --ref-audio")
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+    profile = load_profile(args.profile or default_profile(args.model))
+    params = default_params(
+        profile, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.sampling_mode,
         repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens, seed=args.seed,
     ).validate()
     references = []

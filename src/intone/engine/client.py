@@ -56,7 +56,9 @@ class Engine:
     async def from_profile(cls, profile: Profile | str | None = None, model: str = "tiny:fish-s2",
                            trace_frames: str | None = None, **overrides) -> "Engine":
         if not isinstance(profile, Profile):
-            profile = load_profile(profile, **overrides)
+            from intone.models import default_profile
+
+            profile = load_profile(profile or default_profile(model), **overrides)
         tmpdir = tempfile.TemporaryDirectory(prefix="intone-")
         inbox = f"ipc://{Path(tmpdir.name) / 'in'}"
         outbox = f"ipc://{Path(tmpdir.name) / 'out'}"

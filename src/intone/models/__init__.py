@@ -22,6 +22,24 @@ FAMILIES_BY_MODEL_TYPE = {"fish_qwen3_omni": "intone.models.fish_s2:FishS2"}
 FAMILIES_BY_MARKER = {"cosyvoice3.yaml": "intone.models.cosyvoice3.model:CosyVoice3"}
 
 
+# The profile a model family runs with when none is named (None: the built-in defaults).
+DEFAULT_PROFILES = {"cosyvoice3": "cosyvoice3-streaming"}
+
+
+def family_of(spec: str) -> str:
+    """`tiny:X` / `random:X` -> X; a checkpoint directory -> the family its files show."""
+    for prefix in ("tiny:", "random:"):
+        if spec.startswith(prefix):
+            return spec[len(prefix):]
+    if (Path(spec) / "cosyvoice3.yaml").exists():
+        return "cosyvoice3"
+    return "fish-s2"
+
+
+def default_profile(spec: str) -> str | None:
+    return DEFAULT_PROFILES.get(family_of(spec))
+
+
 def _import(ref: str):
     module, attr = ref.split(":")
     return getattr(__import__(module, fromlist=[attr]), attr)
