@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 from intone.engine.config import load_profile
-from intone.engine.core import EngineCore
+from intone.engine.core import EngineCore, default_params
 from intone.engine.request import SynthesisRequest
 from intone.engine.trace import audit_file
-from intone.models.base import SamplingParams
+import torch
+
+from intone.models.base import VoiceReference
 
 TEXTS = [
     "Hello world, this is a test of the engine.",
@@ -32,22 +37,37 @@ TEXTS = [
 ]
 
 
+def bench_references(model) -> list[VoiceReference]:
+    """A stored voice (features computed once, as a server caches them) for models that need one."""
+    if not getattr(model, "requires_reference", False):
+        return []
+    t = torch.arange(3 * 16000) / 16000
+    f0 = 130 * (1 + 0.1 * torch.sin(2 * math.pi * 0.7 * t))
+    phase = 2 * math.pi * torch.cumsum(f0, 0) / 16000
+    audio = 0.1 * sum(torch.sin(k * phase) / k for k in range(1, 8))
+    return [VoiceReference(text="A three second reference voice for the benchmark.",
+                           features=model.reference_features(audio.float(), 16000))]
+
+
 def run_once(core: EngineCore, concurrency: int, num_requests: int, max_new: int, forced: bool,
              tag: str = "") -> dict:
     start = time.perf_counter()
     submitted, done, frames = 0, 0, 0
+    refs = bench_references(core.model)
     added_at, first_audio = {}, {}
     steps0, step_s0 = core.stats.steps, core.stats.step_seconds
     while done < num_requests:
         while submitted < num_requests and submitted - done < concurrency:
             rid = f"{tag or f'c{concurrency}'}-{submitted}"
-            params = SamplingParams(seed=submitted, max_new_tokens=max_new, ignore_eos=forced)
-            core.add_request(SynthesisRequest(rid, TEXTS[submitted % len(TEXTS)], params=params))
+            params = default_params(core.profile, seed=submitted, max_new_tokens=max_new, ignore_eos=forced or None)
+            core.add_request(SynthesisRequest(rid, TEXTS[submitted % len(TEXTS)], refs, params=params))
             added_at[rid] = time.perf_counter()
             submitted += 1
         for chunk in core.step():
             if len(chunk.audio) and chunk.request_id not in first_audio:
                 first_audio[chunk.request_id] = time.perf_counter() - added_at[chunk.request_id]
+            if chunk.error:
+                raise RuntimeError(f"{chunk.request_id}: {chunk.error}")
             if chunk.finished:
                 done += 1
                 frames += chunk.end_frame
@@ -74,12 +94,17 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=100)
     ap.add_argument("--forced-frames", type=int, default=None, help="exactly this many frames per request")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="profile override, e.g. codec.autocast=bfloat16 (repeatable)")
     args = ap.parse_args(argv)
 
     levels = [int(c) for c in args.concurrency.split(",")]
     overrides = {"ar.max_num_seqs": max(levels), "codec.max_batch": max(levels)}
     if args.device:
         overrides["device"] = args.device
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
     profile = load_profile(args.profile, **overrides)
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
     core = EngineCore.build(args.model, profile, str(trace))

@@ -36,6 +36,8 @@ class CodecStageConfig(_Strict):
     max_batch: int = Field(64, ge=1, description="windows decoded together")
     max_padded_frames: int = Field(256, ge=1, description="batch x longest window, per decode call")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    autocast: Literal["none", "bfloat16", "float16"] = Field(
+        "none", description="run the codec's heavy part (CosyVoice3: the flow) under autocast, weights unchanged")
 
 
 class ChunkingConfig(_Strict):
@@ -73,6 +75,7 @@ class SamplingDefaults(_Strict):
 class Profile(_Strict):
     name: str = "default"
     device: str = "auto"
+    tf32: bool = Field(False, description="allow TF32 for float32 matmuls on CUDA (faster, ~1e-3 relative error)")
     ar: ARConfig = ARConfig()
     codec: CodecStageConfig = CodecStageConfig()
     chunking: ChunkingConfig = ChunkingConfig()

@@ -58,7 +58,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.policy = profile.chunking.policy(ar.max_num_seqs)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
-        self.codec = model.make_codec_stage(profile.codec.max_batch, profile.codec.max_padded_frames)
+        self.codec = model.make_codec_stage(profile.codec.max_batch, profile.codec.max_padded_frames,
+                                            autocast=profile.codec.autocast)
         self.requests: dict[str, EngineRequest] = {}
         self._outbox: list[AudioChunk] = []
         self.stats = EngineStats()
@@ -243,6 +244,8 @@ class EngineCore:
         codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
         if device == "cpu" and {dtype, codec_dtype} & {torch.float16, torch.bfloat16}:
             dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
+        if device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = profile.tf32
         model = load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
         return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None)
 

@@ -78,7 +78,10 @@ def resolve_model_dir(spec: str) -> Path:
     return target
 
 
-RANDOM_FULL_SIZE = {"fish-s2": "intone.models.fish_s2.model:random_s2_pro"}
+RANDOM_FULL_SIZE = {
+    "fish-s2": "intone.models.fish_s2.model:random_s2_pro",
+    "cosyvoice3": "intone.models.cosyvoice3.model:random_cosyvoice3",
+}
 
 
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,

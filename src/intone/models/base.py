@@ -129,7 +129,7 @@ class TTSModel(abc.ABC):
         """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
         return True
 
-    def make_codec_stage(self, max_batch: int, max_padded_frames: int):
+    def make_codec_stage(self, max_batch: int, max_padded_frames: int, autocast: str = "none"):
         """The stage that turns planned chunks into audio (default: windows through `decode`)."""
         from intone.engine.codec_stage import CodecStage
 

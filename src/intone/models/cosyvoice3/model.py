@@ -26,6 +26,7 @@ MAX_SILENT_RUN = 5
 class CosyVoice3(TTSModel):
     name = "cosyvoice3"
     num_codebooks = 1
+    requires_reference = True
 
     def __init__(self, talker: CosyTalker, flow, hift, tokenizer: CosyTokenizer,
                  speech_tokenizer: SpeechTokenizer, speaker_encoder: SpeakerEncoder, sample_rate: int = 24000):
@@ -102,8 +103,8 @@ class CosyVoice3(TTSModel):
 
     # ---- codec ------------------------------------------------------------------------------
 
-    def make_codec_stage(self, max_batch: int, max_padded_frames: int) -> CosyCodecStage:
-        return CosyCodecStage(self, max_batch, max_padded_frames)
+    def make_codec_stage(self, max_batch: int, max_padded_frames: int, autocast: str = "none") -> CosyCodecStage:
+        return CosyCodecStage(self, max_batch, max_padded_frames, autocast)
 
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
@@ -136,3 +137,46 @@ class CosyVoice3(TTSModel):
 
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         raise NotImplementedError("CosyVoice3 decodes through its codec stage (it needs the reference)")
+
+
+def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dtype=torch.float32) -> CosyVoice3:
+    """The real Fun-CosyVoice3-0.5B architecture with random weights, for speed measurements.
+
+    The tiny checkpoint lends its tokenizer, its ONNX frontend and nothing else.
+    """
+    from intone.models import resolve_model_dir
+    from intone.models.cosyvoice3.codec_config import flow_sizes
+    from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig
+    from intone.models.cosyvoice3.frontend import ReferenceFrontend
+    from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
+    from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY, official_noise
+    from intone.models.cosyvoice3.talker import QwenShape
+
+    tiny = resolve_model_dir("tiny:cosyvoice3")
+    device = torch.device(device)
+    dtype = dtype or torch.float32
+    fcfg, hcfg = FlowConfig(), HiFTConfig()
+    noise = official_noise(flow_sizes(fcfg), hcfg, include_uv=False)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        talker = CosyTalker(QwenShape())
+        flow = CosyFlow(fcfg)
+        hift = CausalHiFT(hcfg, noise={k: v.to("meta") for k, v in noise.items()})
+    for module, dt in ((talker, dtype), (flow, codec_dtype), (hift, codec_dtype)):
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.endswith("norm.weight") or name.endswith("alpha"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02 if p.dim() > 1 else 0.0)
+        module.to(dt).eval()
+    hift.f0_predictor.to(torch.float64)
+    flow.decoder.noise_bits = noise[FLOW_NOISE_KEY].view(torch.int32).to(device)
+    flow.decoder.estimator.rotary_embed.inv_freq.copy_(
+        1.0 / (fcfg.dit.rope_base ** (torch.arange(0, fcfg.dit.dim_head, 2, device=device).float() / fcfg.dit.dim_head)))
+    hift.m_source.l_sin_gen.sine_waves = torch.zeros(0, device=device)
+    hift.set_noise(noise)
+    frontend = ReferenceFrontend(tiny).load()
+    return CosyVoice3(talker, flow, hift, CosyTokenizer(tiny / "CosyVoice-BlankEN"), frontend.tokenizer,
+                      frontend.speaker_encoder)

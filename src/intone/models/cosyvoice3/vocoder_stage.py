@@ -34,10 +34,11 @@ class StreamState:
 
 
 class CosyCodecStage:
-    def __init__(self, model, max_batch: int, max_padded_frames: int):
+    def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none"):
         self.model = model
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
+        self.autocast = None if autocast == "none" else getattr(torch, autocast)
         self.calls = 0
 
     def run(self, items: list) -> list[np.ndarray]:
@@ -68,7 +69,8 @@ class CosyCodecStage:
         lengths = [jobs[i].prompt_tokens.shape[0] + jobs[i].tokens.shape[0] for i in live]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
-            mels = model.flow.inference([jobs[i] for i in idx])
+            with torch.autocast(model.codec_device.type, self.autocast, enabled=self.autocast is not None):
+                mels = model.flow.inference([jobs[i] for i in idx])
             self.calls += 1
             for i, mel in zip(idx, mels):
                 out[i] = mel[:, MEL_PER_TOKEN * items[i][1].start :]

@@ -1,0 +1,73 @@
+"""Time CosyVoice3's codec pieces (flow, HiFT) at real size on a GPU, in several precisions.
+
+    python -m intone.bench.cosy_codec_time --batch 1,16 --tokens 150 --prompt 75
+
+Each variant runs the same random-weight flow on the same inputs; `max_abs_vs_fp32` is its
+mel's distance from the plain float32 run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from intone.models.cosyvoice3.flow import FlowRequest
+
+
+def timed(fn, repeats: int = 3) -> tuple[float, object]:
+    out = fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start) / repeats, out
+
+
+def flow_requests(batch: int, tokens: int, prompt: int, streaming: bool, device) -> list[FlowRequest]:
+    g = torch.Generator().manual_seed(0)
+    return [FlowRequest(torch.randint(0, 6561, (tokens,), generator=g).to(device),
+                        torch.randint(0, 6561, (prompt,), generator=g).to(device),
+                        torch.randn(2 * prompt, 80, generator=g).to(device), torch.randn(192, generator=g).to(device),
+                        streaming=streaming, finalize=not streaming) for _ in range(batch)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--tokens", type=int, default=150)
+    ap.add_argument("--prompt", type=int, default=75)
+    args = ap.parse_args(argv)
+    from intone.models.cosyvoice3.model import random_cosyvoice3
+
+    model = random_cosyvoice3("cuda")
+    flow, hift = model.flow, model.hift
+    variants = {
+        "fp32": dict(tf32=False, autocast=None),
+        "tf32": dict(tf32=True, autocast=None),
+        "autocast_bf16": dict(tf32=False, autocast=torch.bfloat16),
+    }
+    for b in (int(x) for x in args.batch.split(",")):
+        reqs = flow_requests(b, args.tokens, args.prompt, False, "cuda")
+        reference = None
+        for name, v in variants.items():
+            torch.backends.cuda.matmul.allow_tf32 = v["tf32"]
+            with torch.autocast("cuda", v["autocast"] or torch.float32, enabled=v["autocast"] is not None):
+                ms, mels = timed(lambda: flow.inference(reqs))
+            reference = reference if reference is not None else mels
+            diff = max(float((a - r).abs().max()) for a, r in zip(mels, reference))
+            print(json.dumps(dict(piece="flow", variant=name, batch=b, tokens=args.tokens, prompt=args.prompt,
+                                  ms=round(ms, 1), max_abs_vs_fp32=diff)), flush=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        mels = [m for m in reference]
+        for name, finals in (("final", [True] * b), ("stream", [False] * b)):
+            ms, _ = timed(lambda: hift.vocode_batch(mels, finals))
+            print(json.dumps(dict(piece="hift", variant=name, batch=b, frames=mels[0].shape[1], ms=round(ms, 1))),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
