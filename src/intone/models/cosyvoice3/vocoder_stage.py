@@ -38,7 +38,9 @@ class CosyCodecStage:
         self.model = model
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
-        self.autocast = None if autocast == "none" else getattr(torch, autocast)
+        # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
+        gpu = model.codec_device.type == "cuda"
+        self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
         self.calls = 0
 
     def run(self, items: list) -> list[np.ndarray]:
