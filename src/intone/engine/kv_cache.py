@@ -20,14 +20,19 @@ class KVLayout:
 
 
 class KVCache:
-    """k and v as [layers, blocks, block_size, kv_heads, head_dim]."""
+    """k and v as [layers, blocks, block_size, kv_heads, head_dim].
+
+    One block beyond `num_blocks` is never lent out: padding rows of captured graphs write
+    their keys to `scratch_slot`, where they can never land in a request's cache.
+    """
 
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype, device):
-        shape = (layout.num_layers, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, num_blocks + 1, block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_slot = num_blocks * block_size
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         return self.k[i], self.v[i]

@@ -41,6 +41,14 @@ class CosyVoice3(TTSModel):
         self.device = talker.llm_decoder.weight.device
         self.dtype = talker.llm_decoder.weight.dtype
         self.codec_device = next(flow.parameters()).device
+        self.graphs = None
+
+    def enable_cuda_graphs(self) -> None:
+        """Replay the talker's decode steps from CUDA graphs (no-op off CUDA)."""
+        from intone.models.cosyvoice3.talker_graph import TalkerGraphs
+
+        if self.device.type == "cuda":
+            self.graphs = TalkerGraphs(self.talker)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -96,7 +104,9 @@ class CosyVoice3(TTSModel):
     @torch.inference_mode()
     def step(self, batch: StepBatch, kv: KVCache) -> StepOutput:
         x = self.talker.embed(batch.tokens, batch.codes[:, 0])
-        logits = self.talker(x, batch.meta, kv)
+        logits = self.graphs(x, batch.meta, kv) if self.graphs is not None else None
+        if logits is None:
+            logits = self.talker(x, batch.meta, kv)
         ids = sample_speech_tokens(logits, batch.sampling, batch.history)
         stopped = ids >= SPEECH_TOKENS
         return StepOutput(tokens=ids, codes=ids.clamp(max=SPEECH_TOKENS - 1).unsqueeze(1), stopped=stopped)

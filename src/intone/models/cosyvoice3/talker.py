@@ -43,23 +43,25 @@ class QwenShape:
 
 
 class RMSNorm(nn.Module):
+    """Qwen2's: normalised in fp32 whatever the model dtype (fp64 too), cast back, then scaled."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = x.to(torch.float32)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """[T, head_dim] cos and sin at `positions`, computed in fp32 (fp64 for fp64 models)."""
-    compute = torch.promote_types(dtype, torch.float32)
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).to(compute) / head_dim
+    """[T, head_dim] cos and sin at `positions`: computed in fp32 and cast, as transformers'
+    Qwen2 does for every model dtype (fp64 models included)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.to(compute).unsqueeze(-1) * inv_freq
+    freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -80,12 +82,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(s.hidden_size, self.kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.heads * self.head_dim, s.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]):
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv: tuple[Tensor, Tensor], attend):
+        """attend(q, k_cache, v_cache) -> [T, H, D], after this step's keys are stored at `slots`."""
         q = apply_rope(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)), cos, sin)
         k = apply_rope(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)), cos, sin)
         v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
-        store_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        return self.o_proj(paged_attention(q, kv[0], kv[1], meta).flatten(-2))
+        store_kv(kv[0], kv[1], k, v, slots)
+        return self.o_proj(attend(q, kv[0], kv[1]).flatten(-2))
 
 
 class MLP(nn.Module):
@@ -107,8 +110,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta, kv):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+    def forward(self, x, cos, sin, slots, kv, attend):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, kv, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -155,10 +158,25 @@ class CosyTalker(nn.Module):
         return torch.where(is_speech, speech, text)
 
     def forward(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
-        """Packed embeddings [T, D] -> logits [R, V] of each request's last position (fp32)."""
-        stack = self.llm.model.model
-        cos, sin = rope_cos_sin(meta.positions, self.shape.head_dim, self.shape.rope_theta, x.dtype)
-        for i, layer in enumerate(stack.layers):
-            x = layer(x, cos, sin, meta, kv.layer(i))
-        last = stack.norm(x[meta.last_token_rows])
-        return self.llm_decoder(last).float()
+        """Packed embeddings [T, D] -> logits [R, V] of each request's last position (at least fp32)."""
+        h = self._layers(x, meta.positions, meta.slot_mapping, kv,
+                         lambda q, kc, vc: paged_attention(q, kc, vc, meta))
+        return self._logits(h[meta.last_token_rows])
+
+    def decode_step(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
+                    kv: KVCache) -> Tensor:
+        """One new token per row, static shapes (CUDA-graph capture): [B, D] -> logits [B, V]."""
+        from intone.models.cosyvoice3.talker_graph import decode_attention
+
+        h = self._layers(x, positions, slots, kv, lambda q, kc, vc: decode_attention(q, kc, vc, tables, seq_lens))
+        return self._logits(h)
+
+    def _layers(self, x: Tensor, positions: Tensor, slots: Tensor, kv: KVCache, attend) -> Tensor:
+        cos, sin = rope_cos_sin(positions, self.shape.head_dim, self.shape.rope_theta, x.dtype)
+        for i, layer in enumerate(self.llm.model.model.layers):
+            x = layer(x, cos, sin, slots, kv.layer(i), attend)
+        return x
+
+    def _logits(self, h: Tensor) -> Tensor:
+        logits = self.llm_decoder(self.llm.model.model.norm(h))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 models: fp64)

@@ -1,0 +1,118 @@
+"""The CosyVoice3 talker against transformers' Qwen2 (what the official code runs), and the
+static-shape decode step (the CUDA-graph path) against the eager paged step."""
+
+import pytest
+import torch
+
+from intone.engine.attention import AttentionMetadata
+from intone.engine.kv_cache import BlockManager, KVCache
+from intone.models.base import VoiceReference
+
+from .conftest import voice_audio
+
+
+def hf_qwen(model):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    s = model.talker.shape
+    cfg = Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+                      num_hidden_layers=s.num_hidden_layers, num_attention_heads=s.num_attention_heads,
+                      num_key_value_heads=s.num_key_value_heads, rms_norm_eps=s.rms_norm_eps, rope_theta=s.rope_theta,
+                      max_position_embeddings=s.max_position_embeddings, tie_word_embeddings=True,
+                      attn_implementation="sdpa")
+    hf = Qwen2ForCausalLM(cfg).to(torch.float64).eval()
+    hf.load_state_dict(model.talker.llm.model.state_dict())
+    return hf
+
+
+def run_steps(model, prompt, continuation: list[int]):
+    """Our engine path: prefill, then one decode step per continuation token; logits per step."""
+    blocks = BlockManager(64, 16)
+    kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
+    out, ctx = [], 0
+    tokens, codes = prompt.tokens, prompt.codes[:, 0]
+    for step in range(len(continuation) + 1):
+        q = tokens.shape[0]
+        meta = AttentionMetadata.build([q], [ctx], [blocks.ensure("r", ctx + q)], 16)
+        out.append(model.talker(model.talker.embed(tokens, codes), meta, kv)[0])
+        ctx += q
+        if step < len(continuation):
+            tokens, codes = torch.tensor([continuation[step]]), torch.tensor([continuation[step]])
+    return out
+
+
+def test_logits_equal_transformers_qwen2_fed_the_official_layout(cosy64):
+    model = cosy64
+    prompt = model.build_prompt("Hello there.", [VoiceReference(text="A reference.", audio=voice_audio(),
+                                                                sample_rate=16000)])
+    continuation = [17, 4000, 6560, 3]
+    ours = run_steps(model, prompt, continuation)
+    hf = hf_qwen(model)
+    t = model.talker
+    with torch.no_grad():
+        emb = t.embed(prompt.tokens, prompt.codes[:, 0])
+        speech = t.speech_embedding.weight
+        # The official layout built by hand: sos row, text rows, task row, prompt speech rows.
+        n_text = int((prompt.codes[:, 0] == -1).sum())
+        manual = torch.cat([speech[6561:6562], hf.model.embed_tokens(prompt.tokens[1 : 1 + n_text]),
+                            speech[6563:6564], speech[prompt.codes[n_text + 2 :, 0]]])
+        assert torch.equal(manual, emb)
+        seq = torch.cat([emb, speech[torch.tensor(continuation)]]).unsqueeze(0)
+        hidden = hf(inputs_embeds=seq, output_hidden_states=True).hidden_states[-1][0]
+        expected = t.llm_decoder(hidden[len(prompt) - 1 :])
+    for i, logits in enumerate(ours):
+        assert torch.allclose(logits.double(), expected[i].double(), atol=1e-9, rtol=0), i
+
+
+def test_static_decode_step_equals_the_eager_paged_step(cosy64):
+    """The function the CUDA graphs capture, on a padded batch, against the eager path (float64)."""
+    t = cosy64.talker
+    blocks = BlockManager(32, 16)
+    kv = KVCache(cosy64.kv_layout, 32, 16, torch.float64, "cpu")
+    torch.manual_seed(0)
+    lens = [5, 40, 17]
+    for r, n in enumerate(lens):  # fill each request's cache with a prefill
+        meta = AttentionMetadata.build([n], [0], [blocks.ensure(f"r{r}", n)], 16)
+        t(t.embed(torch.randint(0, 100, (n,)), torch.full((n,), -1)), meta, kv)
+    ids = torch.tensor([5, 6000, 42])
+    x = t.embed(ids, ids)
+    tables = [blocks.ensure(f"r{r}", n + 1) for r, n in enumerate(lens)]
+    meta = AttentionMetadata.build([1, 1, 1], lens, tables, 16)
+    k_before, v_before = kv.k.clone(), kv.v.clone()
+    eager = t(x, meta, kv)
+    kv.k.copy_(k_before), kv.v.copy_(v_before)
+    rows, width = 4, 4  # one padding row, tables padded to 4 blocks with the scratch block
+    padded_tables = torch.full((rows, width), kv.num_blocks)
+    padded_tables[:3, : meta.block_tables.shape[1]] = meta.block_tables
+    static = t.decode_step(torch.cat([x, x[:1]]), torch.cat([meta.positions, torch.zeros(1, dtype=torch.long)]),
+                           torch.cat([meta.slot_mapping, torch.tensor([kv.scratch_slot])]), padded_tables,
+                           torch.cat([meta.seq_lens, torch.ones(1, dtype=torch.long)]), kv)
+    assert torch.allclose(static[:3], eager, atol=1e-10, rtol=0)
+    real = slice(0, kv.num_blocks)  # the padding row wrote only to the scratch block
+    changed = (kv.k[:, real] != k_before[:, real]).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
+    assert set(changed) <= {b for table in tables for b in table}
+
+
+@pytest.mark.gpu
+def test_graph_replay_matches_eager_on_cuda(tiny_cosy_dir):
+    from intone.models import load_model
+    from intone.models.cosyvoice3.talker_graph import TalkerGraphs
+
+    model = load_model(str(tiny_cosy_dir), device="cuda")
+    t = model.talker
+    blocks = BlockManager(64, 16)
+    kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cuda")
+    lens = [3, 30, 70]
+    for r, n in enumerate(lens):
+        meta = AttentionMetadata.build([n], [0], [blocks.ensure(f"r{r}", n)], 16, "cuda")
+        t(t.embed(torch.randint(0, 100, (n,), device="cuda"), torch.full((n,), -1, device="cuda")), meta, kv)
+    graphs = TalkerGraphs(t)
+    ids = torch.tensor([5, 6000, 42], device="cuda")
+    meta = AttentionMetadata.build([1, 1, 1], lens, [blocks.ensure(f"r{r}", n + 1) for r, n in enumerate(lens)], 16,
+                                   "cuda")
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    eager = t(t.embed(ids, ids), meta, kv)
+    kv.k.copy_(k0), kv.v.copy_(v0)
+    replayed = graphs(t.embed(ids, ids), meta, kv)
+    assert graphs.captured == [(4, 256)]
+    assert torch.allclose(replayed, eager, atol=1e-4, rtol=1e-4)
