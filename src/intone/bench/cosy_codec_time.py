@@ -9,6 +9,7 @@ mel's distance from the plain float32 run.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -35,11 +36,21 @@ def flow_requests(batch: int, tokens: int, prompt: int, streaming: bool, device)
                         streaming=streaming, finalize=not streaming) for _ in range(batch)]
 
 
+def top_kernels(flow, reqs, n: int, autocast: bool = True) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        flow.inference(reqs)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=n, max_name_column_width=60), flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--tokens", type=int, default=150)
     ap.add_argument("--prompt", type=int, default=75)
+    ap.add_argument("--kernels", type=int, default=0, help="print the top N CUDA kernels of one bf16 flow call")
     args = ap.parse_args(argv)
     from intone.models.cosyvoice3.model import random_cosyvoice3
 
@@ -49,18 +60,26 @@ def main(argv=None) -> None:
         "fp32": dict(tf32=False, autocast=None),
         "tf32": dict(tf32=True, autocast=None),
         "autocast_bf16": dict(tf32=False, autocast=torch.bfloat16),
+        "bf16_weights": dict(tf32=False, autocast=None, weights=torch.bfloat16),
     }
     for b in (int(x) for x in args.batch.split(",")):
         reqs = flow_requests(b, args.tokens, args.prompt, False, "cuda")
         reference = None
         for name, v in variants.items():
             torch.backends.cuda.matmul.allow_tf32 = v["tf32"]
+            run = flow if "weights" not in v else copy.deepcopy(flow).to(v["weights"])
             with torch.autocast("cuda", v["autocast"] or torch.float32, enabled=v["autocast"] is not None):
-                ms, mels = timed(lambda: flow.inference(reqs))
+                ms, mels = timed(lambda: run.inference(reqs))
+            if run is not flow:
+                if args.kernels:
+                    top_kernels(run, reqs, args.kernels, autocast=False)
+                del run
             reference = reference if reference is not None else mels
             diff = max(float((a - r).abs().max()) for a, r in zip(mels, reference))
             print(json.dumps(dict(piece="flow", variant=name, batch=b, tokens=args.tokens, prompt=args.prompt,
                                   ms=round(ms, 1), max_abs_vs_fp32=diff)), flush=True)
+        if args.kernels:
+            top_kernels(flow, reqs, args.kernels)
         torch.backends.cuda.matmul.allow_tf32 = False
         mels = [m for m in reference]
         for name, finals in (("final", [True] * b), ("stream", [False] * b)):

@@ -38,6 +38,8 @@ class CodecStageConfig(_Strict):
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     autocast: Literal["none", "bfloat16", "float16"] = Field(
         "none", description="run the codec's heavy part (CosyVoice3: the flow) under autocast, weights unchanged")
+    flow_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="CosyVoice3: the flow's weights in this dtype (GPU only; its ODE state stays fp32)")
 
 
 class ChunkingConfig(_Strict):

@@ -58,8 +58,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.policy = profile.chunking.policy(ar.max_num_seqs)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
-        self.codec = model.make_codec_stage(profile.codec.max_batch, profile.codec.max_padded_frames,
-                                            autocast=profile.codec.autocast)
+        self.codec = model.make_codec_stage(profile.codec)
         self.requests: dict[str, EngineRequest] = {}
         self._outbox: list[AudioChunk] = []
         self.stats = EngineStats()

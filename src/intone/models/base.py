@@ -129,11 +129,14 @@ class TTSModel(abc.ABC):
         """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
         return True
 
-    def make_codec_stage(self, max_batch: int, max_padded_frames: int, autocast: str = "none"):
-        """The stage that turns planned chunks into audio (default: windows through `decode`)."""
+    def make_codec_stage(self, config):
+        """The stage that turns planned chunks into audio (default: windows through `decode`).
+
+        config: the profile's `codec` section.
+        """
         from intone.engine.codec_stage import CodecStage
 
-        return CodecStage(self, max_batch, max_padded_frames)
+        return CodecStage(self, config.max_batch, config.max_padded_frames)
 
     @abc.abstractmethod
     def step(self, batch: StepBatch, kv: KVCache) -> StepOutput: ...

@@ -88,11 +88,24 @@ class InputEmbedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """x-transformers 2.11.24 rotary tables: interleaved pairs, positions cast to the buffer dtype."""
+    """x-transformers 2.11.24 rotary tables: interleaved pairs, positions cast to the buffer dtype.
+
+    The buffer never goes below fp32: a half-precision DiT keeps exact positions and
+    frequencies (as the official fp16 autocast path does) instead of rounding them.
+    """
 
     def __init__(self, dim: int, base: float):
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)))  # a flow.pt key
+
+    def _apply(self, fn, recurse=True):
+        def at_least_fp32(t):
+            out = fn(t)
+            if t.is_floating_point() and out.dtype in (torch.float16, torch.bfloat16):
+                out = t.to(device=out.device)
+            return out
+
+        return super()._apply(at_least_fp32, recurse)
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
         pos = torch.arange(seq_len, device=self.inv_freq.device).to(self.inv_freq.dtype)
@@ -106,7 +119,7 @@ def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     head, rest = x[..., : cos.shape[-1]], x[..., cos.shape[-1]:]
     pairs = head.unflatten(-1, (-1, 2))
     turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    return torch.cat((head * cos + turned * sin, rest), dim=-1)
+    return torch.cat(((head * cos + turned * sin).to(x.dtype), rest), dim=-1)
 
 
 class Attention(nn.Module):

@@ -97,13 +97,17 @@ class CausalCFM(nn.Module):
         b, total, _ = mu.shape
         if total > self.noise.shape[-1]:
             raise ValueError(f"{total} mel frames exceed the {self.noise.shape[-1]}-frame noise buffer")
-        x = self.noise[0, :, :total].T.to(mu.dtype).expand(b, -1, -1)
+        # A half-precision estimator keeps the ODE state and its schedule in fp32, as the official
+        # fp16 path (autocast) does; fp32 and fp64 models run all in their own dtype.
+        state = torch.promote_types(mu.dtype, torch.float32)
+        x = self.noise[0, :, :total].T.to(state).expand(b, -1, -1)
         mask, valid = self.estimator.attention_mask(lengths, streaming, total)
         mask, valid = mask.repeat(2, 1, 1, 1), valid.repeat(2, 1)
         mu, cond, spks = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
-        for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, mu.dtype):
-            v = self.estimator(torch.cat((x, x)), mu, cond, spks, t.expand(2 * b), mask, valid)
-            v_cond, v_uncond = v.chunk(2)
+        for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, state):
+            xin = x.to(mu.dtype)
+            v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t.to(mu.dtype).expand(2 * b), mask, valid)
+            v_cond, v_uncond = v.to(state).chunk(2)
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
         return x.float()
 

@@ -113,8 +113,10 @@ class CosyVoice3(TTSModel):
 
     # ---- codec ------------------------------------------------------------------------------
 
-    def make_codec_stage(self, max_batch: int, max_padded_frames: int, autocast: str = "none") -> CosyCodecStage:
-        return CosyCodecStage(self, max_batch, max_padded_frames, autocast)
+    def make_codec_stage(self, config) -> CosyCodecStage:
+        if config.flow_dtype != "auto" and self.codec_device.type == "cuda":
+            self.flow.to(getattr(torch, config.flow_dtype))
+        return CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast)
 
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
