@@ -61,6 +61,7 @@ def main(argv=None) -> None:
         "tf32": dict(tf32=True, autocast=None),
         "autocast_bf16": dict(tf32=False, autocast=torch.bfloat16),
         "bf16_weights": dict(tf32=False, autocast=None, weights=torch.bfloat16),
+        "compiled_autocast_bf16": dict(tf32=False, autocast=torch.bfloat16, compiled=True),
     }
     for b in (int(x) for x in args.batch.split(",")):
         reqs = flow_requests(b, args.tokens, args.prompt, False, "cuda")
@@ -68,6 +69,14 @@ def main(argv=None) -> None:
         for name, v in variants.items():
             torch.backends.cuda.matmul.allow_tf32 = v["tf32"]
             run = flow if "weights" not in v else copy.deepcopy(flow).to(v["weights"])
+            if v.get("compiled"):
+                est = flow.decoder.estimator
+                est.forward = torch.compile(est.forward, dynamic=True)
+                start = time.perf_counter()
+                with torch.autocast("cuda", torch.bfloat16):
+                    flow.inference(reqs)
+                torch.cuda.synchronize()
+                print(json.dumps(dict(piece="flow", variant=name, compile_s=round(time.perf_counter() - start, 1))))
             with torch.autocast("cuda", v["autocast"] or torch.float32, enabled=v["autocast"] is not None):
                 ms, mels = timed(lambda: run.inference(reqs))
             if run is not flow:

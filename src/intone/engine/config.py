@@ -40,6 +40,7 @@ class CodecStageConfig(_Strict):
         "none", description="run the codec's heavy part (CosyVoice3: the flow) under autocast, weights unchanged")
     flow_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="CosyVoice3: the flow's weights in this dtype (GPU only; its ODE state stays fp32)")
+    compile: bool = Field(False, description="torch.compile the codec's heavy part at start-up (GPU only; minutes)")
 
 
 class ChunkingConfig(_Strict):

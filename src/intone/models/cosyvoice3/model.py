@@ -114,9 +114,13 @@ class CosyVoice3(TTSModel):
     # ---- codec ------------------------------------------------------------------------------
 
     def make_codec_stage(self, config) -> CosyCodecStage:
-        if config.flow_dtype != "auto" and self.codec_device.type == "cuda":
+        gpu = self.codec_device.type == "cuda"
+        if config.flow_dtype != "auto" and gpu:
             self.flow.to(getattr(torch, config.flow_dtype))
-        return CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast)
+        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast)
+        if config.compile and gpu:
+            stage.compile_flow()
+        return stage
 
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)

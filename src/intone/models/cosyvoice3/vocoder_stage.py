@@ -43,6 +43,20 @@ class CosyCodecStage:
         self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
         self.calls = 0
 
+    def compile_flow(self) -> None:
+        """torch.compile the DiT (dynamic shapes) and compile it now, on a small dummy batch, so
+        no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
+        from intone.models.cosyvoice3.flow import FlowRequest
+
+        estimator = self.model.flow.decoder.estimator
+        estimator.forward = torch.compile(estimator.forward, dynamic=True)
+        dev = self.model.codec_device
+        dummy = [FlowRequest(torch.zeros(40 + 10 * i, dtype=torch.long, device=dev),
+                             torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
+                             torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
+        with torch.autocast(dev.type, self.autocast or torch.float32, enabled=self.autocast is not None):
+            self.model.flow.inference(dummy)
+
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
         new_mel = self._flow(items)
