@@ -43,3 +43,13 @@ def tiny_copy(tiny_fish_dir, tmp_path) -> Path:
     dst = tmp_path / "model"
     shutil.copytree(tiny_fish_dir, dst)
     return dst
+
+
+@pytest.fixture
+def no_tf32():
+    """CUDA matmuls and convolutions may use TF32 (~1e-3 off); compare true fp32 against the CPU."""
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        yield
+    torch.backends.cuda.matmul.allow_tf32 = matmul

@@ -354,16 +354,6 @@ def test_official_noise_matches_a_torch_module_replay():
 # ---------------------------------------------------------------- CUDA
 
 
-@pytest.fixture
-def no_tf32():
-    """CUDA convolutions default to TF32; compare true fp32 against the CPU."""
-    matmul = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        yield
-    torch.backends.cuda.matmul.allow_tf32 = matmul
-
-
 @pytest.mark.gpu
 def test_cuda_matches_cpu_and_batches(tiny_noise, official_state, hift32, no_tf32):
     model = make(tiny_noise, official_state, torch.float32).to("cuda")

@@ -21,16 +21,6 @@ def run(model, seeds, max_new=40, text="Hello world"):
     return run_to_completion(model, reqs)
 
 
-@pytest.fixture
-def no_tf32():
-    """CUDA convolutions default to TF32 (~1e-3 off); compare true fp32 against the CPU."""
-    matmul = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        yield
-    torch.backends.cuda.matmul.allow_tf32 = matmul
-
-
 def test_codec_on_gpu_matches_cpu(tiny_fish, gpu_fish, no_tf32):
     codes = torch.randint(0, 4096, (2, 10, 40))
     assert torch.allclose(gpu_fish.decode(codes).cpu(), tiny_fish.decode(codes), atol=1e-4)

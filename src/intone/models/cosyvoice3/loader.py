@@ -17,21 +17,9 @@ from torch import Tensor, nn
 from intone.errors import ModelLoadError
 from intone.models.cosyvoice3.config import read_model_yaml, section
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
-from intone.models.fish_s2.loader import load_strict
+from intone.models.checkpoint import load_strict, read_torch_state as read_state
 
 BLANK_EN = "CosyVoice-BlankEN"
-
-
-def read_state(path: Path) -> dict[str, Tensor]:
-    if not path.exists():
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot read torch checkpoint ({e})") from None
-    if not isinstance(state, dict):
-        raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
-    return state
 
 
 def qwen_shape(model_dir: Path) -> QwenShape:

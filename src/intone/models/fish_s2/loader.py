@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from intone.errors import ModelLoadError
+from intone.models.checkpoint import read_torch_state
 
 
 def read_lm_weights(model_dir: Path) -> tuple[dict[str, Tensor], str]:
@@ -48,38 +48,7 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
 
 def read_codec_weights(path: Path) -> dict[str, Tensor]:
     """codec.pth: a state dict, possibly under 'state_dict' and/or a 'generator.' prefix."""
-    if not path.exists():
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: cannot read torch checkpoint ({e})") from None
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    if not isinstance(state, dict):
-        raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
+    state = read_torch_state(path, unwrap="state_dict")
     if any(k.startswith("generator.") for k in state):
         state = {k[len("generator."):]: v for k, v in state.items() if k.startswith("generator.")}
     return state
-
-
-def load_strict(module: nn.Module, state: dict[str, Tensor], source: str, dtype, device) -> None:
-    """Assign every tensor; name the first missing, unexpected or mis-shaped one on failure.
-
-    dtype: one dtype for all tensors, or a function of the tensor name giving it.
-    """
-    expected = module.state_dict(keep_vars=True)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        raise ModelLoadError(f"{source}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
-    if unexpected:
-        raise ModelLoadError(f"{source}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
-    for name, param in expected.items():
-        if tuple(state[name].shape) != tuple(param.shape):
-            raise ModelLoadError(
-                f"{source}: tensor {name!r} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}"
-            )
-    dtype_of = dtype if callable(dtype) else (lambda name: dtype)
-    module.load_state_dict({k: v.to(device=device, dtype=dtype_of(k)) for k, v in state.items()},
-                           strict=True, assign=True)

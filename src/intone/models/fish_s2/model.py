@@ -15,7 +15,8 @@ from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceRef
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.config import FishS2Config
 from intone.models.fish_s2.fast_graph import FastARGraphs
-from intone.models.fish_s2.loader import load_strict, read_codec_weights, read_lm_weights
+from intone.models.checkpoint import load_strict
+from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
 from intone.models.fish_s2.transformer import DualARTransformer
 
