@@ -6,6 +6,7 @@ and `engine.client.Engine` talks to it by messages.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -56,7 +57,10 @@ class EngineCore:
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, self.kv, self.blocks)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
-        self.policy = profile.chunking.policy(ar.max_num_seqs)
+        policy = profile.chunking.policy(ar.max_num_seqs)
+        # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
+        self.policy = dataclasses.replace(
+            policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         self.codec = model.make_codec_stage(profile.codec)
         self.requests: dict[str, EngineRequest] = {}
@@ -180,9 +184,21 @@ class EngineCore:
         return chunks
 
     def _emit(self, chunks: list[Chunk]) -> None:
-        audio = self.codec.run([(self.requests[c.request_id], c) for c in chunks]) if chunks else []
+        if not chunks:
+            return
+        items = [(self.requests[c.request_id], c) for c in chunks]
+        try:
+            audio = self.codec.run(items)
+        except Exception:  # a failed batch is retried request by request; only failing ones end
+            log.exception("codec batch failed; retrying its chunks one by one")
+            audio = [self._decode_alone(req, c) for req, c in items]
         for c, samples in zip(chunks, audio):
-            req = self.requests[c.request_id]
+            req = self.requests.get(c.request_id)
+            if req is None:  # failed on an earlier chunk of this step
+                continue
+            if isinstance(samples, Exception):
+                self._fail(req, f"codec failed: {samples}")
+                continue
             self.stats.chunk_sizes[c.end - c.start] += 1
             self._send(AudioChunk(
                 request_id=c.request_id, seq=req.seq, start_frame=c.start, end_frame=c.end, audio=samples,
@@ -193,6 +209,13 @@ class EngineCore:
             req.seq += 1
             if c.finished:
                 self._release(req, req.stop_reason)
+
+    def _decode_alone(self, req: EngineRequest, chunk: Chunk):
+        try:
+            return self.codec.run([(req, chunk)])[0]
+        except Exception as e:
+            log.exception("codec failed for %s", req.request_id)
+            return e
 
     # ---- endings --------------------------------------------------------------------------------
 

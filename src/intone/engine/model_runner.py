@@ -43,7 +43,7 @@ class ModelRunner:
             q_lens.append(tokens[-1].shape[0])
             ctx_lens.append(ctx)
             tables.append(self.blocks.ensure(r.request_id, ctx + q_lens[-1]))
-            history.append(self.model.history_row(r.tokens))
+            history.append(self.model.history_row(r.tokens, r.params))
         return StepBatch(
             tokens=torch.cat(tokens),
             codes=torch.cat(codes),

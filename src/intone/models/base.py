@@ -101,6 +101,7 @@ class TTSModel(abc.ABC):
     kv_layout: KVLayout
     max_seq_len: int
     history_width: int = 0
+    codec_lookahead_frames: int = 0  # frames the codec reads beyond a non-final chunk's end
     device: torch.device
     dtype: torch.dtype
 
@@ -119,7 +120,7 @@ class TTSModel(abc.ABC):
         return {"codes": self.encode_reference(audio, sample_rate)}
 
     @abc.abstractmethod
-    def history_row(self, generated: list[int]) -> list[int]:
+    def history_row(self, generated: list[int], params: SamplingParams | None = None) -> list[int]:
         """The `history` row for a request that has generated these main tokens.
 
         Rows may differ in length; the runner right-pads them with -1.

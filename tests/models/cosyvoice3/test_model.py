@@ -112,6 +112,9 @@ def test_without_a_transcript_the_talker_gets_no_reference_speech(tiny_cosy):
     ([], "hi", "ref_audio"),
     ("two", "hi", "ref_audio"),
     ([VoiceReference(text="x", codes=torch.zeros(1, 5, dtype=torch.long))], "hi", "voice"),
+    ([VoiceReference(text="x", features={"codes": torch.zeros(10, 5, dtype=torch.long)})], "hi", "voice"),
+    ([VoiceReference(text="x", features={"speech_tokens": torch.zeros(5, dtype=torch.long),
+                                         "prompt_mel": torch.zeros(9, 80), "speaker": torch.zeros(192)})], "hi", "voice"),
     ([VoiceReference(text="x", audio=voice_audio(31.0), sample_rate=16000)], "hi", "ref_audio"),
     ([VoiceReference(text="x", audio=torch.zeros(100), sample_rate=16000)], "hi", "ref_audio"),
     ("one", "   ", "input"),
@@ -152,3 +155,12 @@ def test_speak_writes_24khz_audio_and_refuses_a_request_without_reference(tiny_c
     bare = subprocess.run(cmd[:10] + ["Hello there.", "-o", str(tmp_path / "x.wav")], capture_output=True, text=True,
                           timeout=300)
     assert bare.returncode == 2 and "reference" in bare.stderr and "Traceback" not in bare.stderr
+
+
+def test_history_rows_carry_every_generated_id_only_in_standard_mode(tiny_cosy):
+    from intone.models.base import SamplingParams
+
+    generated = list(range(100, 140))
+    assert tiny_cosy.history_row(generated, SamplingParams(mode="ras")) == generated[-10:]
+    assert tiny_cosy.history_row(generated, SamplingParams(mode="standard")) == generated[-10:] + generated
+    assert tiny_cosy.history_row([5, 6], SamplingParams()) == [-1] * 8 + [5, 6]

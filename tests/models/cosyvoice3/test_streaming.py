@@ -4,6 +4,7 @@ batched codec == each request alone, full response, seeds, and the frame audit."
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -135,3 +136,46 @@ def test_a_request_without_a_usable_reference_is_refused_and_harms_no_other(tiny
     assert len(chunks["bad"]) == 1 and chunks["bad"][0].error_code == "invalid_request"
     assert chunks["bad"][0].error_field == field and "reference" in chunks["bad"][0].error
     assert chunks["good"][-1].stop_reason in ("stop", "length") and chunks["good"][-1].error is None
+
+
+def test_the_codec_lookahead_holds_whatever_the_profile_says(tiny_cosy):
+    """The flow reads 3 tokens past a non-final chunk: a profile without lookahead still waits for them."""
+    profile = load_profile("cosyvoice3-full-response", device="cpu")
+    assert profile.chunking.lookahead_frames == 0
+    core = EngineCore(tiny_cosy, profile)
+    assert core.policy.lookahead_frames == 3
+    params = SamplingParams(seed=3, min_new_tokens=40, max_new_tokens=40, mode="standard")
+    core.add_request(SynthesisRequest("la", TEXTS[3], voices(1), params, initial_chunk_frames=10))
+    chunks = []
+    while core.has_work():
+        chunks += core.step()
+    assert [(c.start_frame, c.end_frame) for c in chunks] == [(0, 10), (10, 40)]
+    assert chunks[-1].error is None and sum(len(c.audio) for c in chunks) == 40 * 960
+
+
+def test_a_failing_codec_batch_fails_only_the_request_that_fails_alone(cosy64):
+    """Fault injection: the flow raises for one request's rows; the others get the audio they
+    would get without that request (float64, exact to 1e-9)."""
+    refs = voices(3)
+    params = [SamplingParams(seed=60 + i, min_new_tokens=30, max_new_tokens=30, mode="standard") for i in range(3)]
+    reqs = [SynthesisRequest(f"q{i}", TEXTS[i], [refs[i]], params[i]) for i in range(3)]
+    profile = load_profile("cosyvoice3-full-response", device="cpu", **{"ar.max_num_seqs": 3})
+    clean = run_engine(cosy64, profile, reqs)
+    bad_prompt_len = cosy64.build_prompt(TEXTS[1], [refs[1]]).codec_prompt_frames
+    flow = cosy64.flow
+    real = flow.inference
+
+    def failing(jobs):
+        if any(j.prompt_tokens.shape[0] == bad_prompt_len for j in jobs):
+            raise RuntimeError("injected flow failure")
+        return real(jobs)
+
+    flow.inference = failing
+    try:
+        got = run_engine(cosy64, profile, reqs)
+    finally:
+        del flow.inference
+    assert got["q1"][-1].error_code == "internal" and "injected" in got["q1"][-1].error
+    for rid in ("q0", "q2"):
+        assert len(got[rid]) == 1 and got[rid][0].error is None
+        assert np.allclose(got[rid][0].audio, clean[rid][0].audio, atol=1e-9, rtol=0)

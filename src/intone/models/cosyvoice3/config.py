@@ -80,8 +80,8 @@ def read_model_yaml(path: str | Path) -> dict:
     raw = {k: v for k, v in raw.items() if not k.startswith("__")}
     try:
         return _resolve(raw, raw)
-    except (KeyError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot resolve reference {e}") from None
+    except (KeyError, ValueError, RecursionError) as e:
+        raise ModelLoadError(f"{path}: cannot resolve reference {e!r}") from None
 
 
 def section(cfg: dict, name: str, path: str | Path = "cosyvoice3.yaml") -> dict:

@@ -9,14 +9,14 @@ from torch import Tensor
 
 from intone.engine.kv_cache import KVCache, KVLayout
 from intone.errors import InvalidRequestError
-from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceReference
+from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel, VoiceReference
 from intone.models.cosyvoice3.frontend import ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_reference
 from intone.models.cosyvoice3.prompt import (
     MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
 )
 from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker
-from intone.models.cosyvoice3.vocoder_stage import LOOKAHEAD_TOKENS, CosyCodecStage
+from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage
 
 # FSQ codes of silence and breath: after 5 in a row, further ones are not vocoded (official).
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
@@ -37,7 +37,8 @@ class CosyVoice3(TTSModel):
         s = talker.shape
         self.kv_layout = KVLayout(s.num_hidden_layers, s.num_key_value_heads, s.head_dim)
         self.max_seq_len = s.max_position_embeddings
-        self.history_width = RAS_WINDOW
+        self.history_width = RAS_WINDOW  # plus, in standard mode, every generated id
+        self.codec_lookahead_frames = flow.config.pre_lookahead_len
         self.device = talker.llm_decoder.weight.device
         self.dtype = talker.llm_decoder.weight.dtype
         self.codec_device = next(flow.parameters()).device
@@ -67,15 +68,21 @@ class CosyVoice3(TTSModel):
         return self.reference_features(audio, sample_rate)["speech_tokens"].unsqueeze(0)
 
     def _features(self, ref: VoiceReference, field: str) -> ReferenceFeatures:
-        if ref.features is not None and {"speech_tokens", "prompt_mel", "speaker"} <= ref.features.keys():
-            f = ref.features
-        elif ref.audio is not None and ref.sample_rate is not None:
+        if ref.audio is not None and ref.sample_rate is not None:
             f = self.reference_features(ref.audio, ref.sample_rate, field)
+        elif ref.features is not None and {"speech_tokens", "prompt_mel", "speaker"} <= ref.features.keys():
+            f = ref.features
+        elif ref.features is not None:
+            raise InvalidRequestError(field, "this voice was stored for another model; upload it again")
         else:
             raise InvalidRequestError(field, "CosyVoice3 needs the reference audio (or a stored voice), "
                                              "not codes alone")
-        return ReferenceFeatures(torch.as_tensor(f["speech_tokens"]).long(), torch.as_tensor(f["prompt_mel"]).float(),
-                                 torch.as_tensor(f["speaker"]).float())
+        out = ReferenceFeatures(torch.as_tensor(f["speech_tokens"]).long(), torch.as_tensor(f["prompt_mel"]).float(),
+                                torch.as_tensor(f["speaker"]).float())
+        n = out.speech_tokens.shape[0]
+        if out.speech_tokens.dim() != 1 or out.prompt_mel.shape != (2 * n, 80) or out.speaker.shape != (192,):
+            raise InvalidRequestError(field, "stored voice features have the wrong shapes; upload it again")
+        return out
 
     def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt:
         if len(references) != 1:
@@ -84,18 +91,23 @@ class CosyVoice3(TTSModel):
         ref = references[0]
         features = self._features(ref, "ref_audio" if ref.audio is not None else "voice")
         tokens, codes, target_len = talker_prompt(self.tokenizer, text, ref.text, features.speech_tokens)
+        # The flow's fixed noise covers noise_frames mel frames, reference included.
+        room = (self.flow.config.noise_frames - features.prompt_mel.shape[0]) // 2 - self.codec_lookahead_frames
         return Prompt(
             tokens=tokens, codes=codes, conditioning=features,
             codec_prompt_frames=int(features.speech_tokens.shape[0]),
-            min_new_tokens=MIN_TOKEN_TEXT_RATIO * target_len, max_new_tokens=MAX_TOKEN_TEXT_RATIO * target_len,
+            min_new_tokens=MIN_TOKEN_TEXT_RATIO * target_len,
+            max_new_tokens=min(MAX_TOKEN_TEXT_RATIO * target_len, room),
         )
 
     # ---- talker -----------------------------------------------------------------------------
 
-    def history_row(self, generated: list[int]) -> list[int]:
-        """[last 10 generated ids, right-aligned] + every generated id (for the standard penalty)."""
+    def history_row(self, generated: list[int], params: SamplingParams | None = None) -> list[int]:
+        """[last 10 generated ids, right-aligned], then, in standard mode, every generated id (the
+        penalty's set). RAS rows need only the window, so their host cost stays constant."""
         recent = generated[-RAS_WINDOW:]
-        return [-1] * (RAS_WINDOW - len(recent)) + recent + generated
+        row = [-1] * (RAS_WINDOW - len(recent)) + recent
+        return row + generated if params is not None and params.mode == "standard" else row
 
     def forwards_frame(self, generated: list[int]) -> bool:
         tail = generated[-(MAX_SILENT_RUN + 1):]
@@ -129,15 +141,17 @@ class CosyVoice3(TTSModel):
         """The flow input for a chunk (None when there are no tokens at all)."""
         from intone.models.cosyvoice3.flow import FlowRequest
 
-        n = chunk.end if chunk.finished else chunk.end + LOOKAHEAD_TOKENS
+        n = chunk.end if chunk.finished else chunk.end + self.codec_lookahead_frames
         if n == 0:
             return None
-        f: ReferenceFeatures = prompt.conditioning
+        if n > tokens.shape[0]:
+            raise ValueError(f"chunk [{chunk.start}, {chunk.end}) needs {n} tokens, {tokens.shape[0]} exist")
         dev = self.codec_device
-        return FlowRequest(
-            tokens=tokens[:n].to(dev), prompt_tokens=f.speech_tokens.to(dev), prompt_mel=f.prompt_mel.to(dev),
-            speaker=f.speaker.to(dev), streaming=not chunk.finished, finalize=chunk.finished,
-        )
+        f: ReferenceFeatures = prompt.conditioning
+        if f.speaker.device != dev:  # moved once per request, not per chunk
+            f = prompt.conditioning = ReferenceFeatures(f.speech_tokens.to(dev), f.prompt_mel.to(dev), f.speaker.to(dev))
+        return FlowRequest(tokens=tokens[:n].to(dev), prompt_tokens=f.speech_tokens, prompt_mel=f.prompt_mel,
+                           speaker=f.speaker, streaming=not chunk.finished, finalize=chunk.finished)
 
     @torch.inference_mode()
     def vocode(self, codes: Tensor, prompt: Prompt) -> Tensor:

@@ -81,11 +81,15 @@ class TalkerGraphs:
         self.talker = talker
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         self._pool = None
+        self._kv: KVCache | None = None
 
     def __call__(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor | None:
         """Logits [R, V] from a graph, or None when this step is not a graph-able decode."""
         if meta.max_seqlen_q != 1 or not x.is_cuda:
             return None
+        if kv is not self._kv:  # graphs read and write the cache they were captured with
+            self._graphs.clear()
+            self._pool, self._kv = None, kv
         rows = _bucket(x.shape[0], ROW_BUCKETS)
         kv_tokens = _bucket(meta.max_seqlen_k, KV_BUCKETS)
         if rows is None or kv_tokens is None:

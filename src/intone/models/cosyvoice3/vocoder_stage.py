@@ -23,7 +23,6 @@ from torch import Tensor
 
 from intone.engine.codec_stage import group_jobs
 
-LOOKAHEAD_TOKENS = 3
 MEL_PER_TOKEN = 2
 
 
@@ -60,19 +59,21 @@ class CosyCodecStage:
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
         new_mel = self._flow(items)
+        # Histories are built aside and committed only once the batch succeeded, so a failed batch
+        # can be retried chunk by chunk. A request may have two chunks here (regular + terminal).
+        latest: dict[int, Tensor] = {}
         histories = []
-        for (req, chunk), mel in zip(items, new_mel):
+        for (req, _), mel in zip(items, new_mel):
             state = req.codec_state
-            if state is None:
-                state = req.codec_state = StreamState(mel.new_zeros(mel.shape[0], 0))
-            state.mel = torch.cat([state.mel, mel], dim=1)
-            histories.append(state.mel)
+            before = latest.get(id(req), state.mel if state is not None else mel.new_zeros(mel.shape[0], 0))
+            latest[id(req)] = torch.cat([before, mel], dim=1)
+            histories.append(latest[id(req)])
         audio = self._hift(histories, [c.finished for _, c in items])
         out = []
-        for (req, _), wav in zip(items, audio):
-            state = req.codec_state
+        for (req, _), history, wav in zip(items, histories, audio):
+            state = req.codec_state = req.codec_state or StreamState(history)
             out.append(np.ascontiguousarray(wav[state.released :].float().cpu().numpy(), dtype=np.float32))
-            state.released = max(state.released, wav.shape[0])
+            state.mel, state.released = history, max(state.released, wav.shape[0])
         return out
 
     def _flow(self, items: list) -> list[Tensor]:

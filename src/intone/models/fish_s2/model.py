@@ -106,6 +106,8 @@ class FishS2(TTSModel):
         for i, ref in enumerate(references):
             codes = ref.codes
             if codes is None:
+                if ref.features is not None:
+                    raise InvalidRequestError("voice", "this voice was stored for another model; upload it again")
                 if ref.audio is None or ref.sample_rate is None:
                     raise InvalidRequestError(f"references[{i}]", "needs audio (with its sample rate) or codes")
                 codes = self.encode_reference(ref.audio, ref.sample_rate)
@@ -117,7 +119,7 @@ class FishS2(TTSModel):
         wav = resample(audio.float(), sample_rate, self.sample_rate)
         return self.codec.encode(wav.to(self.device).unsqueeze(0))[0].cpu()
 
-    def history_row(self, generated: list[int]) -> list[int]:
+    def history_row(self, generated: list[int], params=None) -> list[int]:
         """[RAS window | penalty window], right-aligned, -1 padded.
 
         The official loop never puts the first sampled token (the prefill step's) in the RAS
