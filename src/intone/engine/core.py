@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
+PREPARE_WORKERS = 2  # threads encoding reference audio (ONNX and torch release the GIL)
 
 
 class TooLarge(IntoneError):
@@ -64,6 +66,8 @@ class EngineCore:
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         self.codec = model.make_codec_stage(profile.codec)
         self.requests: dict[str, EngineRequest] = {}
+        self._preparing: dict[str, tuple[SynthesisRequest, Future]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self._outbox: list[AudioChunk] = []
         self.stats = EngineStats()
 
@@ -78,12 +82,40 @@ class EngineCore:
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: SynthesisRequest) -> None:
-        """Queue a request; a bad one is answered at once with an error chunk and harms nothing."""
+        """Queue a request; a bad one is answered with an error chunk and harms nothing.
+
+        Reference audio is encoded (codec or ONNX frontend) on a worker thread, so the running
+        streams do not pause for it; the request is admitted by the first step after that.
+        """
+        rid = request.request_id
+        if rid in self.requests or rid in self._preparing:
+            self._refuse(rid, f"{rid!r} is already in use", "invalid_request", "request_id")
+            return
+        if any(ref.audio is not None for ref in request.references):
+            if len(self._preparing) + len(self.scheduler.waiting) >= self.scheduler.max_waiting:
+                self._refuse(rid, f"{len(self.scheduler.waiting)} requests are already waiting", "queue_full")
+                return
+            future = self._workers().submit(self.model.build_prompt, request.text, request.references)
+            self._preparing[rid] = (request, future)
+            return
+        self._admit(request, lambda: self.model.build_prompt(request.text, request.references))
+
+    def _workers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="intone-prepare")
+        return self._pool
+
+    def _admit_prepared(self) -> None:
+        """Admit the requests whose references are encoded, in the order they arrived."""
+        for rid, (request, future) in list(self._preparing.items()):
+            if future.done():
+                del self._preparing[rid]
+                self._admit(request, future.result)
+
+    def _admit(self, request: SynthesisRequest, build_prompt) -> None:
         rid = request.request_id
         try:
-            if rid in self.requests:
-                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
-            prompt = self.model.build_prompt(request.text, request.references)
+            prompt = build_prompt()
             params = resolve_params(request.params, prompt, self.model.max_seq_len)
             req = EngineRequest(rid, prompt, params, request.initial_chunk_frames)
             if len(prompt) > self.scheduler.max_num_batched_tokens:
@@ -104,6 +136,10 @@ class EngineCore:
         except IntoneError as e:
             self._refuse(rid, str(e), "invalid_request")
             return
+        except Exception as e:  # a bug in preparing one request must not take the engine down
+            log.exception("cannot prepare request %s", rid)
+            self._refuse(rid, f"cannot prepare the request: {e}", "internal")
+            return
         req.allocate_codes(self.model.num_codebooks, self.model.device)
         self.requests[rid] = req
         self.planner.add(rid, request.initial_chunk_frames, prompt.codec_prompt_frames)
@@ -120,6 +156,9 @@ class EngineCore:
 
     def abort(self, request_id: str) -> None:
         """Cancel: free everything; the client gets one terminal chunk unless it already had one."""
+        if self._preparing.pop(request_id, None) is not None:  # its encoding result is dropped
+            self._send(self._terminal(request_id, 0, "abort"))
+            return
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -129,7 +168,7 @@ class EngineCore:
         """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
         return dict(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            live_requests=len(self.requests), planner_requests=len(self.planner),
+            live_requests=len(self.requests), planner_requests=len(self.planner), preparing=len(self._preparing),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
             kv_tables=len(self.blocks.owners()), steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
@@ -138,11 +177,19 @@ class EngineCore:
         )
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._outbox)
+        return bool(self.requests) or bool(self._outbox) or bool(self._preparing)
+
+    def request_ids(self) -> list[str]:
+        """Every live request, admitted or still having its reference encoded."""
+        return [*self.requests, *self._preparing]
 
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[AudioChunk]:
+        if self._preparing:
+            if not self.requests and not self._outbox:  # nothing else to do: wait for an encoding
+                wait([f for _, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            self._admit_prepared()
         batch = self.scheduler.schedule()
         finished: list[str] = []
         if batch:

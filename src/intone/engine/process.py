@@ -71,7 +71,7 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
                 except Exception as e:  # a bad upload must not take the engine down
                     push.send(pickle.dumps(("encoded", (token, None, str(e)))))
             elif msg[0] == "shutdown":
-                for rid in list(core.requests):
+                for rid in core.request_ids():
                     core.abort(rid)
                 push.send(pickle.dumps(("chunks", core.step())))
                 if core.tracer:

@@ -179,3 +179,24 @@ def test_a_failing_codec_batch_fails_only_the_request_that_fails_alone(cosy64):
     for rid in ("q0", "q2"):
         assert len(got[rid]) == 1 and got[rid][0].error is None
         assert np.allclose(got[rid][0].audio, clean[rid][0].audio, atol=1e-9, rtol=0)
+
+
+def test_references_are_encoded_off_the_loop_and_can_be_cancelled_or_refused(tiny_cosy):
+    core = EngineCore(tiny_cosy, load_profile("cosyvoice3-streaming", device="cpu"))
+    good = SynthesisRequest("g", TEXTS[0], voices(1), SamplingParams(seed=2, max_new_tokens=30))
+    gone = SynthesisRequest("x", TEXTS[0], voices(1), SamplingParams(seed=2))
+    long_ref = VoiceReference(text="too long", audio=voice_audio(31.0), sample_rate=16000)
+    bad = SynthesisRequest("b", TEXTS[0], [long_ref], SamplingParams(seed=2))
+    for r in (good, gone, bad):
+        core.add_request(r)
+    assert core.snapshot()["preparing"] == 3 and not core.requests  # nothing encoded in add_request
+    core.abort("x")
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    assert [c.stop_reason for c in chunks["x"]] == ["abort"]
+    assert chunks["b"][0].error_code == "invalid_request" and chunks["b"][0].error_field == "ref_audio"
+    assert chunks["g"][-1].error is None and chunks["g"][-1].end_frame > 0
+    snap = core.snapshot()
+    assert snap["preparing"] == 0 and snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
