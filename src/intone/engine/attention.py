@@ -119,3 +119,25 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
             q_pad.transpose(1, 2), keys, values, attn_mask=mask.unsqueeze(1), enable_gqa=heads != keys.shape[1],
         )
     return out.transpose(1, 2)[meta.token_request, meta.token_index]
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, seq_lens: Tensor) -> Tensor:
+    """One query per row, static shapes (for CUDA-graph capture): q [B, H, D] over each row's first
+    seq_lens keys in its blocks `tables` [B, n_blocks] (n_blocks may exceed what the row uses) -> [B, H, D].
+
+    Same kernels as `paged_attention` (memory-efficient SDPA on CUDA), so graphed and eager decode
+    steps differ only by the padded key length.
+    """
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, H_kv, S, D]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+    mask = (torch.arange(keys.shape[2], device=q.device) < seq_lens.unsqueeze(1))[:, None, None, :]
+    heads = q.shape[1]
+    if q.is_cuda:
+        group = heads // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask)
+    else:
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                             enable_gqa=heads != keys.shape[1])
+    return out.squeeze(2)

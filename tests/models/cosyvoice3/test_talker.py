@@ -64,39 +64,10 @@ def test_logits_equal_transformers_qwen2_fed_the_official_layout(cosy64):
         assert torch.allclose(logits.double(), expected[i].double(), atol=1e-9, rtol=0), i
 
 
-def test_static_decode_step_equals_the_eager_paged_step(cosy64):
-    """The function the CUDA graphs capture, on a padded batch, against the eager path (float64)."""
-    t = cosy64.talker
-    blocks = BlockManager(32, 16)
-    kv = KVCache(cosy64.kv_layout, 32, 16, torch.float64, "cpu")
-    torch.manual_seed(0)
-    lens = [5, 40, 17]
-    for r, n in enumerate(lens):  # fill each request's cache with a prefill
-        meta = AttentionMetadata.build([n], [0], [blocks.ensure(f"r{r}", n)], 16)
-        t(t.embed(torch.randint(0, 100, (n,)), torch.full((n,), -1)), meta, kv)
-    ids = torch.tensor([5, 6000, 42])
-    x = t.embed(ids, ids)
-    tables = [blocks.ensure(f"r{r}", n + 1) for r, n in enumerate(lens)]
-    meta = AttentionMetadata.build([1, 1, 1], lens, tables, 16)
-    k_before, v_before = kv.k.clone(), kv.v.clone()
-    eager = t(x, meta, kv)
-    kv.k.copy_(k_before), kv.v.copy_(v_before)
-    rows, width = 4, 4  # one padding row, tables padded to 4 blocks with the scratch block
-    padded_tables = torch.full((rows, width), kv.num_blocks)
-    padded_tables[:3, : meta.block_tables.shape[1]] = meta.block_tables
-    static = t.decode_step(torch.cat([x, x[:1]]), torch.cat([meta.positions, torch.zeros(1, dtype=torch.long)]),
-                           torch.cat([meta.slot_mapping, torch.tensor([kv.scratch_slot])]), padded_tables,
-                           torch.cat([meta.seq_lens, torch.ones(1, dtype=torch.long)]), kv)
-    assert torch.allclose(static[:3], eager, atol=1e-10, rtol=0)
-    real = slice(0, kv.num_blocks)  # the padding row wrote only to the scratch block
-    changed = (kv.k[:, real] != k_before[:, real]).any(dim=(0, 2, 3, 4)).nonzero().flatten().tolist()
-    assert set(changed) <= {b for table in tables for b in table}
-
-
 @pytest.mark.gpu
 def test_graph_replay_matches_eager_on_cuda(tiny_cosy_dir):
     from intone.models import load_model
-    from intone.models.cosyvoice3.talker_graph import TalkerGraphs
+    from intone.engine.decode_graphs import DecodeGraphs
 
     model = load_model(str(tiny_cosy_dir), device="cuda")
     t = model.talker
@@ -106,7 +77,7 @@ def test_graph_replay_matches_eager_on_cuda(tiny_cosy_dir):
     for r, n in enumerate(lens):
         meta = AttentionMetadata.build([n], [0], [blocks.ensure(f"r{r}", n)], 16, "cuda")
         t(t.embed(torch.randint(0, 100, (n,), device="cuda"), torch.full((n,), -1, device="cuda")), meta, kv)
-    graphs = TalkerGraphs(t)
+    graphs = DecodeGraphs(t.decode_step)
     ids = torch.tensor([5, 6000, 42], device="cuda")
     meta = AttentionMetadata.build([1, 1, 1], lens, [blocks.ensure(f"r{r}", n + 1) for r, n in enumerate(lens)], 16,
                                    "cuda")

@@ -46,10 +46,10 @@ class CosyVoice3(TTSModel):
 
     def enable_cuda_graphs(self) -> None:
         """Replay the talker's decode steps from CUDA graphs (no-op off CUDA)."""
-        from intone.models.cosyvoice3.talker_graph import TalkerGraphs
+        from intone.engine.decode_graphs import DecodeGraphs
 
         if self.device.type == "cuda":
-            self.graphs = TalkerGraphs(self.talker)
+            self.graphs = DecodeGraphs(self.talker.decode_step)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,

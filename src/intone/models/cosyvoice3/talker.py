@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from intone.engine.attention import AttentionMetadata, paged_attention, store_kv
+from intone.engine.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
 from intone.engine.kv_cache import KVCache
 
 
@@ -166,8 +166,6 @@ class CosyTalker(nn.Module):
     def decode_step(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
                     kv: KVCache) -> Tensor:
         """One new token per row, static shapes (CUDA-graph capture): [B, D] -> logits [B, V]."""
-        from intone.models.cosyvoice3.talker_graph import decode_attention
-
         h = self._layers(x, positions, slots, kv, lambda q, kc, vc: decode_attention(q, kc, vc, tables, seq_lens))
         return self._logits(h)
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from intone.audio import resample
+from intone.engine.decode_graphs import DecodeGraphs
 from intone.engine.kv_cache import KVCache, KVLayout
 from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, sample
 from intone.errors import InvalidRequestError, ModelLoadError
@@ -43,11 +44,14 @@ class FishS2(TTSModel):
         self.device = lm.slow_rope.device
         self.dtype = lm.text_model.model.norm.weight.dtype
         self.fast_graphs: FastARGraphs | None = None
+        self.slow_graphs: DecodeGraphs | None = None
 
     def enable_cuda_graphs(self) -> None:
-        """Replay the fast AR from CUDA graphs keyed by padded batch size (no-op off CUDA)."""
+        """Replay the slow AR's decode steps (keyed by rows and KV length) and the fast AR (keyed
+        by padded batch size) from CUDA graphs (no-op off CUDA)."""
         if self.device.type == "cuda":
             self.fast_graphs = FastARGraphs(self._fast_codes)
+            self.slow_graphs = DecodeGraphs(self.lm.decode_slow)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -135,7 +139,9 @@ class FishS2(TTSModel):
     def step(self, batch: StepBatch, kv: KVCache) -> StepOutput:
         lm = self.lm
         x = lm.embed(batch.tokens, batch.codes)
-        hidden = lm.forward_slow(x, batch.meta, kv)
+        hidden = self.slow_graphs(x, batch.meta, kv) if self.slow_graphs is not None else None
+        if hidden is None:
+            hidden = lm.forward_slow(x, batch.meta, kv)
         logits = lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
         tokens = self._sample_semantic(logits, batch.sampling, batch.history)
         codes = (self.fast_graphs or self._fast_codes)(hidden, tokens, batch.sampling)

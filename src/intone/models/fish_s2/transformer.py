@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from intone.engine.attention import AttentionMetadata, paged_attention, store_kv
+from intone.engine.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
 from intone.engine.kv_cache import KVCache
 from intone.models.fish_s2.config import FishS2Config, TransformerShape
 from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
@@ -134,16 +134,29 @@ class DualARTransformer(nn.Module):
 
     def forward_slow(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
         """Packed embeddings x [T, dim] -> final normed hidden of each request's last token [R, dim]."""
-        rope = self.slow_rope[meta.positions]
+        h = self._slow_layers(x, meta.positions, meta.slot_mapping, kv,
+                              lambda q, kc, vc: paged_attention(q, kc, vc, meta))
+        return self.text_model.model.norm(h[meta.last_token_rows])
+
+    def decode_slow(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
+                    kv: KVCache) -> Tensor:
+        """One new token per row, static shapes (CUDA-graph capture): [B, dim] -> normed hidden [B, dim]."""
+        h = self._slow_layers(x, positions, slots, kv,
+                              lambda q, kc, vc: decode_attention(q, kc, vc, tables, seq_lens))
+        return self.text_model.model.norm(h)
+
+    def _slow_layers(self, x: Tensor, positions: Tensor, slots: Tensor, kv: KVCache, attention) -> Tensor:
+        """attention(q, k_cache, v_cache) runs after this step's keys are stored at `slots`."""
+        rope = self.slow_rope[positions]
         for i, layer in enumerate(self.text_model.model.layers):
             k_cache, v_cache = kv.layer(i)
 
             def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
-                store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-                return paged_attention(q, k_cache, v_cache, meta)
+                store_kv(k_cache, v_cache, k, v, slots)
+                return attention(q, k_cache, v_cache)
 
             x = layer(x, rope, attend)
-        return self.text_model.model.norm(x[meta.last_token_rows])
+        return x
 
     def full_logits(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.text_model.model.output_weight())

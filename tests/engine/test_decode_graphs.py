@@ -1,0 +1,78 @@
+"""The static-shape decode steps that CUDA graphs capture, against the eager paged steps."""
+
+import pytest
+import torch
+
+from intone.engine.attention import AttentionMetadata
+from intone.engine.kv_cache import BlockManager, KVCache
+from intone.models import load_model
+
+
+def _model(name, tiny_cache, device="cpu", dtype=torch.float64):
+    from intone.models import resolve_model_dir
+
+    return load_model(str(resolve_model_dir(f"tiny:{name}")), device=device, dtype=dtype, codec_dtype=torch.float32)
+
+
+def _paths(model):
+    """(embed, eager step -> per-row output, static decode fn) for a model."""
+    if model.name == "fish-s2":
+        lm = model.lm
+        return (lambda ids: lm.embed(ids, torch.zeros(len(ids), model.num_codebooks, dtype=torch.long,
+                                                      device=ids.device)),
+                lm.forward_slow, lm.decode_slow)
+    t = model.talker
+    return lambda ids: t.embed(ids, torch.full_like(ids, -1)), t.forward, t.decode_step
+
+
+def _prefilled(model, lens, device):
+    embed, eager, _ = _paths(model)
+    blocks = BlockManager(64, 16)
+    kv = KVCache(model.kv_layout, 64, 16, model.dtype, device)
+    torch.manual_seed(0)
+    for r, n in enumerate(lens):
+        meta = AttentionMetadata.build([n], [0], [blocks.ensure(f"r{r}", n)], 16, device)
+        eager(embed(torch.randint(0, 50, (n,), device=device)), meta, kv)
+    meta = AttentionMetadata.build([1] * len(lens), lens, [blocks.ensure(f"r{r}", n + 1) for r, n in enumerate(lens)],
+                                   16, device)
+    return kv, meta, blocks
+
+
+@pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])
+def test_static_decode_equals_eager_and_padding_rows_touch_only_the_scratch_block(name, tiny_cache):
+    model = _model(name, tiny_cache)
+    embed, eager, static = _paths(model)
+    lens = [5, 40, 17]
+    kv, meta, blocks = _prefilled(model, lens, "cpu")
+    x = embed(torch.tensor([7, 8, 9]))
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    expected = eager(x, meta, kv)
+    kv.k.copy_(k0), kv.v.copy_(v0)
+    rows, width = 4, 5  # one padding row; tables padded with the scratch block
+    tables = torch.full((rows, width), kv.num_blocks)
+    tables[:3, : meta.block_tables.shape[1]] = meta.block_tables
+    got = static(torch.cat([x, x[:1]]), torch.cat([meta.positions, torch.zeros(1, dtype=torch.long)]),
+                 torch.cat([meta.slot_mapping, torch.tensor([kv.scratch_slot])]), tables,
+                 torch.cat([meta.seq_lens, torch.ones(1, dtype=torch.long)]), kv)
+    assert torch.allclose(got[:3].double(), expected.double(), atol=1e-10, rtol=0)
+    owned = {b for r in range(3) for b in blocks.table(f"r{r}")}
+    changed = (kv.k[:, : kv.num_blocks] != k0[:, : kv.num_blocks]).any(dim=(0, 2, 3, 4)).nonzero().flatten()
+    assert set(changed.tolist()) <= owned
+
+
+@pytest.mark.gpu
+def test_fish_slow_graph_replay_matches_eager_on_cuda(tiny_cache):
+    from intone.engine.decode_graphs import DecodeGraphs
+
+    model = _model("fish-s2", tiny_cache, device="cuda", dtype=torch.float32)
+    embed, eager, static = _paths(model)
+    lens = [3, 30, 70]
+    kv, meta, _ = _prefilled(model, lens, "cuda")
+    x = embed(torch.tensor([7, 8, 9], device="cuda"))
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    expected = eager(x, meta, kv)
+    kv.k.copy_(k0), kv.v.copy_(v0)
+    graphs = DecodeGraphs(static)
+    got = graphs(x, meta, kv)
+    assert graphs.captured == [(4, 256)]
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
