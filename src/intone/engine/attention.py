@@ -125,19 +125,17 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor
     """One query per row, static shapes (for CUDA-graph capture): q [B, H, D] over each row's first
     seq_lens keys in its blocks `tables` [B, n_blocks] (n_blocks may exceed what the row uses) -> [B, H, D].
 
-    Same kernels as `paged_attention` (memory-efficient SDPA on CUDA), so graphed and eager decode
-    steps differ only by the padded key length.
+    Grouped heads are handled by the einsum itself: repeating the KV heads for SDPA (as the eager
+    path does) made a 64-row CosyVoice3 decode step 2.1x slower (18.5 vs 8.75 ms, H200). Scores and
+    softmax run in fp32 whatever the cache dtype.
     """
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B, H_kv, S, D]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-    mask = (torch.arange(keys.shape[2], device=q.device) < seq_lens.unsqueeze(1))[:, None, None, :]
-    heads = q.shape[1]
-    if q.is_cuda:
-        group = heads // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask)
-    else:
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                             enable_gqa=heads != keys.shape[1])
-    return out.squeeze(2)
+    keys = k_cache[tables].flatten(1, 2)  # [B, S, H_kv, D]
+    values = v_cache[tables].flatten(1, 2)
+    b, s, h_kv, d = keys.shape
+    compute = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(compute).view(b, h_kv, -1, d)
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.to(compute)) * d**-0.5
+    valid = torch.arange(s, device=q.device) < seq_lens.unsqueeze(1)
+    weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", weights, values.to(compute))
+    return out.reshape(b, -1, d).to(q.dtype)
