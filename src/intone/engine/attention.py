@@ -127,15 +127,21 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor
 
     Grouped heads are handled by the einsum itself: repeating the KV heads for SDPA (as the eager
     path does) made a 64-row CosyVoice3 decode step 2.1x slower (18.5 vs 8.75 ms, H200). Scores and
-    softmax run in fp32 whatever the cache dtype.
+    softmax run in fp32 whatever the cache dtype, and never in TF32 (the eager kernel does not use
+    it), so a profile's TF32 setting cannot make graphed and eager steps disagree.
     """
     keys = k_cache[tables].flatten(1, 2)  # [B, S, H_kv, D]
     values = v_cache[tables].flatten(1, 2)
     b, s, h_kv, d = keys.shape
     compute = torch.promote_types(q.dtype, torch.float32)
     qg = q.to(compute).view(b, h_kv, -1, d)
-    scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.to(compute)) * d**-0.5
     valid = torch.arange(s, device=q.device) < seq_lens.unsqueeze(1)
-    weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
-    out = torch.einsum("bhgs,bshd->bhgd", weights, values.to(compute))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        scores = torch.einsum("bhgd,bshd->bhgs", qg, keys.to(compute)) * d**-0.5
+        weights = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
+        out = torch.einsum("bhgs,bshd->bhgd", weights, values.to(compute))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return out.reshape(b, -1, d).to(q.dtype)
