@@ -60,3 +60,8 @@ def test_sampling_modes(cosy_server):
     assert speech(cosy_server, sampling_mode="standard", repetition_penalty=1.21, temperature=0.7).status_code == 200
     bad = speech(cosy_server, sampling_mode="greedy")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_mode"
+
+
+def test_speed_needs_a_full_response_profile(cosy_server):
+    r = speech(cosy_server, speed=1.5)  # this server streams (cosyvoice3-streaming)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speed"

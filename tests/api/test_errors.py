@@ -48,6 +48,7 @@ def bad_cases(server, reference_wav, tmp_path):
         ({"max_new_tokens": 5000}, 400, "max_new_tokens"),
         ({"repetition_penalty": -1}, 400, "repetition_penalty"),
         ({"speed": 9}, 400, "speed"),
+        ({"speed": 1.5}, 400, "speed"),  # Fish has no tempo control
         ({"seed": -1}, 400, "seed"),
     ]
 

@@ -64,8 +64,6 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
         raise InvalidRequestError("input", "must not be empty")
     if len(body.input) > settings.max_input_chars:
         raise InvalidRequestError("input", f"is {len(body.input)} characters, over the {settings.max_input_chars} limit")
-    if body.speed != 1.0:
-        raise InvalidRequestError("speed", "only 1.0 is supported")
     streaming = body.stream or body.stream_format == "audio"
     if streaming and settings.sse_dialect != "sglang" and body.response_format not in STREAMABLE:
         raise InvalidRequestError("response_format", f"{body.response_format} cannot stream; use wav or pcm")
@@ -86,7 +84,8 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
         repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,
         ignore_eos=body.ignore_eos or None, mode=body.sampling_mode, min_new_tokens=body.min_new_tokens,
     ).validate()
-    return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames)
+    return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames,
+                            speed=body.speed)
 
 
 async def answer(body: SpeechRequest, request: Request) -> Response:

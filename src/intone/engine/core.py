@@ -100,6 +100,20 @@ class EngineCore:
             return
         self._admit(request, lambda: self.model.build_prompt(request.text, request.references))
 
+    def _check_speed(self, request: SynthesisRequest, params: SamplingParams) -> None:
+        """speed != 1 stretches the whole utterance at once, so the request must be one chunk."""
+        if request.speed == 1.0:
+            return
+        if not 0.25 <= request.speed <= 4.0:
+            raise InvalidRequestError("speed", f"must be in [0.25, 4], got {request.speed}")
+        if not self.model.supports_speed:
+            raise InvalidRequestError("speed", f"{self.model.name} supports only 1.0")
+        p = self.policy
+        streamed = request.initial_chunk_frames or p.initial_chunk_frames or p.align_first_chunk or (
+            p.steady_chunk_frames + p.lookahead_frames <= params.max_new_tokens)
+        if streamed:
+            raise InvalidRequestError("speed", "needs a full-response profile (one chunk per request)")
+
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="intone-prepare")
@@ -117,7 +131,8 @@ class EngineCore:
         try:
             prompt = build_prompt()
             params = resolve_params(request.params, prompt, self.model.max_seq_len)
-            req = EngineRequest(rid, prompt, params, request.initial_chunk_frames)
+            req = EngineRequest(rid, prompt, params, request.initial_chunk_frames, speed=request.speed)
+            self._check_speed(request, params)
             if len(prompt) > self.scheduler.max_num_batched_tokens:
                 raise TooLarge(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens")
             if not self.scheduler.fits_ever(req):

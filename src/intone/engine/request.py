@@ -39,6 +39,7 @@ class SynthesisRequest:
     references: list[VoiceReference] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
     initial_chunk_frames: int | None = None  # per-request override of the profile's first chunk
+    speed: float = 1.0  # tempo, for models that support it in a single (full-response) chunk
 
 
 @dataclass
@@ -83,6 +84,7 @@ class EngineRequest:
     codes: Tensor | None = None  # [K, max_new_tokens] codec frames; [0, num_frames) are valid
     num_frames: int = 0  # generated frames forwarded to the codec (a model may trim some)
     codec_state: object = None  # the codec stage's per-request state (dropped with the request)
+    speed: float = 1.0
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far
 

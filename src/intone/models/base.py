@@ -102,6 +102,7 @@ class TTSModel(abc.ABC):
     max_seq_len: int
     history_width: int = 0
     codec_lookahead_frames: int = 0  # frames the codec reads beyond a non-final chunk's end
+    supports_speed: bool = False  # speed != 1 in a single full-response chunk
     device: torch.device
     dtype: torch.dtype
 

@@ -15,13 +15,16 @@ import torch
 from intone.models.cosyvoice3.flow import FlowRequest
 
 
-def _token2wav(model, tokens, features, offset, state, stream: bool, finalize: bool) -> torch.Tensor:
+def _token2wav(model, tokens, features, offset, state, stream: bool, finalize: bool, speed: float = 1.0):
     dev = model.codec_device
     job = FlowRequest(torch.tensor(tokens, dtype=torch.long, device=dev), features.speech_tokens.to(dev),
                       features.prompt_mel.to(dev), features.speaker.to(dev), streaming=stream, finalize=finalize)
     mel = model.flow.inference([job])[0][:, 2 * offset :]
     state["mel"] = mel if state["mel"] is None else torch.cat([state["mel"], mel], dim=1)
-    speech = model.hift.inference(state["mel"].unsqueeze(0), finalize=finalize)[0]
+    history = state["mel"].unsqueeze(0)
+    if speed != 1.0:  # official: only with offset 0 and finalize
+        history = torch.nn.functional.interpolate(history, size=int(history.shape[2] / speed), mode="linear")
+    speech = model.hift.inference(history, finalize=finalize)[0]
     new = speech[state["released"] :]
     state["released"] += new.shape[0]
     return new.float().cpu()
@@ -45,8 +48,8 @@ def official_stream(model, tokens: list[int], features) -> list[tuple[int, int, 
     return out
 
 
-def official_full(model, tokens: list[int], features) -> torch.Tensor:
-    """Non-stream mode: one token2wav call with full attention and finalize."""
+def official_full(model, tokens: list[int], features, speed: float = 1.0) -> torch.Tensor:
+    """Non-stream mode: one token2wav call with full attention and finalize (and the tempo change)."""
     if not tokens:
         return torch.zeros(0)
-    return _token2wav(model, tokens, features, 0, {"mel": None, "released": 0}, False, True)
+    return _token2wav(model, tokens, features, 0, {"mel": None, "released": 0}, False, True, speed)

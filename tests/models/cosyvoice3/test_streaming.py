@@ -200,3 +200,17 @@ def test_references_are_encoded_off_the_loop_and_can_be_cancelled_or_refused(tin
     assert chunks["g"][-1].error is None and chunks["g"][-1].end_frame > 0
     snap = core.snapshot()
     assert snap["preparing"] == 0 and snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
+
+
+def test_speed_stretches_a_full_response_as_officially_and_is_refused_when_streaming(cosy64):
+    ref = voices(1)[0]
+    params = SamplingParams(seed=9, min_new_tokens=40, max_new_tokens=40, mode="standard")
+    full = load_profile("cosyvoice3-full-response", device="cpu")
+    got = run_engine(cosy64, full, [SynthesisRequest("s", TEXTS[1], [ref], params, speed=1.5)])["s"]
+    frames, _, prompt = alone_tokens(cosy64, TEXTS[1], ref, params)
+    expected = official_full(cosy64, frames, prompt.conditioning, speed=1.5)
+    assert len(got) == 1 and got[0].audio.shape[0] == expected.shape[0] == int(2 * 40 / 1.5) * 480
+    assert torch.allclose(torch.from_numpy(got[0].audio).double(), expected.double(), atol=1e-9, rtol=0)
+    streaming = load_profile("cosyvoice3-streaming", device="cpu")
+    refused = run_engine(cosy64, streaming, [SynthesisRequest("t", TEXTS[1], [ref], params, speed=1.5)])["t"]
+    assert refused[0].error_code == "invalid_request" and refused[0].error_field == "speed"

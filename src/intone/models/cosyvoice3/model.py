@@ -27,6 +27,7 @@ class CosyVoice3(TTSModel):
     name = "cosyvoice3"
     num_codebooks = 1
     requires_reference = True
+    supports_speed = True
 
     def __init__(self, talker: CosyTalker, flow, hift, tokenizer: CosyTokenizer,
                  speech_tokenizer: SpeechTokenizer, speaker_encoder: SpeakerEncoder, sample_rate: int = 24000):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from intone.engine.codec_stage import group_jobs
@@ -30,6 +31,11 @@ MEL_PER_TOKEN = 2
 class StreamState:
     mel: Tensor  # [80, n] mel frames handed to HiFT so far
     released: int = 0  # audio samples sent so far
+
+
+def stretch(mel: Tensor, speed: float) -> Tensor:
+    """Official tempo change: linear interpolation of the mel [80, T] to int(T / speed) frames."""
+    return F.interpolate(mel.unsqueeze(0), size=int(mel.shape[1] / speed), mode="linear")[0]
 
 
 class CosyCodecStage:
@@ -63,11 +69,13 @@ class CosyCodecStage:
         # can be retried chunk by chunk. A request may have two chunks here (regular + terminal).
         latest: dict[int, Tensor] = {}
         histories = []
-        for (req, _), mel in zip(items, new_mel):
+        for (req, chunk), mel in zip(items, new_mel):
             state = req.codec_state
             before = latest.get(id(req), state.mel if state is not None else mel.new_zeros(mel.shape[0], 0))
             latest[id(req)] = torch.cat([before, mel], dim=1)
             histories.append(latest[id(req)])
+            if req.speed != 1.0:  # one whole-utterance chunk (checked at admission): stretch as officially
+                histories[-1] = stretch(histories[-1], req.speed)
         audio = self._hift(histories, [c.finished for _, c in items])
         out = []
         for (req, _), history, wav in zip(items, histories, audio):
