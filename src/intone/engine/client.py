@@ -92,10 +92,10 @@ class Engine:
                         self._stats_waiters.pop(0).set_result(payload)
                     continue
                 if kind == "encoded":
-                    token, codes, error = payload
+                    token, features, error = payload
                     waiter = self._encode_waiters.pop(token, None)
                     if waiter is not None and not waiter.done():
-                        waiter.set_result((codes, error))
+                        waiter.set_result((features, error))
                     continue
                 for chunk in payload:
                     queue = self._queues.get(chunk.request_id)
@@ -154,10 +154,10 @@ class Engine:
         waiter = asyncio.get_running_loop().create_future()
         self._encode_waiters[token] = waiter
         self._post(("encode", token, audio, sample_rate))
-        codes, error = await waiter
+        features, error = await waiter
         if error:
             raise IntoneError(f"cannot encode the reference audio: {error}")
-        return codes
+        return features
 
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

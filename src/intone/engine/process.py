@@ -3,7 +3,7 @@
 In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("encode", token, audio, rate)
      | ("shutdown",)
 Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output,
-     ("stats", dict) per stats request, ("encoded", (token, codes | None, error | None)) per
+     ("stats", dict) per stats request, ("encoded", (token, features | None, error | None)) per
      encode, ("fatal", message) if the loop dies.
 Messages are pickled; nothing else is shared with the client.
 """

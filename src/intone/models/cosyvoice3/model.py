@@ -127,6 +127,8 @@ class CosyVoice3(TTSModel):
     # ---- codec ------------------------------------------------------------------------------
 
     def make_codec_stage(self, config) -> CosyCodecStage:
+        """The flow + HiFT stage; `codec.flow_dtype` recasts this model's flow (the model belongs to
+        one engine), `codec.compile` compiles its DiT now."""
         gpu = self.codec_device.type == "cuda"
         if config.flow_dtype != "auto" and gpu:
             self.flow.to(getattr(torch, config.flow_dtype))

@@ -46,7 +46,7 @@ class CosyCodecStage:
         # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
         gpu = model.codec_device.type == "cuda"
         self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
-        self.calls = 0
+        self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
 
     def compile_flow(self) -> None:
         """torch.compile the DiT (dynamic shapes) and compile it now, on a small dummy batch, so
