@@ -225,7 +225,7 @@ class EngineCore:
 
     def _run_ar(self, batch: list[EngineRequest], finished: list[str]) -> None:
         out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in batch
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.generated) for r in batch
         ])
         tokens, stopped = out.tokens.tolist(), out.stopped.tolist()
         for i, req in enumerate(batch):
@@ -298,7 +298,7 @@ class EngineCore:
         self.planner.remove(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.stats.finished[reason or "unknown"] += 1
-        req.codes = req.codec_state = None
+        req.codes = req.codec_state = req.token_buffer = None
 
     def _terminal(self, rid: str, emitted: int, reason: str, error: str | None = None,
                   req: EngineRequest | None = None) -> AudioChunk:

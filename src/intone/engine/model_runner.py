@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from intone.engine.attention import AttentionMetadata
@@ -21,6 +22,7 @@ class StepInput:
     params: SamplingParams
     tokens: list[int]  # main tokens generated so far
     last_codes: torch.Tensor | None  # [K] codes of the last generated frame (None before the first)
+    generated: np.ndarray | None = None  # the same tokens as int64 (kept by the request; else built here)
 
 
 class ModelRunner:
@@ -43,7 +45,8 @@ class ModelRunner:
             q_lens.append(tokens[-1].shape[0])
             ctx_lens.append(ctx)
             tables.append(self.blocks.ensure(r.request_id, ctx + q_lens[-1]))
-            history.append(self.model.history_row(r.tokens, r.params))
+            generated = r.generated if r.generated is not None else np.asarray(r.tokens, dtype=np.int64)
+            history.append(self.model.history_row(generated, r.params))
         return StepBatch(
             tokens=torch.cat(tokens),
             codes=torch.cat(codes),
@@ -56,10 +59,11 @@ class ModelRunner:
         return self.model.step(self.build(reqs), self.kv)
 
 
-def _history_tensor(rows: list[list[int]], device) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    padded = [r + [-1] * (width - len(r)) for r in rows]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(rows), width)
+def _history_tensor(rows: list[np.ndarray], device) -> torch.Tensor:
+    batch = np.full((len(rows), max(len(r) for r in rows)), -1, dtype=np.int64)
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = row
+    return torch.from_numpy(batch).to(device)
 
 
 def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:

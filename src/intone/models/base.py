@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -121,8 +122,8 @@ class TTSModel(abc.ABC):
         return {"codes": self.encode_reference(audio, sample_rate)}
 
     @abc.abstractmethod
-    def history_row(self, generated: list[int], params: SamplingParams | None = None) -> list[int]:
-        """The `history` row for a request that has generated these main tokens.
+    def history_row(self, generated: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
+        """The `history` row (int64) for a request that has generated these main tokens (int64 [n]).
 
         Rows may differ in length; the runner right-pads them with -1.
         """

@@ -160,7 +160,10 @@ def test_speak_writes_24khz_audio_and_refuses_a_request_without_reference(tiny_c
 def test_history_rows_carry_every_generated_id_only_in_standard_mode(tiny_cosy):
     from intone.models.base import SamplingParams
 
+    import numpy as np
+
     generated = list(range(100, 140))
-    assert tiny_cosy.history_row(generated, SamplingParams(mode="ras")) == generated[-10:]
-    assert tiny_cosy.history_row(generated, SamplingParams(mode="standard")) == generated[-10:] + generated
-    assert tiny_cosy.history_row([5, 6], SamplingParams()) == [-1] * 8 + [5, 6]
+    rows = {mode: tiny_cosy.history_row(np.array(generated), SamplingParams(mode=mode)).tolist()
+            for mode in ("ras", "standard")}
+    assert rows["ras"] == generated[-10:] and rows["standard"] == generated[-10:] + generated
+    assert tiny_cosy.history_row(np.array([5, 6]), SamplingParams()).tolist() == [-1] * 8 + [5, 6]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -103,12 +104,16 @@ class CosyVoice3(TTSModel):
 
     # ---- talker -----------------------------------------------------------------------------
 
-    def history_row(self, generated: list[int], params: SamplingParams | None = None) -> list[int]:
+    def history_row(self, generated: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
         """[last 10 generated ids, right-aligned], then, in standard mode, every generated id (the
-        penalty's set). RAS rows need only the window, so their host cost stays constant."""
+        penalty's set): array copies, so the host cost stays small however long the request."""
+        standard = params is not None and params.mode == "standard"
+        row = np.full(RAS_WINDOW + (len(generated) if standard else 0), -1, dtype=np.int64)
         recent = generated[-RAS_WINDOW:]
-        row = [-1] * (RAS_WINDOW - len(recent)) + recent
-        return row + generated if params is not None and params.mode == "standard" else row
+        row[RAS_WINDOW - len(recent) : RAS_WINDOW] = recent
+        if standard:
+            row[RAS_WINDOW:] = generated
+        return row
 
     def forwards_frame(self, generated: list[int]) -> bool:
         tail = generated[-(MAX_SILENT_RUN + 1):]

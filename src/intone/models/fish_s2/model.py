@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -123,15 +124,18 @@ class FishS2(TTSModel):
         wav = resample(audio.float(), sample_rate, self.sample_rate)
         return self.codec.encode(wav.to(self.device).unsqueeze(0))[0].cpu()
 
-    def history_row(self, generated: list[int], params=None) -> list[int]:
+    def history_row(self, generated: np.ndarray, params=None) -> np.ndarray:
         """[RAS window | penalty window], right-aligned, -1 padded.
 
         The official loop never puts the first sampled token (the prefill step's) in the RAS
         window; we keep that so the same draws give the same choices.
         """
-        ras = generated[1:][-RAS_WINDOW:]
+        row = np.full(RAS_WINDOW + PENALTY_WINDOW, -1, dtype=np.int64)
+        ras = generated[max(1, len(generated) - RAS_WINDOW):]
         pen = generated[-PENALTY_WINDOW:]
-        return [-1] * (RAS_WINDOW - len(ras)) + ras + [-1] * (PENALTY_WINDOW - len(pen)) + pen
+        row[RAS_WINDOW - len(ras) : RAS_WINDOW] = ras
+        row[len(row) - len(pen):] = pen
+        return row
 
     # ---- one AR step ------------------------------------------------------------------------
 
