@@ -14,6 +14,7 @@ is the model's static-shape decode step.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -21,6 +22,8 @@ from torch import Tensor
 
 from intone.engine.attention import AttentionMetadata
 from intone.engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
@@ -90,13 +93,18 @@ class DecodeGraphs:
         if rows is None or kv_tokens is None:
             return None
         kv_tokens = -(-kv_tokens // kv.block_size) * kv.block_size
-        graph = self._graphs.get((rows, kv_tokens))
-        if graph is None:
-            graph = _DecodeGraph(self.fn, kv, rows, x.shape[1], x.dtype, kv_tokens, self._pool)
-            self._graphs[(rows, kv_tokens)] = graph
-            self._pool = graph.graph.pool()
-        return graph.replay(x, meta).clone()
+        key = (rows, kv_tokens)
+        if key not in self._graphs:
+            try:
+                graph = _DecodeGraph(self.fn, kv, rows, x.shape[1], x.dtype, kv_tokens, self._pool)
+                self._pool = graph.graph.pool()
+            except Exception:  # e.g. out of memory: this shape runs eagerly instead of failing the batch
+                log.exception("cannot capture a decode graph for %s; running it eagerly", key)
+                graph = None
+            self._graphs[key] = graph
+        graph = self._graphs[key]
+        return graph.replay(x, meta).clone() if graph is not None else None
 
     @property
     def captured(self) -> list[tuple[int, int]]:
-        return sorted(self._graphs)
+        return sorted(k for k, g in self._graphs.items() if g is not None)
