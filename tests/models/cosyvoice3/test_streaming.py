@@ -28,7 +28,8 @@ def voices(n):
                            sample_rate=16000) for i in range(n)]
 
 
-def run_engine(model, profile, requests, tracer=None):
+def run_engine(model, profile, requests, tracer=None, tokens: dict | None = None):
+    """Chunks per request; `tokens`, if given, receives each request's generated tokens."""
     core = EngineCore(model, profile, tracer)
     for r in requests:
         core.add_request(r)
@@ -36,6 +37,8 @@ def run_engine(model, profile, requests, tracer=None):
     while core.has_work():
         for c in core.step():
             chunks.setdefault(c.request_id, []).append(c)
+        if tokens is not None:  # the request's own list: it outlives the request's release
+            tokens.update({rid: req.tokens for rid, req in core.requests.items()})
     snap = core.snapshot()
     assert snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
     return chunks
@@ -114,15 +117,17 @@ def test_16_concurrent_streams_pass_the_audit_and_match_their_tokens_alone(tiny_
     trace = tmp_path / "trace.jsonl"
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 16})
     tracer = FrameTracer(trace)
-    chunks = run_engine(tiny_cosy, profile, reqs, tracer)
+    tokens = {}
+    chunks = run_engine(tiny_cosy, profile, reqs, tracer, tokens)
     tracer.close()
     audit = subprocess.run([sys.executable, "-m", "intone.cli.main", "audit-frames", str(trace)],
                            capture_output=True, text=True)
     assert audit.returncode == 0, audit.stdout
     assert "0 missing and 0 repeated frames" in audit.stdout
     for i in range(16):
-        frames, _, _ = alone_tokens(tiny_cosy, TEXTS[i % 4], refs[i % 4], params[i])
+        frames, generated, _ = alone_tokens(tiny_cosy, TEXTS[i % 4], refs[i % 4], params[i])
         got = chunks[f"c{i}"]
+        assert tokens[f"c{i}"] == generated  # every generated token, as when the request runs alone
         assert got[-1].end_frame == len(frames)
         assert sum(c.audio.shape[0] for c in got) == len(frames) * 960
 
