@@ -65,3 +65,8 @@ def test_sampling_modes(cosy_server):
 def test_speed_needs_a_full_response_profile(cosy_server):
     r = speech(cosy_server, speed=1.5)  # this server streams (cosyvoice3-streaming)
     assert r.status_code == 400 and r.json()["error"]["param"] == "speed"
+
+
+def test_instructions_are_accepted(cosy_server):
+    r = speech(cosy_server, instructions="Speak slowly and clearly.")
+    assert r.status_code == 200 and len(r.content) > 44

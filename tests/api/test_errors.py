@@ -49,6 +49,7 @@ def bad_cases(server, reference_wav, tmp_path):
         ({"repetition_penalty": -1}, 400, "repetition_penalty"),
         ({"speed": 9}, 400, "speed"),
         ({"speed": 1.5}, 400, "speed"),  # Fish has no tempo control
+        ({"instructions": "whisper"}, 400, "instructions"),  # nor instructions
         ({"seed": -1}, 400, "seed"),
     ]
 

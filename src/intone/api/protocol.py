@@ -44,6 +44,7 @@ class SpeechRequest(BaseModel):
     top_k: int | None = Field(None, ge=1, le=4096)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     sampling_mode: Literal["ras", "standard"] | None = None  # the model's sampling mode (default: profile's)
+    instructions: str | None = Field(None, max_length=1000)  # OpenAI's style instruction (CosyVoice3 instruct2)
     min_new_tokens: int | None = Field(None, ge=0, le=4096)
     initial_codec_chunk_frames: int | None = Field(None, ge=0, le=1024)
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens frames

@@ -95,10 +95,10 @@ class EngineCore:
             if len(self._preparing) + len(self.scheduler.waiting) >= self.scheduler.max_waiting:
                 self._refuse(rid, f"{len(self.scheduler.waiting)} requests are already waiting", "queue_full")
                 return
-            future = self._workers().submit(self.model.build_prompt, request.text, request.references)
+            future = self._workers().submit(self._build_prompt, request)
             self._preparing[rid] = (request, future)
             return
-        self._admit(request, lambda: self.model.build_prompt(request.text, request.references))
+        self._admit(request, lambda: self._build_prompt(request))
 
     def _check_speed(self, request: SynthesisRequest, params: SamplingParams) -> None:
         """speed != 1 stretches the whole utterance at once, so the request must be one chunk."""
@@ -113,6 +113,11 @@ class EngineCore:
             p.steady_chunk_frames + p.lookahead_frames <= params.max_new_tokens)
         if streamed:
             raise InvalidRequestError("speed", "needs a full-response profile (one chunk per request)")
+
+    def _build_prompt(self, request: SynthesisRequest):
+        if request.instructions:
+            return self.model.build_prompt(request.text, request.references, request.instructions)
+        return self.model.build_prompt(request.text, request.references)
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:

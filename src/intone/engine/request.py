@@ -40,6 +40,7 @@ class SynthesisRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     initial_chunk_frames: int | None = None  # per-request override of the profile's first chunk
     speed: float = 1.0  # tempo, for models that support it in a single (full-response) chunk
+    instructions: str | None = None  # a style instruction, for models that take one
 
 
 @dataclass

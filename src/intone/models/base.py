@@ -108,7 +108,8 @@ class TTSModel(abc.ABC):
     dtype: torch.dtype
 
     @abc.abstractmethod
-    def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt: ...
+    def build_prompt(self, text: str, references: list[VoiceReference], instructions: str | None = None) -> Prompt:
+        """instructions: a style instruction for models that take one (else refused, naming the field)."""
 
     @abc.abstractmethod
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:

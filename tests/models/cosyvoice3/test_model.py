@@ -99,6 +99,16 @@ def test_zero_shot_prompt_layout(tiny_cosy, voice):
     assert prompt.codec_prompt_frames == len(speech) and prompt.conditioning.prompt_mel.shape == (2 * len(speech), 80)
 
 
+def test_instructions_replace_the_reference_text_and_speech_for_the_talker(tiny_cosy, voice):
+    prompt = tiny_cosy.build_prompt("Hello.", [voice], instructions="Speak slowly.")
+    tok = tiny_cosy.tokenizer
+    text_ids = tok.encode("You are a helpful assistant. Speak slowly.<|endofprompt|>") + tok.encode("Hello.")
+    assert prompt.tokens[1 : 1 + len(text_ids)].tolist() == text_ids
+    assert len(prompt) == len(text_ids) + 2 and prompt.codes[-1, 0] == TASK_ID  # no reference speech
+    assert prompt.conditioning.speech_tokens.numel() > 0  # the flow still takes the voice
+    assert prompt.max_new_tokens == 20 * len(tok.encode("Hello."))
+
+
 def test_without_a_transcript_the_talker_gets_no_reference_speech(tiny_cosy):
     ref = VoiceReference(text="", audio=voice_audio(), sample_rate=16000)
     prompt = tiny_cosy.build_prompt("Bonjour.", [ref])

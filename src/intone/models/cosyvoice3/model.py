@@ -86,13 +86,13 @@ class CosyVoice3(TTSModel):
             raise InvalidRequestError(field, "stored voice features have the wrong shapes; upload it again")
         return out
 
-    def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt:
+    def build_prompt(self, text: str, references: list[VoiceReference], instructions: str | None = None) -> Prompt:
         if len(references) != 1:
             raise InvalidRequestError("ref_audio", "CosyVoice3 needs exactly one reference voice "
                                                    f"(ref_audio or voice), got {len(references)}")
         ref = references[0]
         features = self._features(ref, "ref_audio" if ref.audio is not None else "voice")
-        tokens, codes, target_len = talker_prompt(self.tokenizer, text, ref.text, features.speech_tokens)
+        tokens, codes, target_len = talker_prompt(self.tokenizer, text, ref.text, features.speech_tokens, instructions)
         # The flow's fixed noise covers noise_frames mel frames, reference included.
         room = (self.flow.config.noise_frames - features.prompt_mel.shape[0]) // 2 - self.codec_lookahead_frames
         return Prompt(

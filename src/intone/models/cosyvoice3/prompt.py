@@ -15,6 +15,7 @@ from torch import Tensor
 from intone.errors import InvalidRequestError, ModelLoadError
 
 SYSTEM_PROMPT = "You are a helpful assistant.<|endofprompt|>"
+INSTRUCT_PROMPT = "You are a helpful assistant. {}<|endofprompt|>"  # the official instruct2 form
 END_OF_PROMPT = "<|endofprompt|>"
 SOS, EOS, TASK_ID = 6561, 6562, 6563
 MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2, 20
@@ -59,16 +60,23 @@ class CosyTokenizer:
         return self.hf([text])["input_ids"][0]
 
 
-def talker_prompt(tokenizer: CosyTokenizer, text: str, ref_text: str, ref_tokens: Tensor | None):
+def talker_prompt(tokenizer: CosyTokenizer, text: str, ref_text: str, ref_tokens: Tensor | None,
+                  instructions: str | None = None):
     """(tokens [L], codes [L, 1], target text length) for one request.
 
-    With a transcript the reference is a zero-shot prompt (its text gets the system prompt
-    unless it carries `<|endofprompt|>` itself) and its speech tokens go to the talker; without
-    one (cross-lingual) the talker sees neither, and the target text gets the system prompt.
+    With instructions (the official instruct2 mode) the talker's prompt text is the instruction
+    and it sees no reference speech (the flow still takes the voice). Otherwise, with a transcript
+    the reference is a zero-shot prompt (its text gets the system prompt unless it carries
+    `<|endofprompt|>` itself) and its speech tokens go to the talker; without one (cross-lingual)
+    the talker sees neither, and the target text gets the system prompt.
     """
     if not text.strip():
         raise InvalidRequestError("input", "must not be empty")
-    if ref_text.strip():
+    if instructions is not None and instructions.strip():
+        instruction = instructions.strip()
+        prompt_text = instruction if END_OF_PROMPT in instruction else INSTRUCT_PROMPT.format(instruction)
+        speech = torch.zeros(0, dtype=torch.long)
+    elif ref_text.strip():
         prompt_text = ref_text if END_OF_PROMPT in ref_text else SYSTEM_PROMPT + ref_text
         speech = ref_tokens if ref_tokens is not None else torch.zeros(0, dtype=torch.long)
     else:

@@ -106,7 +106,9 @@ class FishS2(TTSModel):
 
     # ---- prompting --------------------------------------------------------------------------
 
-    def build_prompt(self, text: str, references: list[VoiceReference]) -> Prompt:
+    def build_prompt(self, text: str, references: list[VoiceReference], instructions: str | None = None) -> Prompt:
+        if instructions:
+            raise InvalidRequestError("instructions", "fish-s2 takes no instructions")
         refs = []
         for i, ref in enumerate(references):
             codes = ref.codes
