@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--sampling-mode", choices=["ras", "standard"], default=None,
                    help="the model's sampling mode (default: the profile's)")
+    p.add_argument("--instructions", default=None, help="style instruction (CosyVoice3's instruct mode)")
+    p.add_argument("--speed", type=float, default=1.0, help="tempo (CosyVoice3, without --stream)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--stream", action="store_true",
                    help="run through the engine (its own process) and write the wav as chunks arrive")
@@ -66,9 +68,13 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_stream(args, references, params, device))
     model = load_model(args.model, device=device)
     start = time.perf_counter()
-    prompt = model.build_prompt(args.text, references)
+    if args.speed != 1.0 and not model.supports_speed:
+        raise InvalidRequestError("--speed", f"{model.name} supports only 1.0")
+    if not 0.25 <= args.speed <= 4.0:
+        raise InvalidRequestError("--speed", "must be in [0.25, 4]")
+    prompt = model.build_prompt(args.text, references, args.instructions)
     request = run_to_completion(model, [OfflineRequest(prompt, params)])[0]
-    audio = model.vocode(request.codes, prompt) if request.frames else torch.zeros(0)
+    audio = model.vocode(request.codes, prompt, args.speed) if request.frames else torch.zeros(0)
     elapsed = time.perf_counter() - start
     write_wav(args.output, audio, model.sample_rate)
 
@@ -95,7 +101,8 @@ async def _stream(args, references, params, device: str) -> int:
     frames = 0
     try:
         with sf.SoundFile(args.output, "w", samplerate=engine.sample_rate, channels=1, subtype="PCM_16") as out:
-            request = SynthesisRequest("speak", args.text, references, params)
+            request = SynthesisRequest("speak", args.text, references, params, speed=args.speed,
+                                       instructions=args.instructions)
             async for chunk in engine.generate(request):
                 if chunk.error:
                     raise InvalidRequestError("request", chunk.error)

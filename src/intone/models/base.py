@@ -148,7 +148,7 @@ class TTSModel(abc.ABC):
     def enable_cuda_graphs(self) -> None:
         """Opt in to CUDA-graph replay where the model supports it (default: nothing to do)."""
 
-    def vocode(self, codes: Tensor, prompt: Prompt) -> Tensor:
+    def vocode(self, codes: Tensor, prompt: Prompt, speed: float = 1.0) -> Tensor:
         """A whole utterance at once: codes [K, T] of the frames for the codec -> audio [N]."""
         return self.decode(codes.unsqueeze(0))[0]
 

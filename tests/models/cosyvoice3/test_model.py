@@ -177,3 +177,22 @@ def test_history_rows_carry_every_generated_id_only_in_standard_mode(tiny_cosy):
             for mode in ("ras", "standard")}
     assert rows["ras"] == generated[-10:] and rows["standard"] == generated[-10:] + generated
     assert tiny_cosy.history_row(np.array([5, 6]), SamplingParams()).tolist() == [-1] * 8 + [5, 6]
+
+
+def test_speak_speed_stretches_the_same_tokens_and_fish_refuses_it(tiny_cosy_dir, tmp_path):
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, voice_audio(2.0, rate=16000).numpy(), 16000)
+    base = [sys.executable, "-m", "intone.cli.main", "speak", "--device", "cpu", "--seed", "5",
+            "--max-new-tokens", "60", "Hello there."]
+    cosy = base + ["--model", str(tiny_cosy_dir), "--ref-audio", str(ref), "--ref-text", "A short reference."]
+    lengths = {}
+    for speed in ("1.0", "1.5"):
+        out = tmp_path / f"s{speed}.wav"
+        done = subprocess.run(cosy + ["--speed", speed, "-o", str(out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        lengths[speed] = len(sf.read(out)[0])
+    frames = lengths["1.0"] // 960
+    assert lengths["1.5"] == int(2 * frames / 1.5) * 480
+    fish = subprocess.run(base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")],
+                          capture_output=True, text=True, timeout=300)
+    assert fish.returncode == 2 and "--speed" in fish.stderr

@@ -17,7 +17,7 @@ from intone.models.cosyvoice3.prompt import (
 )
 from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker
-from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage
+from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage, stretch
 
 # FSQ codes of silence and breath: after 5 in a row, further ones are not vocoded (official).
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
@@ -162,8 +162,8 @@ class CosyVoice3(TTSModel):
                            speaker=f.speaker, streaming=not chunk.finished, finalize=chunk.finished)
 
     @torch.inference_mode()
-    def vocode(self, codes: Tensor, prompt: Prompt) -> Tensor:
-        """The non-streaming (full response) audio of a whole utterance."""
+    def vocode(self, codes: Tensor, prompt: Prompt, speed: float = 1.0) -> Tensor:
+        """The non-streaming (full response) audio of a whole utterance (with the official tempo change)."""
         from intone.engine.chunk_planner import Chunk
 
         n = codes.shape[1]
@@ -171,6 +171,8 @@ class CosyVoice3(TTSModel):
         if job is None:
             return torch.zeros(0)
         mel = self.flow.inference([job])[0]
+        if speed != 1.0:
+            mel = stretch(mel, speed)
         return self.hift.vocode_batch([mel], [True])[0].float().cpu()
 
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
