@@ -68,10 +68,7 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(_stream(args, references, params, device))
     model = load_model(args.model, device=device)
     start = time.perf_counter()
-    if args.speed != 1.0 and not model.supports_speed:
-        raise InvalidRequestError("--speed", f"{model.name} supports only 1.0")
-    if not 0.25 <= args.speed <= 4.0:
-        raise InvalidRequestError("--speed", "must be in [0.25, 4]")
+    model.check_speed(args.speed, field="--speed")
     prompt = model.build_prompt(args.text, references, args.instructions)
     request = run_to_completion(model, [OfflineRequest(prompt, params)])[0]
     audio = model.vocode(request.codes, prompt, args.speed) if request.frames else torch.zeros(0)

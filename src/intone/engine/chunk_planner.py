@@ -135,7 +135,6 @@ class ChunkPlanner:
             target = self._hop(front, steady)
             if n - front.emitted >= target + self.policy.lookahead_frames:
                 chunks.append(self._release(rid, front, front.emitted + target, False))
-                front.chunks += 1
             if rid in done:
                 chunks.append(self._release(rid, front, n, True))
         return chunks
@@ -144,7 +143,14 @@ class ChunkPlanner:
         # The first chunk never takes context: there is nothing before it.
         chunk = Chunk(rid, front.emitted, end, min(front.emitted, self.policy.left_context_frames), final)
         front.emitted, front.terminated = end, final
+        front.chunks += not final
         return chunk
+
+    def one_chunk(self, initial_chunk_frames: int | None, max_frames: int) -> bool:
+        """Whether a request of at most max_frames always gets its audio as the terminal chunk alone."""
+        p = self.policy
+        initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
+        return not (initial or p.align_first_chunk) and p.steady_chunk_frames + p.lookahead_frames > max_frames
 
 
 def take_window(frames, chunk: Chunk):

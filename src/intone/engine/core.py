@@ -102,22 +102,14 @@ class EngineCore:
 
     def _check_speed(self, request: SynthesisRequest, params: SamplingParams) -> None:
         """speed != 1 stretches the whole utterance at once, so the request must be one chunk."""
+        self.model.check_speed(request.speed)
         if request.speed == 1.0:
             return
-        if not 0.25 <= request.speed <= 4.0:
-            raise InvalidRequestError("speed", f"must be in [0.25, 4], got {request.speed}")
-        if not self.model.supports_speed:
-            raise InvalidRequestError("speed", f"{self.model.name} supports only 1.0")
-        p = self.policy
-        streamed = request.initial_chunk_frames or p.initial_chunk_frames or p.align_first_chunk or (
-            p.steady_chunk_frames + p.lookahead_frames <= params.max_new_tokens)
-        if streamed:
+        if not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens):
             raise InvalidRequestError("speed", "needs a full-response profile (one chunk per request)")
 
     def _build_prompt(self, request: SynthesisRequest):
-        if request.instructions:
-            return self.model.build_prompt(request.text, request.references, request.instructions)
-        return self.model.build_prompt(request.text, request.references)
+        return self.model.build_prompt(request.text, request.references, request.instructions)
 
     def _workers(self) -> ThreadPoolExecutor:
         if self._pool is None:

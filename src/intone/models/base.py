@@ -148,6 +148,15 @@ class TTSModel(abc.ABC):
     def enable_cuda_graphs(self) -> None:
         """Opt in to CUDA-graph replay where the model supports it (default: nothing to do)."""
 
+    def check_speed(self, speed: float, field: str = "speed") -> None:
+        """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""
+        from intone.errors import InvalidRequestError
+
+        if not 0.25 <= speed <= 4.0:
+            raise InvalidRequestError(field, f"must be in [0.25, 4], got {speed}")
+        if speed != 1.0 and not self.supports_speed:
+            raise InvalidRequestError(field, f"{self.name} supports only 1.0")
+
     def vocode(self, codes: Tensor, prompt: Prompt, speed: float = 1.0) -> Tensor:
         """A whole utterance at once: codes [K, T] of the frames for the codec -> audio [N]."""
         return self.decode(codes.unsqueeze(0))[0]

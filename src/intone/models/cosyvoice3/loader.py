@@ -64,23 +64,21 @@ def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dty
                              f"more than the embedding's {talker.shape.vocab_size}")
     fcfg, hcfg = flow_config(cfg, yaml_path), hift_config(cfg, yaml_path)
     noise = official_noise(flow_sizes(fcfg), hcfg, include_uv=False)
-    flow = load_flow(model_dir / "flow.pt", fcfg, noise, codec_dtype, device)
-    hift = load_hift(model_dir / "hift.pt", hcfg, noise, codec_dtype, device)
+    flow = load_flow(model_dir / "flow.pt", fcfg, codec_dtype, device)
+    hift = load_hift(model_dir / "hift.pt", hcfg, codec_dtype, device)
+    install_noise(flow, hift, noise, device)
     frontend = ReferenceFrontend(model_dir).load()
     return cls(talker, flow, hift, tokenizer, frontend.tokenizer, frontend.speaker_encoder,
                sample_rate=int(cfg.get("sample_rate", 24000)))
 
 
-def load_flow(path: Path, cfg, noise: dict, dtype: torch.dtype, device):
+def load_flow(path: Path, cfg, dtype: torch.dtype, device):
     from intone.models.cosyvoice3.flow import CosyFlow
-    from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY
 
-    flow = build_strict(lambda: CosyFlow(cfg), read_state(path), str(path), dtype, device)
-    flow.decoder.noise_bits = noise[FLOW_NOISE_KEY].view(torch.int32).to(device)
-    return flow
+    return build_strict(lambda: CosyFlow(cfg), read_state(path), str(path), dtype, device)
 
 
-def load_hift(path: Path, cfg, noise: dict, dtype: torch.dtype, device):
+def load_hift(path: Path, cfg, dtype: torch.dtype, device):
     from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
     from intone.models.cosyvoice3.noise import HIFT_RAND_INI_KEY, HIFT_SINE_NOISE_KEY
 
@@ -92,7 +90,13 @@ def load_hift(path: Path, cfg, noise: dict, dtype: torch.dtype, device):
     # The official F0 predictor runs in float64 (folded in float64 too); the rest in `dtype`.
     load_strict(hift, state, str(path), lambda name: torch.float64 if name.startswith("f0_predictor.") else dtype,
                 device)
-    holder = hift.m_source.l_sin_gen
-    holder.sine_waves = torch.zeros(0, device=device)  # set_noise installs on the holder's device
-    hift.set_noise(noise)
     return hift.eval()
+
+
+def install_noise(flow, hift, noise: dict, device) -> None:
+    """The official fixed noise (`noise.official_noise`) into modules built on the meta device."""
+    from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY
+
+    flow.decoder.noise_bits = noise[FLOW_NOISE_KEY].view(torch.int32).to(device)
+    hift.m_source.l_sin_gen.sine_waves = torch.zeros(0, device=device)  # set_noise installs on the holder's device
+    hift.set_noise(noise)

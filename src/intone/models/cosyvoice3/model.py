@@ -35,7 +35,7 @@ class CosyVoice3(TTSModel):
         self.talker, self.flow, self.hift, self.tokenizer = talker, flow, hift, tokenizer
         self.speech_tokenizer, self.speaker_encoder = speech_tokenizer, speaker_encoder
         self.sample_rate = sample_rate
-        self.samples_per_frame = 2 * hift.cfg.hop  # one token = 2 mel frames
+        self.samples_per_frame = flow.config.token_mel_ratio * hift.cfg.hop  # one token = 2 mel frames
         s = talker.shape
         self.kv_layout = KVLayout(s.num_hidden_layers, s.num_key_value_heads, s.head_dim)
         self.max_seq_len = s.max_position_embeddings
@@ -94,7 +94,8 @@ class CosyVoice3(TTSModel):
         features = self._features(ref, "ref_audio" if ref.audio is not None else "voice")
         tokens, codes, target_len = talker_prompt(self.tokenizer, text, ref.text, features.speech_tokens, instructions)
         # The flow's fixed noise covers noise_frames mel frames, reference included.
-        room = (self.flow.config.noise_frames - features.prompt_mel.shape[0]) // 2 - self.codec_lookahead_frames
+        room = ((self.flow.config.noise_frames - features.prompt_mel.shape[0]) // self.flow.config.token_mel_ratio
+                - self.codec_lookahead_frames)
         return Prompt(
             tokens=tokens, codes=codes, conditioning=features,
             codec_prompt_frames=int(features.speech_tokens.shape[0]),
@@ -189,7 +190,8 @@ def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dty
     from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig
     from intone.models.cosyvoice3.frontend import ReferenceFrontend
     from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
-    from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY, official_noise
+    from intone.models.cosyvoice3.loader import install_noise
+    from intone.models.cosyvoice3.noise import official_noise
     from intone.models.cosyvoice3.talker import QwenShape
 
     tiny = resolve_model_dir("tiny:cosyvoice3")
@@ -212,11 +214,9 @@ def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dty
                     p.normal_(0.0, 0.02 if p.dim() > 1 else 0.0)
         module.to(dt).eval()
     hift.f0_predictor.to(torch.float64)
-    flow.decoder.noise_bits = noise[FLOW_NOISE_KEY].view(torch.int32).to(device)
     flow.decoder.estimator.rotary_embed.inv_freq.copy_(
         1.0 / (fcfg.dit.rope_base ** (torch.arange(0, fcfg.dit.dim_head, 2, device=device).float() / fcfg.dit.dim_head)))
-    hift.m_source.l_sin_gen.sine_waves = torch.zeros(0, device=device)
-    hift.set_noise(noise)
+    install_noise(flow, hift, noise, device)
     frontend = ReferenceFrontend(tiny).load()
     return CosyVoice3(talker, flow, hift, CosyTokenizer(tiny / "CosyVoice-BlankEN"), frontend.tokenizer,
                       frontend.speaker_encoder)

@@ -24,8 +24,6 @@ from torch import Tensor
 
 from intone.engine.codec_stage import group_jobs
 
-MEL_PER_TOKEN = 2
-
 
 @dataclass
 class StreamState:
@@ -98,13 +96,13 @@ class CosyCodecStage:
                 mels = model.flow.inference([jobs[i] for i in idx])
             self.calls += 1
             for i, mel in zip(idx, mels):
-                out[i] = mel[:, MEL_PER_TOKEN * items[i][1].start :]
+                out[i] = mel[:, model.flow.config.token_mel_ratio * items[i][1].start :]
         return out
 
     def _hift(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
         out: list[Tensor] = [mels[0].new_zeros(0)] * len(mels)
         live = [i for i, m in enumerate(mels) if m.shape[1] > 0]
-        lengths = [mels[i].shape[1] // MEL_PER_TOKEN for i in live]
+        lengths = [mels[i].shape[1] // self.model.flow.config.token_mel_ratio for i in live]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
             audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx])
