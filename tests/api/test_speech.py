@@ -128,3 +128,17 @@ def test_metrics_are_exposed(server):
                  "intone_requests_total", "intone_kv_cache_usage_ratio"):
         assert name in text
     assert 'intone_requests_total{outcome="length"}' in text
+
+
+def test_bad_reference_audio_still_names_the_field(server, reference_wav):
+    """Reference decoding runs off the event loop; its errors are the same 400s."""
+    cases = [({"ref_audio": "data:audio/wav;base64,@@@", "ref_text": "t"}, "ref_audio"),
+             ({"ref_audio": "data:audio/wav;base64," + base64.b64encode(b"not audio").decode(), "ref_text": "t"},
+              "ref_audio"),
+             ({"references": [{"audio": "data:audio/wav;base64,AAAA", "text": "t"}]}, "references.0.audio"),
+             ({"references": [{"audio_path": str(reference_wav) + ".missing", "text": "t"}]}, "references.0.audio_path")]
+    for fields, param in cases:
+        r = speech(server, **fields)
+        assert r.status_code == 400, (fields, r.text)
+        assert r.json()["error"]["param"] == param
+    assert speech(server, response_format="mp3").status_code == 200  # and the server still answers

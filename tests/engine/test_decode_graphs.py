@@ -58,21 +58,3 @@ def test_static_decode_equals_eager_and_padding_rows_touch_only_the_scratch_bloc
     owned = {b for r in range(3) for b in blocks.table(f"r{r}")}
     changed = (kv.k[:, : kv.num_blocks] != k0[:, : kv.num_blocks]).any(dim=(0, 2, 3, 4)).nonzero().flatten()
     assert set(changed.tolist()) <= owned
-
-
-@pytest.mark.gpu
-def test_fish_slow_graph_replay_matches_eager_on_cuda(tiny_cache):
-    from intone.engine.decode_graphs import DecodeGraphs
-
-    model = _model("fish-s2", tiny_cache, device="cuda", dtype=torch.float32)
-    embed, eager, static = _paths(model)
-    lens = [3, 30, 70]
-    kv, meta, _ = _prefilled(model, lens, "cuda")
-    x = embed(torch.tensor([7, 8, 9], device="cuda"))
-    k0, v0 = kv.k.clone(), kv.v.clone()
-    expected = eager(x, meta, kv)
-    kv.k.copy_(k0), kv.v.copy_(v0)
-    graphs = DecodeGraphs(static)
-    got = graphs(x, meta, kv)
-    assert graphs.captured == [(4, 256)]
-    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)

@@ -1,8 +1,12 @@
 """Reference audio from a request: data: URLs, local paths under an allowed directory, or
-http(s) URLs when the server allows them. Every failure names the field."""
+http(s) URLs when the server allows them. Every failure names the field.
+
+Decoding (base64, file reads, soundfile) runs in a worker thread: a few megabytes of reference
+audio per request must never stall the event loop that serves every other request's chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from dataclasses import dataclass
@@ -32,10 +36,13 @@ class MediaTooLarge(InvalidRequestError):
 async def load_reference(source: str, text: str | None, field: str, policy: MediaPolicy) -> VoiceReference:
     if not text or not text.strip():
         raise InvalidRequestError(_text_field(field), f"required with {field}")
-    data = await _fetch(source, field, policy)
-    if len(data) > policy.max_bytes:
-        raise MediaTooLarge(field, f"audio is {len(data)} bytes, over the {policy.max_bytes} byte limit")
-    audio, rate = read_audio(data, field=field, max_seconds=policy.max_seconds)
+    if not source.startswith("data:") and urlparse(source).scheme in ("http", "https"):
+        if not policy.allow_remote:
+            raise InvalidRequestError(field, "http(s) URLs are disabled on this server (see --allow-remote-media)")
+        data = await _download(source, field, policy)
+        audio, rate = await asyncio.to_thread(_decode, data, field, policy)
+    else:  # one hop to a worker thread for the whole fetch + decode
+        audio, rate = await asyncio.to_thread(_load_sync, source, field, policy)
     return VoiceReference(text=text, audio=audio, sample_rate=rate)
 
 
@@ -45,7 +52,18 @@ def _text_field(field: str) -> str:
     return field.rsplit(".", 1)[0] + ".text"
 
 
-async def _fetch(source: str, field: str, policy: MediaPolicy) -> bytes:
+def _load_sync(source: str, field: str, policy: MediaPolicy):
+    """A data: URL or a local path -> (audio, rate); blocking, so run off the event loop."""
+    return _decode(_fetch_sync(source, field, policy), field, policy)
+
+
+def _decode(data: bytes, field: str, policy: MediaPolicy):
+    if len(data) > policy.max_bytes:
+        raise MediaTooLarge(field, f"audio is {len(data)} bytes, over the {policy.max_bytes} byte limit")
+    return read_audio(data, field=field, max_seconds=policy.max_seconds)
+
+
+def _fetch_sync(source: str, field: str, policy: MediaPolicy) -> bytes:
     if source.startswith("data:"):
         header, _, payload = source.partition(",")
         if not header.endswith(";base64"):
@@ -55,10 +73,6 @@ async def _fetch(source: str, field: str, policy: MediaPolicy) -> bytes:
         except (binascii.Error, ValueError):
             raise InvalidRequestError(field, "data: URL is not valid base64") from None
     scheme = urlparse(source).scheme
-    if scheme in ("http", "https"):
-        if not policy.allow_remote:
-            raise InvalidRequestError(field, "http(s) URLs are disabled on this server (see --allow-remote-media)")
-        return await _download(source, field, policy)
     if scheme not in ("", "file") and not Path(source).is_absolute():
         raise InvalidRequestError(field, f"unsupported URL scheme {scheme!r}")
     return _read_local(unquote(urlparse(source).path) if scheme == "file" else source, field, policy)

@@ -1,11 +1,62 @@
-"""Prometheus metrics of the API server; engine occupancy is read from the core at scrape time."""
+"""Prometheus metrics of the API server; engine occupancy is read from the core at scrape time.
+
+Per finished request, `intone_request_stage_seconds{stage=...}` says where its time went: the API's
+own stages (`api_in`: HTTP request parsed -> handed to the engine, i.e. reference loading and
+decoding; `api_out`: terminal chunk -> response handed to the server, i.e. encoding of a whole
+file) and the engine core's (the terminal chunk's `timings`: frontend, queue, prefill, decode,
+codec, total). The engine's counters (reference cache, frontend batches, decode graph replays
+against eager steps, ...) are exported from its snapshot at each scrape, when it has them.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20, 30, 60)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+
+# Pipeline order. The engine's timings keys are these names + "_s" (frontend_s, ...).
+API_STAGES = ("api_in", "api_out")
+ENGINE_STAGES = ("frontend", "queue", "prefill", "decode", "codec", "total")
+STAGES = ("api_in", "frontend", "queue", "prefill", "decode", "codec", "api_out", "total")
+
+# engine snapshot key -> (metric name, help). Counters render with a `_total` suffix.
+ENGINE_COUNTERS = {
+    "reference_cache_hits": ("intone_reference_cache_hits", "Reference-feature cache hits"),
+    "reference_cache_misses": ("intone_reference_cache_misses", "Reference-feature cache misses"),
+    "frontend_batches": ("intone_frontend_batches", "Batched calls of the reference frontend"),
+    "frontend_clips": ("intone_frontend_clips", "Reference clips encoded by the frontend"),
+    "graph_replays": ("intone_graph_replays", "Decode steps run by replaying a captured CUDA graph"),
+    "eager_decode_steps": ("intone_eager_decode_steps", "Decode steps run eagerly (no graph)"),
+    "steps": ("intone_engine_steps", "Engine steps"),
+    "codec_calls": ("intone_codec_calls", "Codec stage calls"),
+}
+ENGINE_GAUGES = {
+    "reference_cache_entries": ("intone_reference_cache_entries", "Reference features held in the cache"),
+    "reference_cache_bytes": ("intone_reference_cache_bytes", "Bytes held by the reference cache"),
+    "captured_graphs": ("intone_captured_graphs", "CUDA graphs captured"),
+    "capture_seconds": ("intone_graph_capture_seconds", "Seconds spent capturing CUDA graphs"),
+    "mean_step_ms": ("intone_engine_mean_step_ms", "Mean engine step time since start, ms"),
+}
+
+
+class _EngineSnapshot:
+    """Exports the numeric keys of the last engine snapshot that it knows (absent keys: no series)."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for table, family in ((ENGINE_COUNTERS, CounterMetricFamily), (ENGINE_GAUGES, GaugeMetricFamily)):
+            for key, (name, doc) in table.items():
+                value = self.values.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield family(name, doc, value=float(value))
 
 
 class ServerMetrics:
@@ -23,6 +74,11 @@ class ServerMetrics:
         self.audio_seconds = Counter("intone_audio_seconds", "Audio produced, in seconds", registry=r)
         self.frames = Counter("intone_frames", "Codec frames produced", registry=r)
         self.outcomes = Counter("intone_requests", "Finished speech requests by outcome", ["outcome"], registry=r)
+        self.stages = Histogram("intone_request_stage_seconds", "Seconds of one finished request spent per stage "
+                                "(api_in, frontend, queue, prefill, decode, codec, api_out; total: the engine's)",
+                                ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self._engine = _EngineSnapshot()
+        r.register(self._engine)
 
     def finished(self, outcome: str, audio_seconds: float = 0.0, frames: int = 0, engine_s: float | None = None):
         self.outcomes.labels(outcome).inc()
@@ -32,12 +88,23 @@ class ServerMetrics:
             if engine_s is not None:
                 self.rtf.observe(engine_s / audio_seconds)
 
+    def stage_times(self, timings: dict | None, api_in: float | None = None, api_out: float | None = None) -> None:
+        """One finished request: the engine's timings (keys `<stage>_s`) and the API's own stages."""
+        for stage, value in (("api_in", api_in), ("api_out", api_out)):
+            if value is not None:
+                self.stages.labels(stage).observe(max(value, 0.0))
+        for stage in ENGINE_STAGES:
+            value = (timings or {}).get(f"{stage}_s")
+            if isinstance(value, (int, float)) and value == value:  # not NaN
+                self.stages.labels(stage).observe(max(float(value), 0.0))
+
     def engine_state(self, stats: dict) -> None:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
         self.kv_used.set(used)
         self.kv_usage.set(used / max(stats["kv_blocks_total"], 1))
+        self._engine.values = dict(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

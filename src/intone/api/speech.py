@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from intone.api.encoding import CONTENT_TYPES, STREAMABLE, StreamEncoder, encode_file, wav_bytes
 from intone.api.media import load_reference
@@ -28,13 +29,15 @@ ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "in
 class Outcome:
     """What one request produced, for headers and metrics."""
 
-    start: float
+    start: float  # handed to the engine
+    parsed: float | None = None  # the HTTP request parsed (before references were loaded)
     first_audio: float | None = None
     frames: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     end: float | None = None
     reason: str = "abort"  # until the terminal chunk says otherwise
+    timings: dict | None = None  # the engine's per-stage seconds, from the terminal chunk
 
     @property
     def engine_s(self) -> float:
@@ -48,6 +51,12 @@ class Outcome:
             self.end = time.perf_counter()
             self.reason = chunk.stop_reason or "stop"
             self.prompt_tokens, self.completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+            self.timings = getattr(chunk, "timings", None)
+
+    @property
+    def completed(self) -> bool:
+        """The engine finished it normally (stop or length) and it was answered."""
+        return self.end is not None and self.reason in ("stop", "length")
 
 
 def refuse(chunk: AudioChunk) -> JSONResponse:
@@ -90,8 +99,9 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
 
 async def answer(body: SpeechRequest, request: Request) -> Response:
     state = request.app.state
+    parsed = time.perf_counter()
     synth = await build_synthesis(body, state)
-    outcome = Outcome(start=time.perf_counter())
+    outcome = Outcome(start=time.perf_counter(), parsed=parsed)
     stream = state.engine.generate(synth)
     state.metrics.in_flight.inc()
     handed_over = False
@@ -132,6 +142,18 @@ def _record(state, outcome: Outcome) -> None:
     state.metrics.finished(outcome.reason, seconds, outcome.frames, outcome.engine_s)
 
 
+def _record_stages(state, outcome: Outcome) -> None:
+    """Where a completed request's time went; called once the response is handed to the server."""
+    if outcome.completed:
+        state.metrics.stage_times(outcome.timings, api_in=outcome.start - outcome.parsed if outcome.parsed else None,
+                                  api_out=time.perf_counter() - outcome.end)
+
+
+def _encode_whole(parts: list[np.ndarray], sr: int, fmt: str) -> bytes:
+    audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    return wav_bytes(audio, sr) if fmt == "wav" else encode_file(audio, sr, fmt)
+
+
 async def _whole_file(body, request: Request, first, stream, outcome: Outcome, sr: int) -> Response:
     """Collect every chunk; a client that goes away meanwhile aborts the request."""
     chunks = [first]
@@ -153,12 +175,17 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
     last = chunks[-1]
     if last.error:
         return refuse(last)
-    audio = np.concatenate([c.audio for c in chunks]) if chunks else np.zeros(0, np.float32)
-    data = wav_bytes(audio, sr) if body.response_format == "wav" else encode_file(audio, sr, body.response_format)
+    # Encoding a whole file (mp3, opus: tens of ms) runs off the event loop.
+    data = await asyncio.to_thread(_encode_whole, [c.audio for c in chunks], sr, body.response_format)
+    state = request.app.state
+
+    async def handed_over():  # runs after the body was sent
+        _record_stages(state, outcome)
+
     return Response(data, media_type=CONTENT_TYPES[body.response_format], headers={
         "X-Prompt-Tokens": str(outcome.prompt_tokens), "X-Completion-Tokens": str(outcome.completion_tokens),
         "X-Engine-Time": f"{outcome.engine_s:.4f}", "X-Stop-Reason": outcome.reason,
-    })
+    }, background=BackgroundTask(handed_over))
 
 
 async def _chunks(first, stream, outcome: Outcome):
@@ -224,6 +251,7 @@ async def _finishing(gen, stream, outcome: Outcome, state):
     try:
         async for part in gen:
             yield part
+        _record_stages(state, outcome)  # the last part has been taken by the server
     finally:
         await stream.aclose()
         state.metrics.in_flight.dec()

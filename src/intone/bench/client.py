@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,56 @@ import numpy as np
 
 from intone.bench.dataset import MetaItem
 from intone.bench.metrics import RequestRecord
+
+
+@dataclass(frozen=True)
+class ClipUse:
+    """The reference one request sends. variant 0: the clip's file as is; variant k > 0: the same
+    clip at a gain of 1 - k/1000 (re-encoded PCM16), so that its bytes and samples differ from
+    every other use of the clip and no server cache can serve it, while the frontend's work is
+    the same."""
+
+    wav: Path
+    text: str
+    variant: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.wav.name + (f"#{self.variant}" if self.variant else "")
+
+
+class ReferencePlan:
+    """Which clip each request of a run sends.
+
+    Default (pool None): every request of the run, warm-up and every sweep level included, its
+    own clip: a clip used again gets the next variant. With a pool of N clips, requests cycle
+    through those N (variant 0) so a server's reference cache is hit after the first N."""
+
+    def __init__(self, pool: list[MetaItem] | None = None):
+        self.pool = [it for it in pool if it.prompt_wav is not None and it.prompt_text] if pool else None
+        self._uses: Counter = Counter()
+        self._sent = 0
+
+    def assign(self, items: list[MetaItem]) -> list[ClipUse | None]:
+        out = []
+        for item in items:
+            src = self.pool[self._sent % len(self.pool)] if self.pool else item
+            self._sent += 1
+            if src.prompt_wav is None or not src.prompt_text:
+                out.append(None)
+                continue
+            variant = 0 if self.pool else self._uses[src.prompt_wav]
+            self._uses[src.prompt_wav] += 1
+            out.append(ClipUse(src.prompt_wav, src.prompt_text, variant))
+        return out
+
+    def summary(self) -> dict:
+        sent = sum(self._uses.values())
+        distinct = len(self.pool) if self.pool else sent
+        mode = (f"pool of {len(self.pool)} clips cycled (a server's reference cache is hit)" if self.pool
+                else "a distinct clip for every request (warm-up included; no reference cache can hit)")
+        return dict(mode="pool" if self.pool else "unique", description=mode, requests_with_reference=sent,
+                    distinct_clips=min(distinct, sent), pool=len(self.pool) if self.pool else None)
 
 
 @dataclass
@@ -25,13 +77,32 @@ class LoadSpec:
     request_rate: float = float("inf")  # Poisson arrivals per second; inf: all at once (closed loop)
     timeout_s: float = 600.0
     save_audio: Path | None = None
+    references: list[ClipUse | None] | None = None  # per request; None: each item's own clip as is
 
 
-def reference_fields(item: MetaItem) -> dict:
-    if item.prompt_wav is None or not item.prompt_text:
+def clip_bytes(use: ClipUse) -> bytes:
+    data = use.wav.read_bytes()
+    if not use.variant:
+        return data
+    import soundfile as sf
+
+    samples, rate = sf.read(io.BytesIO(data), dtype="float32")
+    buf = io.BytesIO()
+    sf.write(buf, samples * (1.0 - use.variant / 1000.0), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def reference_fields(item: MetaItem | ClipUse | None) -> dict:
+    if isinstance(item, MetaItem):
+        item = ClipUse(item.prompt_wav, item.prompt_text) if item.prompt_wav is not None and item.prompt_text else None
+    if item is None:
         return {}
-    data = base64.b64encode(item.prompt_wav.read_bytes()).decode()
-    return {"ref_audio": f"data:audio/wav;base64,{data}", "ref_text": item.prompt_text}
+    data = base64.b64encode(clip_bytes(item)).decode()
+    return {"ref_audio": f"data:audio/wav;base64,{data}", "ref_text": item.text}
+
+
+def _reference(item: MetaItem, i: int, spec: LoadSpec) -> MetaItem | ClipUse | None:
+    return spec.references[i] if spec.references is not None else item
 
 
 async def run_load(base_url: str, items: list[MetaItem], concurrency: int, spec: LoadSpec, sample_rate: int,
@@ -55,7 +126,8 @@ async def run_load(base_url: str, items: list[MetaItem], concurrency: int, spec:
 
 
 def _body(item: MetaItem, i: int, spec: LoadSpec) -> dict:
-    body = {"input": item.target_text, "response_format": "pcm" if spec.stream else "wav", **reference_fields(item)}
+    body = {"input": item.target_text, "response_format": "pcm" if spec.stream else "wav",
+            **reference_fields(_reference(item, i, spec))}
     if spec.stream:
         body.update(stream=True, stream_format="audio")
     if spec.seed is not None:
@@ -69,11 +141,14 @@ def _body(item: MetaItem, i: int, spec: LoadSpec) -> dict:
 
 async def _one(client: httpx.AsyncClient, item: MetaItem, i: int, spec: LoadSpec, sample_rate: int,
                request_id: str) -> RequestRecord:
-    rec = RequestRecord(request_id=request_id, utt_id=item.utt_id, sent_at=time.time())
+    ref = _reference(item, i, spec)
+    label = ref.label if isinstance(ref, ClipUse) else (ref.prompt_wav.name if ref and ref.prompt_wav else None)
+    rec = RequestRecord(request_id=request_id, utt_id=item.utt_id, sent_at=time.time(), reference=label)
+    body = await asyncio.to_thread(_body, item, i, spec)  # file read, re-gain, base64: before the clock starts
     start = time.perf_counter()
     pcm = bytearray()
     try:
-        async with client.stream("POST", "/v1/audio/speech", json=_body(item, i, spec)) as r:
+        async with client.stream("POST", "/v1/audio/speech", json=body) as r:
             if r.status_code != 200:
                 await r.aread()
                 rec.error = f"HTTP {r.status_code}: {r.text[:300]}"

@@ -88,8 +88,10 @@ def synthetic_items(n: int, out_dir: Path, seed: int = 0, sample_rate: int = 160
         target = _sentence(rnd, rnd.randint(8, 30))
         prompt_text = _sentence(rnd, rnd.randint(6, 16))
         wav = wav_dir / f"synthetic_{seed}_{i:05d}.wav"
+        # drawn whether or not the file exists, so a second call gives the same items
+        seconds, pitch, voice_seed = rnd.uniform(3.0, 8.0), rnd.uniform(90, 240), rnd.randint(0, 2**31)
         if not wav.exists():
-            _write_voice(wav, rnd.uniform(3.0, 8.0), rnd.uniform(90, 240), sample_rate, rnd.randint(0, 2**31))
+            _write_voice(wav, seconds, pitch, sample_rate, voice_seed)
         items.append(MetaItem(f"synthetic_{seed}_{i:05d}", target, prompt_text, wav, i + 1))
     return items
 

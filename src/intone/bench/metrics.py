@@ -32,6 +32,7 @@ class RequestRecord:
     audio_s: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    reference: str | None = None  # the reference clip sent (file name, #variant for a re-gained copy)
 
     @property
     def first_audio_s(self) -> float | None:

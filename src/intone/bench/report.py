@@ -6,6 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
+STAGES = ("api_in", "frontend", "queue", "prefill", "decode", "codec", "api_out", "total")
+STAGE_NOTE = ("Mean seconds per request in each stage, from the server's own `intone_request_stage_seconds` over "
+              "the level (warm-up excluded). api_in: HTTP request parsed -> handed to the engine (reference "
+              "loading); frontend: reference features; queue: features ready -> first AR step; prefill: the "
+              "step that ran its prefill; decode: end of that step -> last frame; codec: every codec call that "
+              "carried its chunks, each in full; api_out: terminal chunk -> response handed over (encoding); "
+              "total: the engine core's whole span. Stages overlap; they do not add up.")
+
 COLUMNS = ["concurrency", "WER %", "SIM", "mean audio s", "req/s", "audio-s/s", "mean completion s",
            "mean first audio s", "failed"]
 
@@ -27,8 +35,51 @@ def table_row(level: dict) -> list[str]:
     ]
 
 
+def reference_line(results: dict) -> str:
+    refs = results.get("references")
+    if not refs:
+        return ""
+    if refs["mode"] == "pool":
+        return (f"**Reference audio: CACHED VARIANT, {refs['description']}; not comparable with the "
+                f"unique-reference numbers.**")
+    return f"**Reference audio: {refs['description']} ({refs['distinct_clips']} distinct clips).**"
+
+
+def stage_tables(results: dict) -> list[str]:
+    levels = results["levels"]
+    lines = ["## Where the time goes", ""]
+    if not any(lvl.get("server", {}).get("available") for lvl in levels):
+        reason = next((lvl["server"].get("reason") for lvl in levels if lvl.get("server")), None)
+        return lines + [f"No per-stage breakdown: {reason or 'the server exports no per-stage metrics'}.", ""]
+    lines += [STAGE_NOTE, "", "| concurrency | " + " | ".join(f"{s} s" for s in STAGES) + " | requests |",
+              "|" + "---|" * (len(STAGES) + 2)]
+    for lvl in levels:
+        srv = lvl.get("server") or {}
+        if not srv.get("available"):
+            lines.append(f"| {lvl['concurrency']} | " + " | ".join("—" for _ in STAGES) + " | — |")
+            continue
+        st = srv["stages"]
+        lines.append(f"| {lvl['concurrency']} | " + " | ".join(_fmt(st[s]["mean_s"], 4) for s in STAGES)
+                     + f" | {st['total']['requests'] or st['api_in']['requests']} |")
+    lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
+              "graph replays | eager decode steps | engine steps | mean step ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for lvl in levels:
+        srv = lvl.get("server") or {}
+        k = srv.get("counters") or {}
+        lines.append(f"| {lvl['concurrency']} | " + " | ".join(_count(k.get(key)) for key in (
+            "reference_cache_hits", "reference_cache_misses", "frontend_clips", "frontend_batches",
+            "graph_replays", "eager_decode_steps", "engine_steps")) + f" | {_fmt(srv.get('mean_step_ms'), 2)} |")
+    return lines + [""]
+
+
+def _count(value) -> str:
+    return "—" if value is None else str(int(round(value)))
+
+
 def write_report(results: dict, out_dir: Path) -> Path:
     lines = [f"# intone bench: {results['title']}", ""]
+    if reference_line(results):
+        lines += [reference_line(results), ""]
     meta = results["run"]
     lines += [f"- {k}: `{v}`" for k, v in meta.items()]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -43,7 +94,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
         lines.append(f"| {level['concurrency']} | {_fmt(c['p50'])} | {_fmt(c['p90'])} | {_fmt(c['p99'])} | "
                      f"{_fmt(f.get('p50'))} | {_fmt(f.get('p90'))} | {_fmt(f.get('p99'))} | "
                      f"{_fmt(s['rtf']['p50'])} | {_fmt(s.get('streams_with_underrun'))} |")
-    lines += ["", "Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
+    lines += [""] + stage_tables(results)
+    lines += ["Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path

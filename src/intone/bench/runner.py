@@ -11,10 +11,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from intone.bench.client import LoadSpec, run_load
+from intone.bench.client import LoadSpec, ReferencePlan, run_load
 from intone.bench.dataset import MetaItem, parse_meta_list, synthetic_items
 from intone.bench.metrics import summarize
+from intone.bench.presets import apply_preset
 from intone.bench.report import write_plots, write_report
+from intone.bench.server_metrics import level_breakdown, scrape
 from intone.bench.server_process import GpuMemorySampler, ServerProcess
 from intone.errors import IntoneError
 
@@ -40,15 +42,38 @@ def forced_frames(spec: str | None, n: int, seed: int) -> list[int] | None:
     return [max(1, int(round(v))) for v in values]
 
 
-def load_items(args, out_dir: Path) -> tuple[list[MetaItem], list[MetaItem]]:
-    """(measured, warm-up) items; warm-up items come from outside the measured set when possible."""
-    need = args.num_requests + args.warmup
+def _all_items(args, out_dir: Path) -> list[MetaItem]:
+    need = max(args.num_requests + args.warmup, getattr(args, "reference_pool", None) or 0)
     if args.dataset == "synthetic":
-        items = synthetic_items(need, out_dir / "dataset", seed=args.seed or 0)
-    else:
-        items = parse_meta_list(args.dataset)
-        if len(items) < args.num_requests:
-            raise IntoneError(f"--num-requests {args.num_requests}: the list has only {len(items)} rows")
+        return synthetic_items(need, out_dir / "dataset", seed=args.seed or 0)
+    items = parse_meta_list(args.dataset)
+    if len(items) < args.num_requests:
+        raise IntoneError(f"--num-requests {args.num_requests}: the list has only {len(items)} rows")
+    return items
+
+
+def reference_pool(args, out_dir: Path) -> list[MetaItem] | None:
+    """--reference-pool N: the first N distinct reference clips of the dataset; None: no pool."""
+    n = getattr(args, "reference_pool", None)
+    if not n:
+        return None
+    if n < 1:
+        raise IntoneError(f"--reference-pool: expected N >= 1, got {n}")
+    pool, seen = [], set()
+    for it in _all_items(args, out_dir):
+        if it.prompt_wav is not None and it.prompt_text and it.prompt_wav not in seen:
+            seen.add(it.prompt_wav)
+            pool.append(it)
+    if len(pool) < n:
+        raise IntoneError(f"--reference-pool {n}: the dataset has only {len(pool)} distinct reference clips")
+    return pool[:n]
+
+
+def load_items(args, out_dir: Path) -> tuple[list[MetaItem], list[MetaItem]]:
+    """(measured, warm-up) items; warm-up items come from outside the measured set when possible
+    (when not, ReferencePlan still gives them clips no measured request sends)."""
+    need = args.num_requests + args.warmup
+    items = _all_items(args, out_dir)
     measured = items[: args.num_requests]
     extra = items[args.num_requests : need]
     warm = extra if len(extra) == args.warmup else (measured * args.warmup)[: args.warmup]
@@ -64,28 +89,42 @@ def model_sample_rate(base_url: str, headers: dict | None) -> int:
 
 
 def sweep(args, base_url: str, out_dir: Path, tag: str = "") -> dict:
+    apply_preset(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     rate = args.sample_rate or model_sample_rate(base_url, headers)
     measured, warm = load_items(args, out_dir)
+    plan = ReferencePlan(reference_pool(args, out_dir))
+    print(f"reference audio: {plan.summary()['description']}", flush=True)
     levels = []
     for c in [int(x) for x in str(args.concurrency).split(",")]:
         save = _save_dir(args, c)
         frames = forced_frames(args.force_output_frames, len(measured), args.seed or 0)
+        if plan.pool:  # the pool cycles on from the warm-up into the measured requests
+            warm_refs = plan.assign(warm)
+            refs = plan.assign(measured)
+        else:  # measured requests take the clips as they are; repeats (warm-up, later levels) re-gained copies
+            refs = plan.assign(measured)
+            warm_refs = plan.assign(warm)
         spec = LoadSpec(stream=args.stream, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                        forced_frames=frames, request_rate=args.request_rate, save_audio=save)
+                        forced_frames=frames, request_rate=args.request_rate, save_audio=save, references=refs)
         if warm:
-            warm_spec = LoadSpec(**{**spec.__dict__, "save_audio": None})
+            warm_frames = forced_frames(args.force_output_frames, len(warm), (args.seed or 0) + 1)
+            warm_spec = LoadSpec(**{**spec.__dict__, "save_audio": None, "references": warm_refs,
+                                    "forced_frames": warm_frames})
             records, _ = asyncio.run(run_load(base_url, warm, c, warm_spec, rate, headers, tag=f"{tag}warm{c}-"))
             failed = [r for r in records if not r.ok]
             if failed:
                 raise IntoneError(f"warm-up failed ({len(failed)} of {len(records)}): {failed[0].error}")
+        before = scrape(base_url, headers)
         records, wall = asyncio.run(_measured(base_url, measured, c, spec, rate, headers, f"{tag}c{c}-"))
+        after = scrape(base_url, headers)
         levels.append(dict(concurrency=c, summary=summarize(records, wall, args.stream),
+                           server=level_breakdown(before, after),
                            records=[r.to_dict() for r in records], audio_dir=str(save) if save else None))
         s = levels[-1]["summary"]
         print(f"concurrency {c}: {s['completed']}/{s['requests']} ok, {s['requests_per_s']:.3f} req/s, "
               f"{s['audio_s_per_s']:.2f} audio-s/s, mean completion {s['completion_s']['mean'] or 0:.2f} s", flush=True)
-    return dict(sample_rate=rate, levels=levels)
+    return dict(sample_rate=rate, references=plan.summary(), levels=levels)
 
 
 async def _measured(base_url, items, c, spec, rate, headers, tag):
@@ -113,6 +152,7 @@ def serve_args(args) -> list[str]:
 
 
 def run(args) -> dict:
+    apply_preset(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     server = None
@@ -136,7 +176,8 @@ def _provenance(args, peak_mib) -> dict:
     import platform
 
     return dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), target=args.base_url or f"intone serve {' '.join(serve_args(args))}",
-                dataset=args.dataset, num_requests=args.num_requests, warmup=args.warmup, stream=args.stream,
+                preset=getattr(args, "preset", None), dataset=args.dataset, concurrency=str(args.concurrency),
+                reference_pool=getattr(args, "reference_pool", None), num_requests=args.num_requests, warmup=args.warmup, stream=args.stream,
                 seed=args.seed, request_rate=args.request_rate, max_new_tokens=args.max_new_tokens,
                 force_output_frames=args.force_output_frames, peak_gpu_mib=peak_mib, host=platform.node())
 
@@ -171,6 +212,7 @@ def _write(results: dict, out_dir: Path) -> dict:
 
 def run_abba(args) -> dict:
     """A, B, B, A: a fresh server per arm, the same load each time; per-arm and pooled results."""
+    apply_preset(args)
     if not (args.a and args.b):
         raise IntoneError("abba needs --a 'serve args' and --b 'serve args'")
     out_dir = Path(args.output_dir)

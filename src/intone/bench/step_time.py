@@ -16,9 +16,9 @@ import statistics
 import torch
 
 from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import KVCache
-from intone.engine.sampling import SamplingBatch
-from intone.models.base import StepBatch
+from intone.engine.kv_cache import BlockManager, KVCache
+from intone.engine.model_runner import ModelRunner, sampling_batch
+from intone.models.base import SamplingParams, StepBatch
 from intone.models.fish_s2.model import FishS2, random_s2_pro
 
 BLOCK = 16
@@ -47,19 +47,20 @@ def decode_batch(model: FishS2, batch: int, context: int) -> tuple[StepBatch, KV
     tables = [list(range(r * blocks_per_req, (r + 1) * blocks_per_req)) for r in range(batch)]
     meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK, model.device)
     dev = model.device
-    tok = model.tokenizer
-    sampling = SamplingBatch(
-        temperature=torch.full((batch,), 0.8, device=dev), top_p=torch.full((batch,), 0.8, device=dev),
-        top_k=torch.full((batch,), 30, dtype=torch.int64, device=dev), repetition_penalty=torch.ones(batch, device=dev),
-        seeds=torch.arange(batch, device=dev), steps=torch.full((batch,), 5, device=dev), max_top_k=30,
-    )
     step = StepBatch(
-        tokens=torch.full((batch,), tok.semantic_begin + 7, device=dev),
+        tokens=torch.full((batch,), model.tokenizer.semantic_begin + 7, device=dev),
         codes=torch.randint(0, 1024, (batch, model.num_codebooks), device=dev),
-        meta=meta, sampling=sampling,
+        prefill=None, decode=meta,
+        sampling=sampling_batch([SamplingParams(seed=r) for r in range(batch)], [5] * batch, dev),
         history=torch.full((batch, model.history_width), -1, dtype=torch.int64, device=dev),
     )
     return step, kv
+
+
+def step_runner(model: FishS2, kv: KVCache, graphs: bool, max_rows: int, max_kv: int) -> ModelRunner:
+    runner = ModelRunner(model, kv, BlockManager(kv.num_blocks, BLOCK), cuda_graphs=graphs)
+    runner.capture(max_rows, max_kv)
+    return runner
 
 
 def main(argv=None) -> None:
@@ -74,18 +75,16 @@ def main(argv=None) -> None:
     model = random_s2_pro(device="cuda", dtype=torch.bfloat16)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": []}
     for graphs, context in [(g, c) for g in (False, True) for c in map(int, args.context.split(","))]:
-        model.fast_graphs = None
-        if graphs:
-            model.enable_cuda_graphs()
         for batch in map(int, args.batch.split(",")):
             step, kv = decode_batch(model, batch, context)
-            ms = timed(lambda step=step, kv=kv: model.step(step, kv))
-            row = dict(fast_ar_graphs=graphs, batch=batch, context=context, step_ms=round(ms, 3),
+            runner = step_runner(model, kv, graphs, batch, context + 1)
+            ms = timed(lambda step=step, runner=runner: runner.execute(step))
+            row = dict(cuda_graphs=graphs, batch=batch, context=context, step_ms=round(ms, 3),
                        frames_per_s=round(batch * 1000 / ms, 1),
                        audio_s_per_s=round(batch * 1000 / ms / (model.sample_rate / model.samples_per_frame), 2))
             results["decode"].append(row)
             print("decode", row, flush=True)
-            del step, kv
+            del step, kv, runner
             torch.cuda.empty_cache()
     for dtype_name in args.codec_dtype.split(","):
         model.codec.to(getattr(torch, dtype_name))

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from intone.bench.presets import PRESETS, apply_preset
+
+
+def _describe(preset: dict) -> str:
+    return (f"{preset['dataset']}, {preset['num_requests']} requests, concurrency {preset['concurrency']}, "
+            f"warm-up {preset['warmup']}, output frames {preset['force_output_frames']}")
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a server: concurrency sweep, or 'abba' to compare two servers")
@@ -17,12 +24,19 @@ def add_parser(sub) -> None:
     target.add_argument("--api-key", default=None)
     target.add_argument("--a", default=None, help="abba: `intone serve` arguments of arm A")
     target.add_argument("--b", default=None, help="abba: `intone serve` arguments of arm B")
-    load = p.add_argument_group("load")
-    load.add_argument("--dataset", default="synthetic", help="'synthetic' or a Seed-TTS meta.lst")
-    load.add_argument("--num-requests", type=int, default=64)
-    load.add_argument("--concurrency", default="1", help="one level or a comma list (a sweep)")
+    load = p.add_argument_group("load (a flag given here overrides the preset's value)")
+    load.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                      help="the workload of our quoted numbers: " + "; ".join(
+                          f"{k}: {_describe(v)}" for k, v in sorted(PRESETS.items())))
+    load.add_argument("--dataset", default=None, help="'synthetic' (default) or a Seed-TTS meta.lst")
+    load.add_argument("--num-requests", type=int, default=None, help="measured requests per level (default 64)")
+    load.add_argument("--concurrency", default=None, help="one level or a comma list, a sweep (default 1)")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    load.add_argument("--warmup", type=int, default=4, help="requests run first and excluded from the figures")
+    load.add_argument("--warmup", type=int, default=None,
+                      help="requests run first at each level and excluded from the figures (default 4)")
+    load.add_argument("--reference-pool", type=int, default=None, metavar="N",
+                      help="cycle every request through N distinct reference clips, so a server's reference "
+                           "cache is hit (default: a distinct clip for every request, warm-up included)")
     load.add_argument("--stream", action="store_true", help="stream raw PCM and time every chunk")
     load.add_argument("--seed", type=int, default=0, help="request i gets seed + i")
     load.add_argument("--max-new-tokens", type=int, default=None)
@@ -44,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from intone.bench.runner import run as run_sweep
     from intone.bench.runner import run_abba
 
+    apply_preset(args)
     if args.mode == "abba":
         run_abba(args)
     else:

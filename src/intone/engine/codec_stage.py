@@ -3,7 +3,10 @@
 Windows are sorted by length and grouped so that a group holds at most `max_batch` windows
 and `max_batch * longest <= max_padded_frames` (at least one window per group). Shorter
 windows are right-padded with code 0: the codec is causal, so padding after a window cannot
-change its samples, and each row is decoded at its own absolute frame positions.
+change its samples, and each row is decoded at its own absolute frame positions. Each call's
+shape is padded further, frames to a bucket and rows to a power of two (padding rows are
+zeros and dropped), so the codec meets few distinct shapes: its kernels choose their plans
+once per shape, and a new shape costs more than the decode.
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ import torch
 from torch import Tensor
 
 from intone.models.base import TTSModel
+
+FRAME_BUCKETS = (4, 8, 16, 32, 50, 64, 100, 128, 256)  # then multiples of 256
+
+
+def bucket_frames(frames: int) -> int:
+    return next((b for b in FRAME_BUCKETS if b >= frames), -(-frames // 256) * 256)
+
+
+def bucket_rows(rows: int) -> int:
+    return 1 << max(0, rows - 1).bit_length()
 
 
 @dataclass
@@ -71,13 +84,14 @@ class CodecStage:
         lengths = [jobs[i].length for i in live]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
-            longest = max(jobs[i].length for i in idx)
-            codes = torch.zeros(len(idx), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long,
-                                device=self.model.device)
+            longest = bucket_frames(max(jobs[i].length for i in idx))
+            codes = torch.zeros(bucket_rows(len(idx)), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long)
+            offsets = torch.zeros(codes.shape[0], dtype=torch.long)
             for row, i in enumerate(idx):
                 codes[row, :, : jobs[i].length] = jobs[i].codes
-            offsets = torch.tensor([jobs[i].first_frame for i in idx], device=self.model.device)
-            audio = self.model.decode(codes, offsets).cpu().numpy()
+                offsets[row] = jobs[i].first_frame
+            dev = self.model.device
+            audio = self.model.decode(codes.to(dev), offsets.to(dev)).cpu().numpy()
             self.calls += 1
             for row, i in enumerate(idx):
                 job = jobs[i]

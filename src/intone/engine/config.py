@@ -43,6 +43,10 @@ class CodecStageConfig(_Strict):
     compile: bool = Field(False, description="torch.compile the codec's heavy part at start-up (GPU only; minutes)")
 
 
+class FrontendConfig(_Strict):
+    cache_mb: int = Field(256, ge=0, description="reference features kept by clip hash (MiB; 0: no cache)")
+
+
 class ChunkingConfig(_Strict):
     initial_chunk_frames: int = Field(4, ge=0)
     steady_chunk_frames: int = Field(25, ge=1)
@@ -81,6 +85,7 @@ class Profile(_Strict):
     tf32: bool = Field(False, description="allow TF32 for float32 matmuls on CUDA (faster, ~1e-3 relative error)")
     ar: ARConfig = ARConfig()
     codec: CodecStageConfig = CodecStageConfig()
+    frontend: FrontendConfig = FrontendConfig()
     chunking: ChunkingConfig = ChunkingConfig()
     sampling: SamplingDefaults = SamplingDefaults()
 

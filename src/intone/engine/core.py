@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.config import Profile
+from intone.engine.frontend_stage import FrontendStage, Prepared
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
-PREPARE_WORKERS = 2  # threads encoding reference audio (ONNX and torch release the GIL)
+IDLE_WAIT_S = 0.01  # with only references being encoded, wait this long for one to finish
 
 
 class TooLarge(IntoneError):
@@ -45,19 +45,22 @@ class EngineStats:
     backlog_steps: int = 0
     chunk_sizes: Counter = field(default_factory=Counter)
     finished: Counter = field(default_factory=Counter)  # by stop reason
+    prefill_steps: int = 0  # steps that carried at least one prefill
+    codec_seconds: float = 0.0
+    captured_graphs: int = 0
+    capture_seconds: float = 0.0
+    warm_up_seconds: float = 0.0
 
 
 class EngineCore:
     def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None):
         self.model, self.profile, self.tracer = model, profile, tracer
         ar = profile.ar
-        if ar.cuda_graphs:
-            model.enable_cuda_graphs()
         kv_tokens = ar.kv_cache_tokens or self._default_kv_tokens()
         num_blocks = max(1, kv_tokens // ar.block_size)
         self.blocks = BlockManager(num_blocks, ar.block_size)
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.kv, self.blocks)
+        self.runner = ModelRunner(model, self.kv, self.blocks, cuda_graphs=ar.cuda_graphs)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         policy = profile.chunking.policy(ar.max_num_seqs)
         # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
@@ -65,11 +68,25 @@ class EngineCore:
             policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         self.codec = model.make_codec_stage(profile.codec)
+        self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20)
         self.requests: dict[str, EngineRequest] = {}
-        self._preparing: dict[str, tuple[SynthesisRequest, Future]] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
         self.stats = EngineStats()
+        self._start_up()
+
+    def _start_up(self) -> None:
+        """Everything that needs the GPU alone, before the first request: the frontend's shapes,
+        then every CUDA graph the runner will replay (captures must see no other GPU work)."""
+        start = time.perf_counter()
+        self.model.warm_up_frontend()
+        self.stats.warm_up_seconds = time.perf_counter() - start
+        max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
+        report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv)
+        if report is not None:
+            self.stats.captured_graphs, self.stats.capture_seconds = report.graphs, report.seconds
+            log.info("captured %d CUDA graphs in %.1f s (%d failed and run eagerly); frontend warm-up %.1f s",
+                     report.graphs, report.seconds, report.failed, self.stats.warm_up_seconds)
 
     def _default_kv_tokens(self) -> int:
         seats = self.profile.ar.max_num_seqs
@@ -84,10 +101,12 @@ class EngineCore:
     def add_request(self, request: SynthesisRequest) -> None:
         """Queue a request; a bad one is answered with an error chunk and harms nothing.
 
-        Reference audio is encoded (codec or ONNX frontend) on a worker thread, so the running
-        streams do not pause for it; the request is admitted by the first step after that.
+        Reference audio is encoded by the frontend stage (its own thread and CUDA stream, many
+        clips per call, cached), so the running streams do not pause for it; the request is
+        admitted by the first step after that.
         """
         rid = request.request_id
+        arrived = time.perf_counter()
         if rid in self.requests or rid in self._preparing:
             self._refuse(rid, f"{rid!r} is already in use", "invalid_request", "request_id")
             return
@@ -95,10 +114,14 @@ class EngineCore:
             if len(self._preparing) + len(self.scheduler.waiting) >= self.scheduler.max_waiting:
                 self._refuse(rid, f"{len(self.scheduler.waiting)} requests are already waiting", "queue_full")
                 return
-            future = self._workers().submit(self._build_prompt, request)
-            self._preparing[rid] = (request, future)
+            self._preparing[rid] = arrived
+            self.frontend.submit(request)
             return
-        self._admit(request, lambda: self._build_prompt(request))
+        try:
+            prompt, error = self.model.build_prompt(request.text, request.references, request.instructions), None
+        except Exception as e:  # noqa: BLE001 - refused below, naming the field where it can
+            prompt, error = None, e
+        self._admit(Prepared(request, prompt, error, 0.0), arrived)
 
     def _check_speed(self, request: SynthesisRequest, params: SamplingParams) -> None:
         """speed != 1 stretches the whole utterance at once, so the request must be one chunk."""
@@ -108,25 +131,20 @@ class EngineCore:
         if not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens):
             raise InvalidRequestError("speed", "needs a full-response profile (one chunk per request)")
 
-    def _build_prompt(self, request: SynthesisRequest):
-        return self.model.build_prompt(request.text, request.references, request.instructions)
-
-    def _workers(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(PREPARE_WORKERS, thread_name_prefix="intone-prepare")
-        return self._pool
-
     def _admit_prepared(self) -> None:
-        """Admit the requests whose references are encoded, in the order they arrived."""
-        for rid, (request, future) in list(self._preparing.items()):
-            if future.done():
-                del self._preparing[rid]
-                self._admit(request, future.result)
+        """Admit the requests whose references are encoded, in the order they were encoded."""
+        for prepared in self.frontend.collect():
+            arrived = self._preparing.pop(prepared.request.request_id, None)
+            if arrived is not None:  # else aborted meanwhile
+                self._admit(prepared, arrived)
 
-    def _admit(self, request: SynthesisRequest, build_prompt) -> None:
+    def _admit(self, prepared: Prepared, arrived: float) -> None:
+        request = prepared.request
         rid = request.request_id
         try:
-            prompt = build_prompt()
+            if prepared.error is not None:
+                raise prepared.error
+            prompt = prepared.prompt
             params = resolve_params(request.params, prompt, self.model.max_seq_len)
             req = EngineRequest(rid, prompt, params, request.initial_chunk_frames, speed=request.speed)
             self._check_speed(request, params)
@@ -149,10 +167,12 @@ class EngineCore:
             self._refuse(rid, str(e), "invalid_request")
             return
         except Exception as e:  # a bug in preparing one request must not take the engine down
-            log.exception("cannot prepare request %s", rid)
+            log.error("cannot prepare request %s: %r", rid, e)
             self._refuse(rid, f"cannot prepare the request: {e}", "internal")
             return
-        req.allocate_codes(self.model.num_codebooks, self.model.device)
+        req.allocate_codes(self.model.num_codebooks)
+        req.times.arrived, req.times.frontend_s = arrived, prepared.seconds
+        req.times.ready = time.perf_counter()
         self.requests[rid] = req
         self.planner.add(rid, request.initial_chunk_frames, prompt.codec_prompt_frames)
 
@@ -162,13 +182,15 @@ class EngineCore:
         self._outbox.append(chunk)
 
     def encode_reference(self, audio, sample_rate: int) -> dict:
-        """Reference audio -> the model's reference features (numpy), so a stored voice is encoded once."""
-        features = self.model.reference_features(torch.as_tensor(audio, dtype=torch.float32), sample_rate)
+        """Reference audio -> the model's reference features (numpy), so a stored voice is encoded
+        once (through the reference cache, which requests share)."""
+        features = self.frontend.features(audio, sample_rate)
         return {name: value.cpu().numpy() for name, value in features.items()}
 
     def abort(self, request_id: str) -> None:
         """Cancel: free everything; the client gets one terminal chunk unless it already had one."""
         if self._preparing.pop(request_id, None) is not None:  # its encoding result is dropped
+            self.frontend.cancel(request_id)
             self._send(self._terminal(request_id, 0, "abort"))
             return
         req = self.requests.get(request_id)
@@ -178,6 +200,7 @@ class EngineCore:
 
     def snapshot(self) -> dict:
         """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
+        cache, graphs = self.frontend.cache, self.runner.graphs
         return dict(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             live_requests=len(self.requests), planner_requests=len(self.planner), preparing=len(self._preparing),
@@ -186,7 +209,17 @@ class EngineCore:
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=self.codec.calls,
+            prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,
+            reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
+            reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,
+            frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
+            graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
+            captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
         )
+
+    def close(self) -> None:
+        """Stop the frontend worker (the process is ending)."""
+        self.frontend.close()
 
     def has_work(self) -> bool:
         return bool(self.requests) or bool(self._outbox) or bool(self._preparing)
@@ -200,14 +233,14 @@ class EngineCore:
     def step(self) -> list[AudioChunk]:
         if self._preparing:
             if not self.requests and not self._outbox:  # nothing else to do: wait for an encoding
-                wait([f for _, f in self._preparing.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+                self.frontend.wait(IDLE_WAIT_S)
             self._admit_prepared()
         batch = self.scheduler.schedule()
         finished: list[str] = []
         if batch:
             start = time.perf_counter()
             try:
-                self._run_ar(batch, finished)
+                self._run_ar(batch, finished, start)
             except Exception as e:  # a failed step fails its batch, never the engine
                 log.exception("model step failed")
                 for req in batch:
@@ -220,21 +253,28 @@ class EngineCore:
         out, self._outbox = self._outbox, []
         return out
 
-    def _run_ar(self, batch: list[EngineRequest], finished: list[str]) -> None:
+    def _run_ar(self, batch: list[EngineRequest], finished: list[str], start: float) -> None:
         out = self.runner.run([
             StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.generated) for r in batch
         ])
-        tokens, stopped = out.tokens.tolist(), out.stopped.tolist()
+        tokens, stopped, codes = out.tokens.tolist(), out.stopped.tolist(), out.codes.cpu()
+        now = time.perf_counter()
+        prefilled = False
         for i, req in enumerate(batch):
+            if not req.tokens and req.times.prefill_s is None:
+                req.times.scheduled, req.times.prefill_s = start, now - start
+                prefilled = True
             if stopped[i]:
                 req.stop_reason = "stop"
             else:
-                req.append_frame(tokens[i], out.codes[i], self.model.forwards_frame)
+                req.append_frame(tokens[i], codes[i], self.model.forwards_frame)
                 self.stats.frames += 1
                 if len(req.tokens) >= req.params.max_new_tokens:
                     req.stop_reason = "length"
             if req.stop_reason:
+                req.times.last_frame = now
                 finished.append(req.request_id)
+        self.stats.prefill_steps += prefilled
 
     def _plan(self, live: dict[str, int], finished: list[str]) -> list[Chunk]:
         chunks = self.planner.plan(live, finished)
@@ -246,11 +286,16 @@ class EngineCore:
         if not chunks:
             return
         items = [(self.requests[c.request_id], c) for c in chunks]
+        start = time.perf_counter()
         try:
             audio = self.codec.run(items)
         except Exception:  # a failed batch is retried request by request; only failing ones end
             log.exception("codec batch failed; retrying its chunks one by one")
             audio = [self._decode_alone(req, c) for req, c in items]
+        spent = time.perf_counter() - start
+        self.stats.codec_seconds += spent
+        for req in {id(r): r for r, _ in items}.values():
+            req.times.codec_s += spent
         for c, samples in zip(chunks, audio):
             req = self.requests.get(c.request_id)
             if req is None:  # failed on an earlier chunk of this step
@@ -264,6 +309,7 @@ class EngineCore:
                 sample_rate=self.model.sample_rate, finished=c.finished,
                 stop_reason=req.stop_reason if c.finished else None,
                 prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
+                timings=req.times.summary(time.perf_counter()) if c.finished else None,
             ), context=c.context)
             req.seq += 1
             if c.finished:
@@ -287,6 +333,7 @@ class EngineCore:
         self._release(req, reason)
         chunk = self._terminal(req.request_id, emitted, reason, error=error, req=req)
         chunk.error_code = code
+        chunk.timings = req.times.summary(time.perf_counter())
         self._send(chunk)
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
@@ -327,6 +374,9 @@ class EngineCore:
             dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
         if device.startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = profile.tf32
+            # The loop runs on a stream of its own, so the frontend's stream can overlap it (the
+            # legacy default stream would serialise the two).
+            torch.cuda.set_stream(torch.cuda.Stream(torch.device(device)))
         model = load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
         return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None)
 

@@ -1,4 +1,11 @@
-"""Turns the scheduled requests into one batched model step (and its batch descriptor)."""
+"""Turns the scheduled requests into one batched model step, and runs it (owning the CUDA graphs).
+
+A step packs the new requests' prompts (prefills) first and the running requests' single new
+tokens (decodes) after them. The prefills run eagerly over their own batch descriptor; the
+decodes run through the model's static decode forward, replayed from a CUDA graph on the GPU;
+the head (sampling) then takes every row at once. So a step that admits new requests keeps its
+decodes on the fast path.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import numpy as np
 import torch
 
 from intone.engine.attention import AttentionMetadata
+from intone.engine.cuda_graphs import CaptureReport, StepGraphs
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.sampling import SamplingBatch
 from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel
@@ -26,62 +34,128 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: TTSModel, kv: KVCache, blocks: BlockManager):
+    def __init__(self, model: TTSModel, kv: KVCache, blocks: BlockManager, cuda_graphs: bool = False):
         self.model, self.kv, self.blocks = model, kv, blocks
+        self.graphs: StepGraphs | None = None
+        if cuda_graphs and model.device.type == "cuda":
+            self.graphs = self._step_graphs()
+
+    def _step_graphs(self) -> StepGraphs:
+        """Probe the model's output and history shapes with a one-row dummy decode."""
+        model, dev = self.model, self.model.device
+        width = model.embed(torch.zeros(1, dtype=torch.long, device=dev),
+                            torch.zeros(1, model.num_codebooks, dtype=torch.long, device=dev)).shape[-1]
+        head = model.head if model.head_is_static else None
+        with torch.inference_mode():
+            x = torch.zeros(1, width, dtype=model.dtype, device=dev)
+            one = torch.ones(1, dtype=torch.long, device=dev)
+            out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,
+                                       torch.full((1, 1), self.kv.num_blocks, device=dev), one, self.kv)
+        return StepGraphs(model.forward_decode, head, self.kv, width, model.dtype, tuple(out.shape[1:]), out.dtype,
+                          model.history_width)
+
+    def capture(self, max_rows: int, max_kv_tokens: int) -> CaptureReport | None:
+        """Capture every graph this runner may replay (start-up only: nothing else may use the GPU)."""
+        if self.graphs is None:
+            return None
+        return self.graphs.capture_all(max_rows, max_kv_tokens)
+
+    # ---- building ------------------------------------------------------------------------------
 
     def build(self, reqs: list[StepInput]) -> StepBatch:
-        """Prefill (whole prompt) for requests with no frames yet, one token for the others."""
+        """reqs must come prefills (no frames yet) first, then decodes."""
         device = self.model.device
-        tokens, codes, q_lens, ctx_lens, tables, history = [], [], [], [], [], []
+        n_prefill = sum(1 for r in reqs if not r.tokens)
+        if any(not r.tokens for r in reqs[n_prefill:]):
+            raise ValueError("prefills must come before decodes")
+        tokens, codes, history = [], [], []
         for r in reqs:
             if not r.tokens:
-                tokens.append(r.prompt.tokens.to(device))
-                codes.append(r.prompt.codes.to(device))
-                ctx = 0
+                tokens.append(r.prompt.tokens)
+                codes.append(r.prompt.codes)
             else:
-                tokens.append(torch.tensor(r.tokens[-1:], device=device))
-                codes.append(r.last_codes.to(device).view(1, -1))
-                ctx = len(r.prompt) + len(r.tokens) - 1
-            q_lens.append(tokens[-1].shape[0])
-            ctx_lens.append(ctx)
-            tables.append(self.blocks.ensure(r.request_id, ctx + q_lens[-1]))
+                tokens.append(torch.tensor(r.tokens[-1:]))
+                codes.append(r.last_codes.cpu().view(1, -1))
             generated = r.generated if r.generated is not None else np.asarray(r.tokens, dtype=np.int64)
             history.append(self.model.history_row(generated, r.params))
         return StepBatch(
-            tokens=torch.cat(tokens),
-            codes=torch.cat(codes),
-            meta=AttentionMetadata.build(q_lens, ctx_lens, tables, self.blocks.block_size, device),
+            tokens=torch.cat(tokens).to(device, non_blocking=True),
+            codes=torch.cat(codes).to(device, non_blocking=True),
+            prefill=self._meta(reqs[:n_prefill], prefill=True),
+            decode=self._meta(reqs[n_prefill:], prefill=False),
             sampling=sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device),
             history=_history_tensor(history, device),
         )
 
+    def _meta(self, reqs: list[StepInput], prefill: bool) -> AttentionMetadata | None:
+        if not reqs:
+            return None
+        q_lens, ctx_lens, tables = [], [], []
+        for r in reqs:
+            q = len(r.prompt) if prefill else 1
+            ctx = 0 if prefill else len(r.prompt) + len(r.tokens) - 1
+            q_lens.append(q)
+            ctx_lens.append(ctx)
+            tables.append(self.blocks.ensure(r.request_id, ctx + q))
+        return AttentionMetadata.build(q_lens, ctx_lens, tables, self.blocks.block_size, self.model.device)
+
+    # ---- running -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepOutput:
+        model = self.model
+        x = model.embed(batch.tokens, batch.codes)
+        n = batch.num_prefill_tokens
+        parts = []
+        if batch.prefill is not None:
+            parts.append(model.forward(x[:n], batch.prefill, self.kv))
+        if batch.decode is not None:
+            parts.append(self._decode(x[n:], batch.decode))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        result = self.graphs.head(out, batch.sampling, batch.history) if self.graphs is not None else None
+        if result is None:
+            result = model.head(out, batch.sampling, batch.history)
+        tokens, codes, stopped = result
+        return StepOutput(tokens=tokens, codes=codes, stopped=stopped)
+
+    def _decode(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = self.graphs.decode(x, meta) if self.graphs is not None else None
+        if out is None:
+            out = self.model.forward_decode(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                            self.kv)
+        return out
+
     def run(self, reqs: list[StepInput]) -> StepOutput:
-        return self.model.step(self.build(reqs), self.kv)
+        """One step for reqs in any order; outputs come back in that order."""
+        order = sorted(range(len(reqs)), key=lambda i: bool(reqs[i].tokens))
+        out = self.execute(self.build([reqs[i] for i in order]))
+        if order == list(range(len(reqs))):
+            return out
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order)] = torch.arange(len(order))
+        inverse = inverse.to(out.tokens.device)
+        return StepOutput(out.tokens[inverse], out.codes[inverse], out.stopped[inverse])
 
 
 def _history_tensor(rows: list[np.ndarray], device) -> torch.Tensor:
     batch = np.full((len(rows), max(len(r) for r in rows)), -1, dtype=np.int64)
     for i, row in enumerate(rows):
         batch[i, : len(row)] = row
-    return torch.from_numpy(batch).to(device)
+    return torch.from_numpy(batch).to(device, non_blocking=True)
 
 
 def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:
-    def col(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    """Every per-row field as a tensor (ban_stop, below_min, ras too), so a static head can take it."""
+    columns = np.array([[p.temperature, p.top_p, p.repetition_penalty] for p in params], dtype=np.float32)
+    ints = np.array([[p.top_k, p.seed, s, p.ignore_eos, s < p.min_new_tokens, p.mode != "standard"]
+                     for p, s in zip(params, steps)], dtype=np.int64)
+    f = torch.from_numpy(columns).to(device, non_blocking=True)
+    i = torch.from_numpy(ints).to(device, non_blocking=True)
     return SamplingBatch(
-        temperature=col([p.temperature for p in params], torch.float32),
-        top_p=col([p.top_p for p in params], torch.float32),
-        top_k=col([p.top_k for p in params], torch.int64),
-        repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-        seeds=col([p.seed for p in params], torch.int64),
-        steps=col(steps, torch.int64),
+        temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], repetition_penalty=f[:, 2], seeds=i[:, 1], steps=i[:, 2],
         max_top_k=max(p.top_k for p in params),
         has_penalty=any(p.repetition_penalty != 1.0 for p in params),
-        ban_stop=col([p.ignore_eos for p in params], torch.bool),
-        below_min=col([s < p.min_new_tokens for p, s in zip(params, steps)], torch.bool),
-        ras=col([p.mode != "standard" for p in params], torch.bool),
+        ban_stop=i[:, 3].bool(), below_min=i[:, 4].bool(), ras=i[:, 5].bool(),
         has_standard=any(p.mode == "standard" for p in params),
         all_standard=all(p.mode == "standard" for p in params),
     )

@@ -74,6 +74,7 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
                 for rid in core.request_ids():
                     core.abort(rid)
                 push.send(pickle.dumps(("chunks", core.step())))
+                core.close()
                 if core.tracer:
                     core.tracer.close()
                 return

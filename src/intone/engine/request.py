@@ -63,6 +63,31 @@ class AudioChunk:
     error_field: str | None = None  # the request field an invalid_request error is about
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # On the terminal chunk: where the request's time went in the engine (RequestTimes.summary).
+    timings: dict[str, float] | None = None
+
+
+@dataclass
+class RequestTimes:
+    """perf_counter instants and durations of one request in the engine core."""
+
+    arrived: float = 0.0
+    frontend_s: float = 0.0  # reference encoding (0 without reference audio)
+    ready: float = 0.0  # prompt built, queued for the scheduler
+    scheduled: float | None = None  # start of the step that ran its prefill
+    prefill_s: float | None = None  # that step's wall time
+    last_frame: float | None = None
+    codec_s: float = 0.0  # wall time of the codec calls that carried its chunks
+
+    def summary(self, now: float) -> dict[str, float]:
+        """Seconds per stage: frontend, queue (ready -> scheduled), prefill, decode (prefill step
+        end -> last frame), codec, total (arrival -> now)."""
+        scheduled = self.scheduled if self.scheduled is not None else now
+        prefill = self.prefill_s or 0.0
+        last = self.last_frame if self.last_frame is not None else now
+        return dict(frontend_s=self.frontend_s, queue_s=max(0.0, scheduled - self.ready), prefill_s=prefill,
+                    decode_s=max(0.0, last - scheduled - prefill) if self.scheduled is not None else 0.0,
+                    codec_s=self.codec_s, total_s=now - self.arrived if self.arrived else 0.0)
 
 
 class Status(enum.Enum):
@@ -89,6 +114,7 @@ class EngineRequest:
     speed: float = 1.0
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     @property
     def kv_tokens_needed(self) -> int:
@@ -103,8 +129,9 @@ class EngineRequest:
             self.codes[:, self.num_frames] = frame
             self.num_frames += 1
 
-    def allocate_codes(self, num_codebooks: int, device) -> None:
-        self.codes = torch.zeros(num_codebooks, self.params.max_new_tokens, dtype=torch.long, device=device)
+    def allocate_codes(self, num_codebooks: int) -> None:
+        """On the CPU: frames arrive there once per step, and the codec stage moves windows over."""
+        self.codes = torch.zeros(num_codebooks, self.params.max_new_tokens, dtype=torch.long)
         self.token_buffer = np.zeros(self.params.max_new_tokens, dtype=np.int64)
 
     @property

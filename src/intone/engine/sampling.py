@@ -70,9 +70,12 @@ class SamplingBatch:
         return dataclasses.replace(self, temperature=fill(self.temperature, temperature), top_p=fill(self.top_p, top_p))
 
 
-def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBatch) -> Tensor:
-    """window: [R, W] token indices into logits' last axis, -1 for empty slots."""
-    if not params.has_penalty:
+def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBatch, always: bool = False) -> Tensor:
+    """window: [R, W] token indices into logits' last axis, -1 for empty slots.
+
+    always: apply it whatever `has_penalty` says (static shapes for graph capture; a penalty
+    of 1.0 leaves every logit bit for bit as it was)."""
+    if not (always or params.has_penalty):
         return logits
     vocab = logits.shape[-1]
     # Empty slots go to a spare column that is dropped; duplicates just count twice.
@@ -84,13 +87,14 @@ def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBat
     return torch.where(hits[:, :vocab] > 0, penalised, logits)
 
 
-def sample(logits: Tensor, params: SamplingBatch, draw: int) -> Tensor:
+def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | None = None) -> Tensor:
     """logits [R, V] -> token index [R] (int64).
 
-    Only the max_top_k best tokens can survive top-k, so the filter works on torch.topk's
-    sorted candidates; the cumulative probabilities still use the softmax over all V.
+    Only the `candidates` best tokens (default: max_top_k) can survive, so the filter works on
+    torch.topk's sorted candidates; the cumulative probabilities still use the softmax over all V.
+    A graph-captured caller passes a bound that does not depend on the batch's parameters.
     """
-    k = min(params.max_top_k, logits.shape[-1])
+    k = min(candidates or params.max_top_k, logits.shape[-1])
     top, idx = torch.topk(logits, k, dim=-1)  # sorted, descending
     cum = torch.cumsum(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), dim=-1)
     rank = torch.arange(k, device=logits.device)

@@ -52,13 +52,22 @@ class SamplingParams:
 
 @dataclass
 class StepBatch:
-    """One AR step for R requests, their new tokens packed along one axis."""
+    """One AR step for R requests: first the prefills, then the decodes (one token each).
+
+    Their new tokens are packed along one axis in that order; `prefill` describes the first
+    `prefill.num_reqs` requests' tokens and `decode` the rest (either may be None).
+    """
 
     tokens: Tensor  # [T] int64
     codes: Tensor  # [T, K] int64 (zero where a token carries no codes)
-    meta: AttentionMetadata
-    sampling: SamplingBatch
+    prefill: AttentionMetadata | None
+    decode: AttentionMetadata | None
+    sampling: SamplingBatch  # [R], rows in the same order
     history: Tensor  # [R, W] model-defined window of recent generated tokens, -1 = empty
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return 0 if self.prefill is None else int(self.prefill.slot_mapping.shape[0])
 
 
 @dataclass
@@ -122,6 +131,20 @@ class TTSModel(abc.ABC):
         """
         return {"codes": self.encode_reference(audio, sample_rate)}
 
+    def reference_features_batch(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio") -> list:
+        """Several clips at once (audio [N], rate) -> per clip its features (CPU tensors) or the
+        exception that clip raised; one bad clip never fails the others. Default: one at a time."""
+        out = []
+        for audio, rate in clips:
+            try:
+                out.append({k: v.cpu() for k, v in self.reference_features(audio, rate).items()})
+            except Exception as e:  # noqa: BLE001 - the caller refuses that request alone
+                out.append(e)
+        return out
+
+    def warm_up_frontend(self) -> None:
+        """Run the reference frontend once per shape it will see, at start-up (default: nothing)."""
+
     @abc.abstractmethod
     def history_row(self, generated: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
         """The `history` row (int64) for a request that has generated these main tokens (int64 [n]).
@@ -142,11 +165,29 @@ class TTSModel(abc.ABC):
 
         return CodecStage(self, config.max_batch, config.max_padded_frames)
 
-    @abc.abstractmethod
-    def step(self, batch: StepBatch, kv: KVCache) -> StepOutput: ...
+    # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
 
-    def enable_cuda_graphs(self) -> None:
-        """Opt in to CUDA-graph replay where the model supports it (default: nothing to do)."""
+    @abc.abstractmethod
+    def embed(self, tokens: Tensor, codes: Tensor) -> Tensor:
+        """Packed tokens [T] and their codes [T, K] -> input embeddings [T, D]."""
+
+    @abc.abstractmethod
+    def forward(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
+        """Packed embeddings of any batch (prefills) -> the output [R, ...] of each request's last token."""
+
+    @abc.abstractmethod
+    def forward_decode(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
+                       kv: KVCache) -> Tensor:
+        """One new token per row, static shapes (captured as a CUDA graph): x [B, D] -> [B, ...],
+        the same output as `forward`. Rows attend to their first seq_lens keys in blocks `tables`."""
+
+    @abc.abstractmethod
+    def head(self, out: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """forward's output [R, ...] -> (main token [R], codes [R, K], stopped [R] bool) of the new frame."""
+
+    # head() has static shapes for a given row count (no host sync, no shape from the values),
+    # so the runner may capture it per row bucket; padding rows are copies of row 0.
+    head_is_static: bool = False
 
     def check_speed(self, speed: float, field: str = "speed") -> None:
         """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""

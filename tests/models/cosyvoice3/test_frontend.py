@@ -1,4 +1,4 @@
-"""CosyVoice3 reference frontend: feature math, alignment, limits, and the tiny ONNX stand-ins.
+"""CosyVoice3 reference frontend: feature math, alignment, limits, and the tiny ONNX files.
 
 Reference numbers below were recorded once from the libraries the official frontend uses
 (openai-whisper 20250625, torchaudio 2.11.0, librosa 0.11.0, Matcha-TTS `matcha/utils/audio.py`,
@@ -218,9 +218,9 @@ def test_official_resample_matches_recorded_torchaudio_transform():
 def test_tiny_onnx_files_signature_and_size(tiny_models):
     import onnxruntime as ort
 
-    assert tiny_models["export_s"] < 5.0
+    assert tiny_models["export_s"] < 15.0
     for key in ("tokenizer", "campplus"):
-        assert tiny_models[key].stat().st_size < 1_000_000
+        assert tiny_models[key].stat().st_size < 2_000_000
     sess = ort.InferenceSession(str(tiny_models["tokenizer"]), providers=["CPUExecutionProvider"])
     ins, outs = sess.get_inputs(), sess.get_outputs()
     assert [(i.name, i.type) for i in ins] == [("feats", "tensor(float)"), ("feats_length", "tensor(int32)")]

@@ -1,4 +1,4 @@
-"""Feature math of the CosyVoice3 reference-audio frontend (pure torch, CPU, no model files).
+"""Feature math of the CosyVoice3 reference-audio frontend (pure torch, no model files).
 
 Three spectral features are taken from a reference recording, each equal to what the official
 frontend computes with a third-party library:
@@ -14,6 +14,9 @@ frontend computes with a third-party library:
 
 `official_resample` reproduces `torchaudio.transforms.Resample(orig, new)` (the official loader's
 resampler) bit for bit; see its docstring for how it differs from `intone.audio.resample`.
+
+Every function runs on the device of its input. Filter banks, windows and resampling kernels are
+built once on the CPU (so their values never depend on the device) and cached per device.
 """
 
 from __future__ import annotations
@@ -93,8 +96,14 @@ def slaney_mel_filters(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 
     return torch.from_numpy(_slaney_filters_np(int(sample_rate), int(n_fft), int(n_mels), float(fmin), top).copy())
 
 
-@lru_cache(maxsize=4)
-def _kaldi_banks(n_mels: int, n_fft: int, sample_rate: float, low_hz: float, high_hz: float) -> Tensor:
+@lru_cache(maxsize=16)
+def _slaney_on(device: torch.device, sample_rate: int, n_fft: int, n_mels: int) -> Tensor:
+    return slaney_mel_filters(sample_rate, n_fft, n_mels).to(device)
+
+
+@lru_cache(maxsize=8)
+def _kaldi_banks(n_mels: int, n_fft: int, sample_rate: float, low_hz: float, high_hz: float,
+                 device: torch.device = torch.device("cpu")) -> Tensor:
     """[n_mels, n_fft // 2 + 1]: triangles of peak 1 on Kaldi's mel scale, 1127 ln(1 + f / 700).
 
     As in Kaldi and torchaudio, FFT bins 0 .. n_fft/2 - 1 are weighted and the Nyquist bin gets 0.
@@ -110,7 +119,7 @@ def _kaldi_banks(n_mels: int, n_fft: int, sample_rate: float, low_hz: float, hig
     rising = (bin_mel[None] - left) / (centre - left)
     falling = (right - bin_mel[None]) / (right - centre)
     banks = torch.clamp(torch.minimum(rising, falling), min=0.0)
-    return F.pad(banks, (0, 1))
+    return F.pad(banks, (0, 1)).to(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,9 +132,10 @@ def _mono(audio: Tensor, name: str) -> Tensor:
     return audio.to(torch.float32)
 
 
-@lru_cache(maxsize=4)
-def _hann(n: int, periodic: bool) -> Tensor:
-    return torch.hann_window(n, periodic=periodic, dtype=torch.float32)
+@lru_cache(maxsize=16)
+def _hann(n: int, periodic: bool, device: torch.device = torch.device("cpu"), power: float = 1.0) -> Tensor:
+    window = torch.hann_window(n, periodic=periodic, dtype=torch.float32)
+    return (window if power == 1.0 else window.pow(power)).to(device)
 
 
 def whisper_log_mel(audio16k: Tensor) -> Tensor:
@@ -136,10 +146,10 @@ def whisper_log_mel(audio16k: Tensor) -> Tensor:
     values more than 8 below the utterance maximum raised to it; then (x + 4) / 4.
     """
     x = _mono(audio16k, "whisper_log_mel")
-    spec = torch.stft(x, WHISPER_N_FFT, WHISPER_HOP, window=_hann(WHISPER_N_FFT, True), center=True,
+    spec = torch.stft(x, WHISPER_N_FFT, WHISPER_HOP, window=_hann(WHISPER_N_FFT, True, x.device), center=True,
                       pad_mode="reflect", return_complex=True)
     power = spec[..., :-1].abs() ** 2
-    mel = slaney_mel_filters(16000, WHISPER_N_FFT, WHISPER_N_MELS) @ power
+    mel = _slaney_on(x.device, 16000, WHISPER_N_FFT, WHISPER_N_MELS) @ power
     logmel = torch.clamp(mel, min=1e-10).log10()
     logmel = torch.maximum(logmel, logmel.max() - 8.0)
     return (logmel + 4.0) / 4.0
@@ -164,10 +174,10 @@ def kaldi_fbank(audio16k: Tensor) -> Tensor:
     frames = frames - frames.mean(dim=1, keepdim=True)
     previous = torch.cat([frames[:, :1], frames[:, :-1]], dim=1)
     frames = frames - FBANK_PREEMPH * previous
-    frames = frames * _hann(FBANK_FRAME, False).pow(FBANK_POVEY_POWER)
+    frames = frames * _hann(FBANK_FRAME, False, x.device, FBANK_POVEY_POWER)
     frames = F.pad(frames, (0, FBANK_FFT - FBANK_FRAME))
     power = torch.fft.rfft(frames).abs().pow(2.0)  # [T, 257]
-    banks = _kaldi_banks(FBANK_N_MELS, FBANK_FFT, 16000.0, FBANK_LOW_HZ, 8000.0)
+    banks = _kaldi_banks(FBANK_N_MELS, FBANK_FFT, 16000.0, FBANK_LOW_HZ, 8000.0, x.device)
     energies = torch.mm(power, banks.T)
     return torch.clamp(energies, min=torch.finfo(torch.float32).eps).log()
 
@@ -187,10 +197,10 @@ def prompt_mel(audio24k: Tensor) -> Tensor:
     x = _mono(audio24k, "prompt_mel")
     padded = F.pad(x[None, None], (PROMPT_PAD, PROMPT_PAD), mode="reflect")[0, 0]
     spec = torch.stft(padded, PROMPT_N_FFT, hop_length=PROMPT_HOP, win_length=PROMPT_N_FFT,
-                      window=_hann(PROMPT_N_FFT, True), center=False, normalized=False, onesided=True,
+                      window=_hann(PROMPT_N_FFT, True, x.device), center=False, normalized=False, onesided=True,
                       return_complex=True)
     magnitude = torch.sqrt(torch.view_as_real(spec).pow(2).sum(-1) + 1e-9)
-    mel = torch.matmul(slaney_mel_filters(PROMPT_SR, PROMPT_N_FFT, PROMPT_N_MELS), magnitude)
+    mel = torch.matmul(_slaney_on(x.device, PROMPT_SR, PROMPT_N_FFT, PROMPT_N_MELS), magnitude)
     return torch.log(torch.clamp(mel, min=1e-5)).T.contiguous()
 
 
@@ -218,6 +228,12 @@ def _transform_kernel(orig: int, new: int, zeros: int = 6, rolloff: float = 0.99
     return (sinc * (hann * (cutoff / orig))).to(torch.float32), width
 
 
+@lru_cache(maxsize=16)
+def _kernel_on(device: torch.device, orig: int, new: int) -> tuple[Tensor, int]:
+    kernel, width = _transform_kernel(orig, new)
+    return kernel.to(device), width
+
+
 def official_resample(audio: Tensor, orig_rate: int, new_rate: int) -> Tensor:
     """[..., N] float32 -> [..., ceil(N * new / orig)], equal to `torchaudio.transforms.Resample(orig, new)`.
 
@@ -229,7 +245,7 @@ def official_resample(audio: Tensor, orig_rate: int, new_rate: int) -> Tensor:
         return audio
     g = math.gcd(int(orig_rate), int(new_rate))
     orig, new = int(orig_rate) // g, int(new_rate) // g
-    kernel, width = _transform_kernel(orig, new)
+    kernel, width = _kernel_on(audio.device, orig, new)
     shape = audio.shape
     flat = F.pad(audio.reshape(-1, shape[-1]).to(torch.float32), (width, width + orig))
     out = F.conv1d(flat[:, None], kernel, stride=orig).transpose(1, 2).reshape(flat.shape[0], -1)

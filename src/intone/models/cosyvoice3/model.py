@@ -8,9 +8,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from intone.engine.attention import AttentionMetadata
 from intone.engine.kv_cache import KVCache, KVLayout
+from intone.engine.sampling import SamplingBatch
 from intone.errors import InvalidRequestError
-from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel, VoiceReference
+from intone.models.base import Prompt, SamplingParams, TTSModel, VoiceReference
 from intone.models.cosyvoice3.frontend import ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_reference
 from intone.models.cosyvoice3.prompt import (
     MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
@@ -44,14 +46,6 @@ class CosyVoice3(TTSModel):
         self.device = talker.llm_decoder.weight.device
         self.dtype = talker.llm_decoder.weight.dtype
         self.codec_device = next(flow.parameters()).device
-        self.graphs = None
-
-    def enable_cuda_graphs(self) -> None:
-        """Replay the talker's decode steps from CUDA graphs (no-op off CUDA)."""
-        from intone.engine.decode_graphs import DecodeGraphs
-
-        if self.device.type == "cuda":
-            self.graphs = DecodeGraphs(self.talker.decode_step)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -120,15 +114,18 @@ class CosyVoice3(TTSModel):
         tail = generated[-(MAX_SILENT_RUN + 1):]
         return not (len(tail) > MAX_SILENT_RUN and all(t in SILENT_TOKENS for t in tail))
 
-    @torch.inference_mode()
-    def step(self, batch: StepBatch, kv: KVCache) -> StepOutput:
-        x = self.talker.embed(batch.tokens, batch.codes[:, 0])
-        logits = self.graphs(x, batch.meta, kv) if self.graphs is not None else None
-        if logits is None:
-            logits = self.talker(x, batch.meta, kv)
-        ids = sample_speech_tokens(logits, batch.sampling, batch.history)
-        stopped = ids >= SPEECH_TOKENS
-        return StepOutput(tokens=ids, codes=ids.clamp(max=SPEECH_TOKENS - 1).unsqueeze(1), stopped=stopped)
+    def embed(self, tokens: Tensor, codes: Tensor) -> Tensor:
+        return self.talker.embed(tokens, codes[:, 0])
+
+    def forward(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
+        return self.talker(x, meta, kv)
+
+    def forward_decode(self, x, positions, slots, tables, seq_lens, kv: KVCache) -> Tensor:
+        return self.talker.decode_step(x, positions, slots, tables, seq_lens, kv)
+
+    def head(self, logits: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ids = sample_speech_tokens(logits, sampling, history)
+        return ids, ids.clamp(max=SPEECH_TOKENS - 1).unsqueeze(1), ids >= SPEECH_TOKENS
 
     # ---- codec ------------------------------------------------------------------------------
 

@@ -8,9 +8,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
 
+# With a mask, SDPA would pick cuDNN on CUDA, which builds a new plan for every new window
+# length (milliseconds of host time per layer call); the memory-efficient kernel does not.
+_CODEC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CODEC_HEAD_DIM = 64  # fixed by the official codec config; heads = dim // 64
 CODEC_ROPE_BASE = 10000.0
 CODEC_NORM_EPS = 1e-5
@@ -101,8 +105,15 @@ class CodecAttention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
         q, k, v = (t.unflatten(-1, (self.n_head, CODEC_HEAD_DIM)) for t in self.wqkv(x).chunk(3, dim=-1))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+        y = _masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(y.transpose(1, 2).flatten(-2))
+
+
+def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with sdpa_kernel(_CODEC_SDPA):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class CodecBlock(nn.Module):

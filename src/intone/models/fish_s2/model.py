@@ -9,14 +9,14 @@ import torch
 from torch import Tensor
 
 from intone.audio import resample
-from intone.engine.decode_graphs import DecodeGraphs
+from intone.engine.attention import AttentionMetadata
 from intone.engine.kv_cache import KVCache, KVLayout
 from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, sample
 from intone.errors import InvalidRequestError, ModelLoadError
-from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, VoiceReference
+from intone.models.base import Prompt, TTSModel, VoiceReference
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.config import FishS2Config
-from intone.models.fish_s2.fast_graph import FastARGraphs
+from intone.models.fish_s2.reference import encode_batch, warm_up_encoder
 from intone.models.checkpoint import load_strict
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
@@ -44,15 +44,6 @@ class FishS2(TTSModel):
         self.kv_layout = KVLayout(cfg.slow.n_layer, cfg.slow.n_kv_head, cfg.slow.head_dim)
         self.device = lm.slow_rope.device
         self.dtype = lm.text_model.model.norm.weight.dtype
-        self.fast_graphs: FastARGraphs | None = None
-        self.slow_graphs: DecodeGraphs | None = None
-
-    def enable_cuda_graphs(self) -> None:
-        """Replay the slow AR's decode steps (keyed by rows and KV length) and the fast AR (keyed
-        by padded batch size) from CUDA graphs (no-op off CUDA)."""
-        if self.device.type == "cuda":
-            self.fast_graphs = FastARGraphs(self._fast_codes)
-            self.slow_graphs = DecodeGraphs(self.lm.decode_slow)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -112,19 +103,49 @@ class FishS2(TTSModel):
         refs = []
         for i, ref in enumerate(references):
             codes = ref.codes
-            if codes is None:
-                if ref.features is not None:
+            if codes is None and ref.features is not None:
+                if "codes" not in ref.features:
                     raise InvalidRequestError("voice", "this voice was stored for another model; upload it again")
+                codes = torch.as_tensor(ref.features["codes"])
+            if codes is None:
                 if ref.audio is None or ref.sample_rate is None:
                     raise InvalidRequestError(f"references[{i}]", "needs audio (with its sample rate) or codes")
                 codes = self.encode_reference(ref.audio, ref.sample_rate)
             refs.append(Reference(text=ref.text, codes=codes.cpu()))
         return build_prompt(self.tokenizer, text, refs, self.num_codebooks)
 
-    @torch.inference_mode()
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
-        wav = resample(audio.float(), sample_rate, self.sample_rate)
-        return self.codec.encode(wav.to(self.device).unsqueeze(0))[0].cpu()
+        codes = self.reference_features_batch([(audio, sample_rate)])[0]
+        if isinstance(codes, Exception):
+            raise codes
+        return codes["codes"]
+
+    def reference_features_batch(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio") -> list:
+        """Clips resampled to 44.1 kHz on the CPU, then encoded together on the codec's device
+        (lengths and rows padded to buckets: the encoder is causal, so padding after a clip
+        cannot change its codes, and repeated shapes reuse the convolutions' plans)."""
+        wavs: list[Tensor | Exception] = []
+        for audio, rate in clips:
+            try:
+                if audio.numel() == 0:
+                    raise InvalidRequestError(field, "audio is empty")
+                wavs.append(resample(audio.float().cpu(), int(rate), self.sample_rate))
+            except Exception as e:  # noqa: BLE001 - that clip's request is refused alone
+                wavs.append(e)
+        live = [i for i, w in enumerate(wavs) if not isinstance(w, Exception)]
+        codes = encode_batch(self.codec, [wavs[i] for i in live]) if live else []
+        out: list = list(wavs)
+        for i, c in zip(live, codes):
+            out[i] = {"codes": c}
+        return out
+
+    def warm_up_frontend(self) -> None:
+        if self.codec_device_type == "cuda":
+            warm_up_encoder(self.codec)
+
+    @property
+    def codec_device_type(self) -> str:
+        return next(self.codec.parameters()).device.type
 
     def history_row(self, generated: np.ndarray, params=None) -> np.ndarray:
         """[RAS window | penalty window], right-aligned, -1 padded.
@@ -139,19 +160,24 @@ class FishS2(TTSModel):
         row[len(row) - len(pen):] = pen
         return row
 
-    # ---- one AR step ------------------------------------------------------------------------
+    # ---- one AR step: embed -> slow AR -> head (semantic draw + fast AR) -------------------
 
-    @torch.inference_mode()
-    def step(self, batch: StepBatch, kv: KVCache) -> StepOutput:
-        lm = self.lm
-        x = lm.embed(batch.tokens, batch.codes)
-        hidden = self.slow_graphs(x, batch.meta, kv) if self.slow_graphs is not None else None
-        if hidden is None:
-            hidden = lm.forward_slow(x, batch.meta, kv)
-        logits = lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
-        tokens = self._sample_semantic(logits, batch.sampling, batch.history)
-        codes = (self.fast_graphs or self._fast_codes)(hidden, tokens, batch.sampling)
-        return StepOutput(tokens=tokens, codes=codes, stopped=tokens == self.tokenizer.im_end_id)
+    def embed(self, tokens: Tensor, codes: Tensor) -> Tensor:
+        return self.lm.embed(tokens, codes)
+
+    def forward(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
+        return self.lm.forward_slow(x, meta, kv)
+
+    def forward_decode(self, x, positions, slots, tables, seq_lens, kv: KVCache) -> Tensor:
+        return self.lm.decode_slow(x, positions, slots, tables, seq_lens, kv)
+
+    head_is_static = True
+
+    def head(self, hidden: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        logits = self.lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
+        tokens = self._sample_semantic(logits, sampling, history)
+        codes = self._fast_codes(hidden, tokens, sampling)
+        return tokens, codes, tokens == self.tokenizer.im_end_id
 
     def _to_token_ids(self, index: Tensor) -> Tensor:
         """Index into the restricted logits -> vocabulary id."""
@@ -164,15 +190,18 @@ class FishS2(TTSModel):
         pen_idx = torch.where(
             (pen_window >= begin) & (pen_window <= self.tokenizer.semantic_end), pen_window - begin, -1
         )
-        logits = apply_repetition_penalty(logits, pen_idx, params)
+        logits = apply_repetition_penalty(logits, pen_idx, params, always=True)
         bans = [b for b in (params.ban_stop, params.below_min) if b is not None]
         if bans:
             ban = bans[0] if len(bans) == 1 else bans[0] | bans[1]
             stop_col = logits[:, self.cfg.codebook_size]
             logits[:, self.cfg.codebook_size] = torch.where(ban, float("-inf"), stop_col)
-        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC))
+        # Every candidate is sorted (not just max_top_k): the head's shapes must not depend on
+        # the requests' top_k, or a client's value could call for a new graph.
+        vocab = logits.shape[-1]
+        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, vocab))
         fallback = self._to_token_ids(
-            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS)
+            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, vocab)
         )
         repeated = (ras_window == normal.unsqueeze(1)).any(dim=1)
         if params.ras is not None:
@@ -193,7 +222,8 @@ class FishS2(TTSModel):
         codes = [code]
         for k in range(1, self.num_codebooks):
             h = lm.fast_step(lm.audio_decoder.embeddings(code), k, cache)
-            code = sample(lm.fast_logits(h).float(), params, DRAW_FIRST_CODEBOOK + k - 1)
+            logits = lm.fast_logits(h).float()
+            code = sample(logits, params, DRAW_FIRST_CODEBOOK + k - 1, logits.shape[-1])
             codes.append(code)
         return torch.stack(codes, dim=1)
 

@@ -1,0 +1,89 @@
+"""Where the time goes: the server's own per-stage metrics, scraped before and after a level.
+
+Our server exports `intone_request_stage_seconds{stage=...}` (a histogram per finished request)
+and engine counters (see intone/api/metrics.py). Per level, a stage's mean is
+(sum after - sum before) / (count after - count before): seconds per request in that stage.
+Stages overlap (`codec` counts every codec call that carried a request's chunks in full, and
+`total` is the engine's whole span), so they do not add up. A server without these metrics
+(another framework) gives a level without a breakdown and nothing fails.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+STAGES = ("api_in", "frontend", "queue", "prefill", "decode", "codec", "api_out", "total")
+STAGE_METRIC = "intone_request_stage_seconds"
+# label in results -> sample name on /metrics
+COUNTERS = {
+    "reference_cache_hits": "intone_reference_cache_hits_total",
+    "reference_cache_misses": "intone_reference_cache_misses_total",
+    "frontend_batches": "intone_frontend_batches_total",
+    "frontend_clips": "intone_frontend_clips_total",
+    "graph_replays": "intone_graph_replays_total",
+    "eager_decode_steps": "intone_eager_decode_steps_total",
+    "engine_steps": "intone_engine_steps_total",
+}
+GAUGES = {
+    "reference_cache_entries": "intone_reference_cache_entries",
+    "reference_cache_bytes": "intone_reference_cache_bytes",
+    "captured_graphs": "intone_captured_graphs",
+    "mean_step_ms_since_start": "intone_engine_mean_step_ms",
+}
+
+
+def scrape(base_url: str, headers: dict | None = None, timeout: float = 30) -> dict | None:
+    """{(sample name, ((label, value), ...)): value} from GET /metrics, or None if it has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(base_url + "/metrics", headers=headers, timeout=timeout)
+        if r.status_code != 200:
+            return None
+        samples = {}
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def level_breakdown(before: dict | None, after: dict | None) -> dict:
+    """Per stage the mean seconds per request over the level, and the engine counters' deltas."""
+    has_stages = after is not None and any(name.startswith(STAGE_METRIC) for name, _ in after)
+    if not has_stages:
+        return dict(available=False, reason="the server exports no intone_request_stage_seconds metrics")
+    before = before or {}
+
+    def delta(name: str, labels: tuple = ()) -> float | None:
+        if (name, labels) not in after:
+            return None
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    stages = {}
+    for stage in STAGES:
+        labels = (("stage", stage),)
+        total, count = delta(f"{STAGE_METRIC}_sum", labels), delta(f"{STAGE_METRIC}_count", labels)
+        stages[stage] = dict(mean_s=total / count if total is not None and count else None,
+                             requests=int(count) if count is not None else 0)
+    counters = {key: delta(name) for key, name in COUNTERS.items()}
+    gauges = {key: after.get((name, ())) for key, name in GAUGES.items()}
+    steps = counters.get("engine_steps")
+    mean_step_ms = None
+    b_mean, a_mean = before.get((GAUGES["mean_step_ms_since_start"], ())), gauges["mean_step_ms_since_start"]
+    b_steps, a_steps = before.get((COUNTERS["engine_steps"], ())), after.get((COUNTERS["engine_steps"], ()))
+    if steps and None not in (b_mean, a_mean, b_steps, a_steps):
+        mean_step_ms = (a_mean * a_steps - b_mean * b_steps) / steps
+    return dict(available=True, stages=stages, counters=counters, gauges=gauges, mean_step_ms=mean_step_ms)
+
+
+def engine_breakdown(timings: list[dict]) -> dict:
+    """The same shape from the terminal chunks' `timings` (engine_throughput: no API stages)."""
+    if not timings:
+        return dict(available=False, reason="the engine's terminal chunks carry no timings")
+    stages = {}
+    for stage in STAGES:
+        values = [t[f"{stage}_s"] for t in timings if isinstance(t.get(f"{stage}_s"), (int, float))]
+        stages[stage] = dict(mean_s=sum(values) / len(values) if values else None, requests=len(values))
+    return dict(available=True, stages=stages)

@@ -1,0 +1,221 @@
+"""The reference frontend as a batched stage: reference audio -> the model's features -> a prompt.
+
+Requests that bring reference audio are handed to one worker thread. It takes every request
+queued at that moment, looks each clip up in the reference cache (keyed by a hash of its samples
+and rate), encodes the misses in one batched call on its own CUDA stream (so running streams
+keep stepping meanwhile), builds the prompts and hands the requests back to the engine loop.
+A clip that fails refuses its own request only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from intone.models.base import Prompt, TTSModel, VoiceReference
+
+log = logging.getLogger(__name__)
+
+MAX_CLIPS_PER_BATCH = 32
+
+
+def clip_key(audio, sample_rate: int) -> bytes:
+    samples = np.ascontiguousarray(np.asarray(audio, dtype=np.float32))
+    h = hashlib.blake2b(samples.tobytes(), digest_size=16)
+    h.update(int(sample_rate).to_bytes(8, "little"))
+    return h.digest()
+
+
+class ReferenceCache:
+    """Features by clip hash, least recently used first out, bounded in bytes. Thread-safe."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[bytes, tuple[dict, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = self.hits = self.misses = 0
+
+    def get(self, key: bytes) -> dict | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item[0]
+
+    def put(self, key: bytes, features: dict) -> None:
+        size = sum(int(v.numel() * v.element_size()) for v in features.values())
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            self._items[key] = (features, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, old) = self._items.popitem(last=False)
+                self.bytes -= old
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@dataclass
+class Prepared:
+    """A request whose references are encoded: its prompt, or the error that refuses it."""
+
+    request: object  # SynthesisRequest
+    prompt: Prompt | None
+    error: Exception | None
+    seconds: float  # submitted -> prepared
+
+
+@dataclass
+class _Job:
+    request: object
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class FrontendStage:
+    def __init__(self, model: TTSModel, cache_bytes: int):
+        self.model = model
+        self.cache = ReferenceCache(cache_bytes)
+        self._inbox: queue.Queue = queue.Queue()
+        self._done: list[Prepared] = []
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
+        self.batches = self.clips = 0
+        self.pending = 0  # submitted, not yet collected
+
+    # ---- engine side ------------------------------------------------------------------------
+
+    def submit(self, request) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="intone-frontend", daemon=True)
+            self._thread.start()
+        self.pending += 1
+        self._inbox.put(_Job(request))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def collect(self) -> list[Prepared]:
+        """The requests prepared since the last call, in the order they were prepared (cancelled
+        ones dropped)."""
+        with self._lock:
+            done, self._done = self._done, []
+            self._ready.clear()
+            out = [p for p in done if p.request.request_id not in self._cancelled]
+            for p in done:
+                self._cancelled.discard(p.request.request_id)
+        self.pending -= len(done)
+        return out
+
+    def wait(self, timeout: float) -> None:
+        self._ready.wait(timeout)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def features(self, audio, sample_rate: int) -> dict:
+        """One clip's features through the cache (for stored voices); raises what encoding raises."""
+        key = clip_key(audio, sample_rate)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        result = self._encode([(torch.as_tensor(audio, dtype=torch.float32), int(sample_rate))])[0]
+        if isinstance(result, Exception):
+            raise result
+        self.cache.put(key, result)
+        return result
+
+    # ---- worker -----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._inbox.get()
+            if job is None:
+                return
+            jobs = [job]
+            while len(jobs) < MAX_CLIPS_PER_BATCH:
+                try:
+                    nxt = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._inbox.put(None)
+                    break
+                jobs.append(nxt)
+            try:
+                prepared = self._prepare(jobs)
+            except Exception as e:  # a bug here must refuse these requests, not kill the thread
+                log.exception("reference frontend failed")
+                prepared = [Prepared(j.request, None, e, time.perf_counter() - j.submitted) for j in jobs]
+            with self._lock:
+                self._done.extend(prepared)
+                self._ready.set()
+
+    def _prepare(self, jobs: list[_Job]) -> list[Prepared]:
+        live = [j for j in jobs if j.request.request_id not in self._cancelled]
+        wanted: dict[bytes, tuple[torch.Tensor, int]] = {}
+        keys: dict[tuple[int, int], bytes] = {}
+        found: dict[bytes, dict | Exception] = {}
+        for j, job in enumerate(live):
+            for r, ref in enumerate(job.request.references):
+                if ref.audio is None:
+                    continue
+                key = keys[j, r] = clip_key(ref.audio, ref.sample_rate)
+                if key not in found and key not in wanted:
+                    cached = self.cache.get(key)
+                    if cached is not None:
+                        found[key] = cached
+                    else:
+                        wanted[key] = (torch.as_tensor(ref.audio, dtype=torch.float32), int(ref.sample_rate or 0))
+        if wanted:
+            for key, result in zip(wanted, self._encode(list(wanted.values()))):
+                found[key] = result
+                if not isinstance(result, Exception):
+                    self.cache.put(key, result)
+        return [self._build(job, j, keys, found) for j, job in enumerate(live)]
+
+    def _encode(self, clips: list) -> list:
+        self.batches += 1
+        self.clips += len(clips)
+        if self._stream is None:
+            return self.model.reference_features_batch(clips)
+        with torch.cuda.stream(self._stream):
+            return self.model.reference_features_batch(clips)
+
+    def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:
+        request = job.request
+        try:
+            refs = []
+            for r, ref in enumerate(request.references):
+                if (j, r) not in keys:
+                    refs.append(ref)
+                    continue
+                result = found[keys[j, r]]
+                if isinstance(result, Exception):
+                    raise result
+                refs.append(VoiceReference(text=ref.text, features=result))
+            prompt = self.model.build_prompt(request.text, refs, request.instructions)
+            return Prepared(replace(request, references=refs), prompt, None, time.perf_counter() - job.submitted)
+        except Exception as e:  # noqa: BLE001 - refuses this request alone
+            return Prepared(request, None, e, time.perf_counter() - job.submitted)

@@ -1,0 +1,59 @@
+"""`--preset` fills in what was not given; `--reference-pool` cycles clips; every other request
+(warm-up, later levels) gets a clip of its own; the stage breakdown without server metrics."""
+
+import io
+
+import soundfile as sf
+
+from intone.bench.client import ClipUse, ReferencePlan, clip_bytes
+from intone.bench.dataset import synthetic_items
+from intone.bench.presets import apply_preset
+from intone.bench.report import stage_tables
+from intone.bench.server_metrics import level_breakdown
+from intone.cli.main import _parser
+
+
+def parsed(*argv):
+    args = _parser().parse_args(["bench", "--output-dir", "x", *argv])
+    apply_preset(args)
+    return args
+
+
+def test_presets_apply_and_given_flags_win():
+    fish = parsed("--preset", "seedtts-fish")
+    assert (fish.dataset, fish.num_requests, fish.concurrency, fish.warmup, fish.force_output_frames,
+            fish.reference_pool) == ("synthetic", 1088, "64", 64, "normal:86:30", None)
+    cosy = parsed("--preset", "seedtts-cosyvoice3", "--num-requests", "6", "--warmup", "0", "--concurrency", "2")
+    assert (cosy.num_requests, cosy.warmup, cosy.concurrency, cosy.force_output_frames) == (6, 0, "2", "normal:128:45")
+    assert parsed("--preset", "seedtts-fish", "--force-output-frames", "5").force_output_frames == "5"
+    plain = parsed()  # no preset: the old defaults
+    assert (plain.num_requests, plain.concurrency, plain.warmup, plain.force_output_frames) == (64, "1", 4, None)
+
+
+def test_unique_clips_everywhere_and_the_pool_cycles(tmp_path):
+    items = synthetic_items(4, tmp_path)
+    plan = ReferencePlan()
+    measured, warm = plan.assign(items[:3]), plan.assign(items[:1])  # warm-up reusing a measured item
+    level2 = plan.assign(items[:3])
+    uses = measured + warm + level2
+    assert len({(u.wav, u.variant) for u in uses}) == len(uses) == 7
+    assert [u.variant for u in measured] == [0, 0, 0] and warm[0].variant == 1 and level2[0].variant == 2
+    again = clip_bytes(warm[0])
+    assert again != items[0].prompt_wav.read_bytes()
+    a, _ = sf.read(io.BytesIO(again))
+    b, _ = sf.read(items[0].prompt_wav)
+    assert len(a) == len(b) and abs(a).max() < abs(b).max()
+    assert plan.summary()["mode"] == "unique" and plan.summary()["distinct_clips"] == 7
+
+    pool = ReferencePlan(items[:2])
+    cycled = pool.assign(items) + pool.assign(items[:2])
+    assert [u.wav for u in cycled] == [items[i % 2].prompt_wav for i in range(6)]
+    assert all(u == ClipUse(u.wav, u.text, 0) for u in cycled)
+    assert pool.summary()["mode"] == "pool" and pool.summary()["pool"] == 2
+
+
+def test_no_server_metrics_is_said_not_failed():
+    server = level_breakdown(None, {("http_requests_total", ()): 3.0})
+    assert server["available"] is False
+    lines = stage_tables({"levels": [{"concurrency": 4, "server": server}]})
+    assert any("No per-stage breakdown" in line for line in lines)

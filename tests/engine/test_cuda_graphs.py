@@ -1,0 +1,61 @@
+"""The model runner's CUDA graphs: captured at start-up, replayed bit for bit like the eager step."""
+
+import pytest
+import torch
+
+from intone.engine.kv_cache import BlockManager, KVCache
+from intone.engine.model_runner import ModelRunner, StepInput
+from intone.models import load_model, resolve_model_dir
+from intone.models.base import Prompt, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompt(model, n: int, g: torch.Generator) -> Prompt:
+    tokens = torch.randint(0, 50, (n,), generator=g)
+    fill = -1 if model.name == "cosyvoice3" else 0
+    return Prompt(tokens=tokens, codes=torch.full((n, model.num_codebooks), fill, dtype=torch.long))
+
+
+def _decodes(model, runner, lens, g):
+    """Prefill len(lens) requests through `runner`, then return their decode inputs."""
+    reqs = [StepInput(f"r{i}", _prompt(model, n, g), SamplingParams(seed=i, top_k=7 + i), [], None)
+            for i, n in enumerate(lens)]
+    out = runner.run(reqs)
+    return [StepInput(r.request_id, r.prompt, r.params, [int(t)], c.cpu())
+            for r, t, c in zip(reqs, out.tokens, out.codes)]
+
+
+@pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])
+def test_replayed_step_equals_the_eager_static_step_bitwise(name, tiny_cache):
+    model = load_model(str(resolve_model_dir(f"tiny:{name}")), device="cuda", dtype=torch.float32)
+    blocks = BlockManager(256, 16)
+    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+    graphed = ModelRunner(model, kv, blocks, cuda_graphs=True)
+    report = graphed.capture(8, 600)
+    assert report.failed == 0 and report.graphs == len(graphed.graphs.captured) > 0
+    eager = ModelRunner(model, kv, blocks, cuda_graphs=True)  # same padded buffers, nothing captured
+    g = torch.Generator().manual_seed(0)
+    for lens in ([5, 40, 17], [3, 90, 4, 61, 8], [33] * 8):
+        batch = _decodes(model, graphed, lens, g)
+        k0, v0 = kv.k.clone(), kv.v.clone()
+        a = graphed.run(batch)
+        kv.k.copy_(k0), kv.v.copy_(v0)
+        b = eager.run(batch)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.codes, b.codes)
+        for r in batch:
+            blocks.free(r.request_id)
+    assert graphed.graphs.replays == 3 and graphed.graphs.eager == 0 and eager.graphs.eager == 3
+
+
+def test_a_step_with_prefills_keeps_its_decodes_on_the_graphs(tiny_cache):
+    model = load_model(str(resolve_model_dir("tiny:fish-s2")), device="cuda", dtype=torch.float32)
+    blocks = BlockManager(256, 16)
+    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+    runner = ModelRunner(model, kv, blocks, cuda_graphs=True)
+    runner.capture(8, 600)
+    g = torch.Generator().manual_seed(1)
+    decodes = _decodes(model, runner, [12, 30], g)
+    new = StepInput("new", _prompt(model, 20, g), SamplingParams(seed=9), [], None)
+    out = runner.run([decodes[0], new, decodes[1]])  # any order in, the same order out
+    assert out.tokens.shape == (3,) and runner.graphs.replays == 1
