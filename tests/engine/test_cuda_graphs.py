@@ -59,3 +59,40 @@ def test_a_step_with_prefills_keeps_its_decodes_on_the_graphs(tiny_cache):
     new = StepInput("new", _prompt(model, 20, g), SamplingParams(seed=9), [], None)
     out = runner.run([decodes[0], new, decodes[1]])  # any order in, the same order out
     assert out.tokens.shape == (3,) and runner.graphs.replays == 1
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(32, 8, 128), (14, 2, 64)])
+def test_triton_decode_attention_matches_the_reference(dtype, tol, heads, kv_heads, dim):
+    from intone.engine.attention import decode_attention, decode_attention_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    blocks, bs, rows = 80, 16, 9
+    k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", generator=g).to(dtype)
+    v = torch.randn(blocks, bs, kv_heads, dim, device="cuda", generator=g).to(dtype)
+    q = torch.randn(rows, heads, dim, device="cuda", generator=g).to(dtype)
+    tables = torch.randperm(blocks, device="cuda", generator=g)[: rows * 8].view(rows, 8)
+    seq_lens = torch.tensor([1, 2, 15, 16, 17, 31, 64, 100, 128], device="cuda")
+    got, want = decode_attention(q, k, v, tables, seq_lens), decode_attention_reference(q, k, v, tables, seq_lens)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert (got.float() - want.float()).abs().max() < tol
+
+
+def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
+    model = load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cuda", dtype=torch.float32)
+    blocks = BlockManager(256, 16)
+    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+    runner = ModelRunner(model, kv, blocks, cuda_graphs=True)
+    runner.capture(8, 600, 512)
+    g = torch.Generator().manual_seed(2)
+    decodes = _decodes(model, runner, [12, 50], g)
+    new = [StepInput(f"n{i}", _prompt(model, n, g), SamplingParams(seed=i), [], None) for i, n in enumerate((20, 70))]
+    batch = runner.build(new + decodes)
+    x = model.embed(batch.tokens, batch.codes)
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    with torch.inference_mode():
+        rows = runner._as_rows(x, batch)
+        kv.k.copy_(k0), kv.v.copy_(v0)
+        packed = runner._split(x, batch, batch.num_prefill_tokens)
+    assert rows is not None and rows.shape == packed.shape == (4, packed.shape[1])
+    assert (rows - packed).abs().max() < 1e-4

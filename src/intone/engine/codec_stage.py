@@ -68,6 +68,19 @@ class CodecStage:
         self.max_padded_frames = max_padded_frames
         self.calls = 0  # decode calls made, for tests and metrics
 
+    def warm_up(self, max_window_frames: int) -> int:
+        """Decode silence once per (rows, frames) bucket up to these bounds (start-up); returns the count."""
+        k, shapes = self.model.num_codebooks, 0
+        frames = [b for b in FRAME_BUCKETS if b < max_window_frames] + [bucket_frames(max_window_frames)]
+        for t in frames:
+            rows = 1
+            # a group of n windows is padded to bucket_rows(n) rows: warm every bucket a group can reach
+            while rows <= bucket_rows(self.max_batch) and (rows // 2 + 1) * t <= max(self.max_padded_frames, t):
+                self.model.decode(torch.zeros(rows, k, t, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+                shapes += 1
+                rows *= 2
+        return shapes
+
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
         jobs = []

@@ -79,11 +79,19 @@ class EngineCore:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
         then every CUDA graph the runner will replay (captures must see no other GPU work)."""
         start = time.perf_counter()
-        self.model.warm_up_frontend()
+        gpu = self.model.device.type == "cuda"
+        if gpu:
+            torch.backends.cudnn.benchmark = self.profile.codec.cudnn_benchmark
+            self.model.warm_up_frontend()
+            if hasattr(self.codec, "warm_up"):
+                c = self.profile.chunking
+                self.codec.warm_up(max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames)
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
-        report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv)
+        report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv, self.profile.ar.max_num_batched_tokens)
         if report is not None:
+            # Steps stay within what the graphs cover, unless one prompt alone is larger.
+            self.scheduler.step_token_target = self.runner.max_graph_tokens
             self.stats.captured_graphs, self.stats.capture_seconds = report.graphs, report.seconds
             log.info("captured %d CUDA graphs in %.1f s (%d failed and run eagerly); frontend warm-up %.1f s",
                      report.graphs, report.seconds, report.failed, self.stats.warm_up_seconds)

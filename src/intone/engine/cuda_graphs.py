@@ -4,8 +4,8 @@ An eager decode step of a deep transformer is hundreds to thousands of small ker
 batch size it costs what launching them costs. Two pieces of a step have static shapes once
 their rows are padded to a bucket:
 
-- the decode forward (`TTSModel.forward_decode`, one new token per row), keyed by (rows, KV
-  length): attention reads each row's blocks up to the KV bucket and masks beyond the row's
+- the decode forward (`TTSModel.forward_decode`, one token per row: a decode's new token, or
+  one token of a prompt), keyed by (rows, KV length): attention reads each row's blocks up to the KV bucket and masks beyond the row's
   length; padding rows write their keys to the cache's scratch slot and their outputs are dropped;
 - the head (`TTSModel.head`: sampling, and Fish's fast AR), keyed by rows, for models whose head
   has static shapes; padding rows are copies of row 0 (valid values) and are dropped.
@@ -32,7 +32,7 @@ from intone.engine.sampling import SamplingBatch
 
 log = logging.getLogger(__name__)
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -201,13 +201,14 @@ class StepGraphs:
 
     # ---- start-up -------------------------------------------------------------------------------
 
-    def capture_all(self, max_rows: int, max_kv_tokens: int) -> CaptureReport:
-        """Capture every (rows, KV) decode key and every head row bucket up to these bounds,
-        largest first (the shared memory pool is sized once, by the largest)."""
+    def capture_all(self, max_rows: int, max_kv_tokens: int, max_tokens: int | None = None) -> CaptureReport:
+        """Capture every (token rows, KV) decode key up to max_tokens rows and every head row bucket
+        up to max_rows, largest first (the shared memory pool is sized once, by the largest)."""
         start = time.perf_counter()
         row_keys = [r for r in ROW_BUCKETS if r <= (bucket(max_rows) or ROW_BUCKETS[-1])]
+        token_keys = [r for r in ROW_BUCKETS if r <= (bucket(max(max_tokens or 0, max_rows)) or ROW_BUCKETS[-1])]
         kv_top = bucket(max_kv_tokens, KV_BUCKETS) or KV_BUCKETS[-1]
-        keys = sorted({self.decode_key(r, kv) for r in row_keys for kv in KV_BUCKETS if kv <= kv_top}, reverse=True)
+        keys = sorted({self.decode_key(r, kv) for r in token_keys for kv in KV_BUCKETS if kv <= kv_top}, reverse=True)
         torch.cuda.synchronize()
         with torch.inference_mode():
             for key in keys:

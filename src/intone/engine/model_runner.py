@@ -1,10 +1,12 @@
 """Turns the scheduled requests into one batched model step, and runs it (owning the CUDA graphs).
 
 A step packs the new requests' prompts (prefills) first and the running requests' single new
-tokens (decodes) after them. The prefills run eagerly over their own batch descriptor; the
-decodes run through the model's static decode forward, replayed from a CUDA graph on the GPU;
-the head (sampling) then takes every row at once. So a step that admits new requests keeps its
-decodes on the fast path.
+tokens (decodes) after them. On the GPU every token of the step is one row of the model's static
+decode forward (a prompt token attends to its request's keys up to its own position, which the
+step has just written), replayed from a CUDA graph keyed by (token rows, KV length); the head
+(sampling) then takes each request's last row. So a step that admits new requests stays on
+the graphs. Elsewhere, or beyond the graphs' bounds, prefills run through the model's packed
+`forward` and decodes through `forward_decode` eagerly.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from intone.engine import paged_decode
 from intone.engine.attention import AttentionMetadata
-from intone.engine.cuda_graphs import CaptureReport, StepGraphs
+from intone.engine.cuda_graphs import CaptureReport, StepGraphs, bucket
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.sampling import SamplingBatch
 from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel
@@ -33,9 +36,13 @@ class StepInput:
     generated: np.ndarray | None = None  # the same tokens as int64 (kept by the request; else built here)
 
 
+MAX_GRAPH_TOKENS = 2048  # the largest step (in tokens) replayed from a graph
+
+
 class ModelRunner:
     def __init__(self, model: TTSModel, kv: KVCache, blocks: BlockManager, cuda_graphs: bool = False):
         self.model, self.kv, self.blocks = model, kv, blocks
+        self.max_graph_tokens = 0
         self.graphs: StepGraphs | None = None
         if cuda_graphs and model.device.type == "cuda":
             self.graphs = self._step_graphs()
@@ -54,11 +61,15 @@ class ModelRunner:
         return StepGraphs(model.forward_decode, head, self.kv, width, model.dtype, tuple(out.shape[1:]), out.dtype,
                           model.history_width)
 
-    def capture(self, max_rows: int, max_kv_tokens: int) -> CaptureReport | None:
-        """Capture every graph this runner may replay (start-up only: nothing else may use the GPU)."""
+    def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
+        """Capture every graph this runner may replay (start-up only: nothing else may use the GPU).
+
+        max_rows: requests per step; max_step_tokens: tokens per step (prefills included) the
+        decode graphs cover (default: max_rows, i.e. prefills run eagerly)."""
         if self.graphs is None:
             return None
-        return self.graphs.capture_all(max_rows, max_kv_tokens)
+        self.max_graph_tokens = max(max_rows, min(max_step_tokens or max_rows, MAX_GRAPH_TOKENS))
+        return self.graphs.capture_all(max_rows, max_kv_tokens, self.max_graph_tokens)
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -106,17 +117,47 @@ class ModelRunner:
         model = self.model
         x = model.embed(batch.tokens, batch.codes)
         n = batch.num_prefill_tokens
-        parts = []
-        if batch.prefill is not None:
-            parts.append(model.forward(x[:n], batch.prefill, self.kv))
-        if batch.decode is not None:
-            parts.append(self._decode(x[n:], batch.decode))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = self._as_rows(x, batch) if n else None
+        if out is None:
+            out = self._split(x, batch, n)
         result = self.graphs.head(out, batch.sampling, batch.history) if self.graphs is not None else None
         if result is None:
             result = model.head(out, batch.sampling, batch.history)
         tokens, codes, stopped = result
         return StepOutput(tokens=tokens, codes=codes, stopped=stopped)
+
+    def _split(self, x: torch.Tensor, batch: StepBatch, n: int) -> torch.Tensor:
+        """Prefills through the packed forward, decodes through the decode forward."""
+        parts = []
+        if batch.prefill is not None:
+            parts.append(self.model.forward(x[:n], batch.prefill, self.kv))
+        if batch.decode is not None:
+            parts.append(self._decode(x[n:], batch.decode))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _as_rows(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
+        """Every token of the step as one decode row (graphs only); None where that does not apply."""
+        if self.graphs is None or not paged_decode.available(x) or x.shape[0] > self.max_graph_tokens:
+            return None
+        p, d = batch.prefill, batch.decode
+        tables = p.block_tables.index_select(0, p.token_request)
+        positions, slots = p.positions, p.slot_mapping
+        if d is not None:
+            width = max(tables.shape[1], d.block_tables.shape[1])
+            tables = torch.cat([_widen(tables, width), _widen(d.block_tables, width)])
+            positions, slots = torch.cat([positions, d.positions]), torch.cat([slots, d.slot_mapping])
+        rows = AttentionMetadata(
+            cu_seqlens_q=torch.arange(x.shape[0] + 1, device=x.device), seq_lens=positions + 1, block_tables=tables,
+            slot_mapping=slots, positions=positions, token_request=torch.arange(x.shape[0], device=x.device),
+            token_index=torch.zeros_like(positions), max_seqlen_q=1,
+            max_seqlen_k=max(p.max_seqlen_k, d.max_seqlen_k if d is not None else 0))
+        out = self.graphs.decode(x, rows)
+        if out is None:
+            return None
+        last = p.last_token_rows
+        if d is not None:
+            last = torch.cat([last, torch.arange(p.slot_mapping.shape[0], x.shape[0], device=x.device)])
+        return out.index_select(0, last)
 
     def _decode(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = self.graphs.decode(x, meta) if self.graphs is not None else None
@@ -135,6 +176,13 @@ class ModelRunner:
         inverse[torch.tensor(order)] = torch.arange(len(order))
         inverse = inverse.to(out.tokens.device)
         return StepOutput(out.tokens[inverse], out.codes[inverse], out.stopped[inverse])
+
+
+def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad block tables with block 0 (never read: masked by the row's length)."""
+    if tables.shape[1] == width:
+        return tables
+    return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
 
 
 def _history_tensor(rows: list[np.ndarray], device) -> torch.Tensor:

@@ -25,6 +25,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A softer bound on a step's tokens (e.g. what CUDA graphs cover): more prefills wait for
+        # the next step, but a step with no prefill yet may still take one up to the hard bound.
+        self.step_token_target = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
 
@@ -60,13 +63,15 @@ class Scheduler:
     def schedule(self) -> list[EngineRequest]:
         """Admit what fits, then return this step's batch: new prefills first, then decodes."""
         budget = self.max_num_batched_tokens - len(self.running)
+        soft = self.step_token_target - len(self.running)
         spare = self._unclaimed_blocks()
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
             need = self._blocks_for(req.kv_tokens_needed)
-            if need > spare or len(req.prompt) > budget:
+            if need > spare or len(req.prompt) > budget or (admitted and len(req.prompt) > soft):
                 break
+            soft -= len(req.prompt)
             self.waiting.popleft()
             req.status = Status.RUNNING
             admitted.append(req)

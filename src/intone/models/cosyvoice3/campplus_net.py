@@ -294,7 +294,8 @@ def _param_ops(graph: OnnxGraph) -> list[dict]:
     for node in graph.nodes:
         if node.op_type == "Conv":
             w_name, w = graph.input_constant(node, 1, "a convolution weight")
-            bias = graph.input_constant(node, 2, "a convolution bias") if len(node.input) > 2 and node.input[2] else None
+            has_bias = len(node.input) > 2 and node.input[2]
+            bias = graph.input_constant(node, 2, "a convolution bias") if has_bias else None
             op = dict(kind="conv", node=node, names=[w_name], weight=w, bias=bias[1] if bias else None,
                       dilation=list(graph.attr(node, "dilations", [1])), stride=list(graph.attr(node, "strides", [1])))
             if bias:

@@ -44,7 +44,11 @@ from intone.models.cosyvoice3.features import (
     whisper_log_mel,
 )
 from intone.models.cosyvoice3.onnx_weights import NotThisArchitecture, OnnxGraph
-from intone.models.cosyvoice3.speech_tokenizer_net import TokenizerShape, random_speech_tokenizer, speech_tokenizer_from_onnx
+from intone.models.cosyvoice3.speech_tokenizer_net import (
+    TokenizerShape,
+    random_speech_tokenizer,
+    speech_tokenizer_from_onnx,
+)
 
 __all__ = [
     "CAMPPLUS_FILE",
@@ -272,7 +276,8 @@ class SpeechTokenizer(_FrontendModel):
 
     def _session_tokens(self, feats: Tensor, session=None) -> Tensor:
         mel = feats.detach().to("cpu", torch.float32).numpy()[None]
-        tokens = self._run(session or self._session, np.ascontiguousarray(mel), np.array([mel.shape[2]], dtype=np.int32))
+        length = np.array([mel.shape[2]], dtype=np.int32)
+        tokens = self._run(session or self._session, np.ascontiguousarray(mel), length)
         return torch.from_numpy(tokens.reshape(-1).astype(np.int64))
 
     def _from_onnx(self, graph: OnnxGraph) -> nn.Module:
@@ -435,7 +440,10 @@ def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
             results[i] = e
     if todo:
         tokens = _each(tokenizer, "tokenize_batch", clips16)
-        speakers = _each(speaker_encoder, "embed_batch", clips16)
+        # The x-vector conditions every flow frame, and a padded batch moves it by float rounding:
+        # each clip is embedded alone (CAM++ is cheap), so a request's audio never depends on
+        # which other references arrived with it. Tokens are discrete and stay batched.
+        speakers = [_each(speaker_encoder, "embed_batch", [clip])[0] for clip in clips16]
         for i, tok, mel, spk in zip(todo, tokens, mels, speakers):
             try:
                 results[i] = _assemble(tok, mel, spk, field)

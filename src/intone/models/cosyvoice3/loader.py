@@ -67,7 +67,7 @@ def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dty
     flow = load_flow(model_dir / "flow.pt", fcfg, codec_dtype, device)
     hift = load_hift(model_dir / "hift.pt", hcfg, codec_dtype, device)
     install_noise(flow, hift, noise, device)
-    frontend = ReferenceFrontend(model_dir).load()
+    frontend = ReferenceFrontend(model_dir).load().to(device)
     return cls(talker, flow, hift, tokenizer, frontend.tokenizer, frontend.speaker_encoder,
                sample_rate=int(cfg.get("sample_rate", 24000)))
 

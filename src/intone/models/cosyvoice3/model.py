@@ -13,7 +13,9 @@ from intone.engine.kv_cache import KVCache, KVLayout
 from intone.engine.sampling import SamplingBatch
 from intone.errors import InvalidRequestError
 from intone.models.base import Prompt, SamplingParams, TTSModel, VoiceReference
-from intone.models.cosyvoice3.frontend import ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_reference
+from intone.models.cosyvoice3.frontend import (
+    ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_batch, extract_reference,
+)
 from intone.models.cosyvoice3.prompt import (
     MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
 )
@@ -59,6 +61,13 @@ class CosyVoice3(TTSModel):
     def reference_features(self, audio: Tensor, sample_rate: int, field: str = "ref_audio") -> dict[str, Tensor]:
         f = extract_reference(audio, sample_rate, self.speech_tokenizer, self.speaker_encoder, field=field)
         return {"speech_tokens": f.speech_tokens, "prompt_mel": f.prompt_mel, "speaker": f.speaker}
+
+    def reference_features_batch(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio") -> list:
+        """Many clips through the frontend's networks together (on the model's device when they
+        were ported to torch); a bad clip gets its own error."""
+        out = extract_batch(clips, self.speech_tokenizer, self.speaker_encoder, field=field)
+        return [r if isinstance(r, Exception) else
+                {"speech_tokens": r.speech_tokens, "prompt_mel": r.prompt_mel, "speaker": r.speaker} for r in out]
 
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
         return self.reference_features(audio, sample_rate)["speech_tokens"].unsqueeze(0)
@@ -180,12 +189,12 @@ class CosyVoice3(TTSModel):
 def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dtype=torch.float32) -> CosyVoice3:
     """The real Fun-CosyVoice3-0.5B architecture with random weights, for speed measurements.
 
-    The tiny checkpoint lends its tokenizer, its ONNX frontend and nothing else.
+    The tiny checkpoint lends its text tokenizer and nothing else.
     """
     from intone.models import resolve_model_dir
     from intone.models.cosyvoice3.codec_config import flow_sizes
     from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig
-    from intone.models.cosyvoice3.frontend import ReferenceFrontend
+    from intone.models.cosyvoice3.frontend import random_frontend
     from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
     from intone.models.cosyvoice3.loader import install_noise
     from intone.models.cosyvoice3.noise import official_noise
@@ -214,6 +223,6 @@ def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dty
     flow.decoder.estimator.rotary_embed.inv_freq.copy_(
         1.0 / (fcfg.dit.rope_base ** (torch.arange(0, fcfg.dit.dim_head, 2, device=device).float() / fcfg.dit.dim_head)))
     install_noise(flow, hift, noise, device)
-    frontend = ReferenceFrontend(tiny).load()
+    frontend = random_frontend(device)  # real-size networks, so benchmarks price the frontend honestly
     return CosyVoice3(talker, flow, hift, CosyTokenizer(tiny / "CosyVoice-BlankEN"), frontend.tokenizer,
                       frontend.speaker_encoder)

@@ -36,9 +36,10 @@ class OnnxGraph:
         self._attr = onnx.helper.get_attribute_value
         graph = model.graph
         self.nodes = list(graph.node)
-        self.input_names = [i.name for i in graph.input]
-        self.output_names = [o.name for o in graph.output]
         self._init = {t.name: t for t in graph.initializer}
+        # old exporters also list the initializers as graph inputs
+        self.input_names = [i.name for i in graph.input if i.name not in self._init]
+        self.output_names = [o.name for o in graph.output]
         self._constants = {n.output[0]: n for n in self.nodes if n.op_type == "Constant"}
         self._by_name = {n.name: n for n in self.nodes}
         self._producer = {out: n for n in self.nodes for out in n.output}

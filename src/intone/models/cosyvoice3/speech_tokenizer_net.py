@@ -166,7 +166,8 @@ class SpeechTokenizerNet(nn.Module):
 # weights: random, from the official file, to a file like it
 
 
-def random_speech_tokenizer(shape: TokenizerShape = TokenizerShape(), seed: int = 0, device="cpu") -> SpeechTokenizerNet:
+def random_speech_tokenizer(shape: TokenizerShape = TokenizerShape(), seed: int = 0,
+                            device="cpu") -> SpeechTokenizerNet:
     """Random weights from `seed` (scaled so activations stay O(1) and the codes vary)."""
     with torch.device("meta"):
         net = SpeechTokenizerNet(shape)
@@ -271,8 +272,9 @@ def speech_tokenizer_from_onnx(graph: OnnxGraph) -> SpeechTokenizerNet:
         entries += block
         eps.update(block_eps)
     matmul, add = _quantizer_nodes(graph)
-    entries.append(("quantizer.project_in.weight", *graph.only_constant_input(matmul, "quantizer.project_in.weight"), True))
-    entries.append(("quantizer.project_in.bias", *graph.only_constant_input(add, "quantizer.project_in.bias"), False))
+    for node, part, transpose in ((matmul, "weight", True), (add, "bias", False)):
+        name = f"quantizer.project_in.{part}"
+        entries.append((name, *graph.only_constant_input(node, name), transpose))
 
     arrays = {t: (o, a.T if transpose and a.ndim == 2 else a) for t, o, a, transpose in entries}
     dim = arrays["conv1.weight"][1].shape[0]

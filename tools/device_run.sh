@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One GPU session's work (run through the device tool from the repo root, with .whl carried):
+#   bash tools/device_run.sh STAGE...     stages: tests, encoder, fish-http, fish-stream, fish-engine, cosy-http,
+#                                         cosy-stream, cosy-engine, profile-fish, profile-cosy
+# Results land under $OUT (one folder per stage); the last lines printed are a summary.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
+export PYTHONUNBUFFERED=1 INTONE_CACHE=/tmp/intone-cache
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+N=${N:-320}
+INTONE="python3 -m intone.cli.main"
+summary=()
+for stage in "$@"; do
+  start=$(date +%s)
+  case $stage in
+    tests) timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
+    fish-http) timeout 420 $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
+        --num-requests "$N" --output-dir "$OUT/fish-http" 2>&1 | grep -v "it/s\]" | tail -20
+      tail -5 "$OUT/fish-http/server.log"; grep -A12 "Where the time" "$OUT/fish-http/report.md" ;;
+    fish-stream) timeout 420 $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
+        --num-requests "$N" --stream --output-dir "$OUT/fish-stream" 2>&1 | grep -v "it/s\]" | tail -20
+      grep -A12 "Where the time" "$OUT/fish-stream/report.md" ;;
+    fish-engine) timeout 420 python3 -m intone.bench.engine_throughput --model random:fish-s2 \
+        --profile fish-s2-high-concurrency --concurrency 64 --num-requests "$N" --warmup 64 \
+        --force-output-frames normal:86:30 --out "$OUT/fish-engine.json" 2>&1 | tail -20 ;;
+    cosy-http) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-full-response \
+        --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http" 2>&1 | grep -v "it/s\]" | tail -20
+      tail -5 "$OUT/cosy-http/server.log"; grep -A12 "Where the time" "$OUT/cosy-http/report.md" ;;
+    cosy-stream) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
+        --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream" 2>&1 | grep -v "it/s\]" | tail -20
+      grep -A12 "Where the time" "$OUT/cosy-stream/report.md" ;;
+    cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
+        --profile cosyvoice3-full-response --concurrency 64 --num-requests "$N" --warmup 64 \
+        --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
+    profile-fish) timeout 300 python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency 2>&1 | tee "$OUT/profile-fish.txt" | tail -45 ;;
+    profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-full-response --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  summary+=("$stage: $(( $(date +%s) - start )) s")
+done
+printf '%s\n' "${summary[@]}"

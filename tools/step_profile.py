@@ -1,0 +1,104 @@
+"""Diagnostic (GPU): where one engine step's time goes under the real workload (closed loop at C,
+a fresh reference clip per request, staggered lengths). Phases are timed with a device sync at
+each boundary (so they add up to the step); a torch.profiler table of the GPU kernels follows.
+
+    python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency
+"""
+
+import argparse
+import collections
+import time
+from pathlib import Path
+
+import torch
+
+from intone.bench.dataset import synthetic_items
+from intone.bench.engine_throughput import Workload
+from intone.bench.runner import forced_frames
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore, default_params
+from intone.engine.request import SynthesisRequest
+
+SPENT = collections.defaultdict(float)
+
+
+def timed(name, fn):
+    def wrapper(*a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        torch.cuda.synchronize()
+        SPENT[name] += time.perf_counter() - t
+        return out
+    return wrapper
+
+
+def instrument(core):
+    m, r = core.model, core.runner
+    r.build = timed("runner.build (host metadata)", r.build)
+    m.embed = timed("embed", m.embed)
+    m.forward = timed("prefill forward (eager)", m.forward)
+    if r.graphs is not None:
+        r.graphs.decode = timed("decode (graph)", r.graphs.decode)
+        r.graphs.head = timed("head (graph)", r.graphs.head)
+    m.forward_decode = timed("decode (eager)", m.forward_decode)
+    m.head = timed("head (eager)", m.head)
+    core.codec.run = timed("codec", core.codec.run)
+    core._plan = timed("planner", core._plan)
+    core._admit_prepared = timed("admit prepared", core._admit_prepared)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:fish-s2")
+    ap.add_argument("--profile", default="fish-s2-high-concurrency")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--frames", default="normal:86:30")
+    ap.add_argument("--steps", type=int, default=150)
+    args = ap.parse_args()
+    core = EngineCore.build(args.model, load_profile(args.profile))
+    items = synthetic_items(600, Path("/tmp/step-profile"), seed=3)
+    work = Workload(items, None, False, core.model)
+    lengths = forced_frames(args.frames, 600, 0)
+    submitted = done = 0
+    inflight = set()
+
+    def top_up():
+        nonlocal submitted
+        while len(inflight) < args.concurrency:
+            (text, refs), = work.take(1)
+            p = default_params(core.profile, seed=submitted, max_new_tokens=lengths[submitted % 600], ignore_eos=True)
+            rid = f"r{submitted}"
+            core.add_request(SynthesisRequest(rid, text, refs, params=p))
+            inflight.add(rid)
+            submitted += 1
+
+    def run(steps):
+        nonlocal done
+        for _ in range(steps):
+            top_up()
+            for c in core.step():
+                if c.finished:
+                    inflight.discard(c.request_id)
+                    done += 1
+
+    run(120)  # reach steady state
+    instrument(core)
+    s0 = core.stats.steps
+    t = time.perf_counter()
+    run(args.steps)
+    wall = time.perf_counter() - t
+    steps = core.stats.steps - s0
+    print(f"{steps} steps in {wall:.2f} s = {1000 * wall / steps:.1f} ms per step (synced phases), "
+          f"{len(core.scheduler.running)} running")
+    for name, s in sorted(SPENT.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:32s} {1000 * s / steps:7.2f} ms/step")
+    print(f"  {'other (host: loop, append, sync)':32s} {1000 * (wall - sum(SPENT.values())) / steps:7.2f} ms/step")
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(20)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
