@@ -16,7 +16,7 @@ for stage in "$@"; do
   case $stage in
     tests) timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
-    fish-http) timeout 420 $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
+    fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
         --num-requests "$N" --output-dir "$OUT/fish-http" 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/fish-http/server.log"; grep -A12 "Where the time" "$OUT/fish-http/report.md" ;;
     fish-stream) timeout 420 $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \

@@ -82,10 +82,13 @@ class EngineCore:
         gpu = self.model.device.type == "cuda"
         if gpu:
             torch.backends.cudnn.benchmark = self.profile.codec.cudnn_benchmark
+            log.info("start-up: warming the reference frontend's shapes")
             self.model.warm_up_frontend()
             if hasattr(self.codec, "warm_up"):
                 c = self.profile.chunking
+                log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)
                 self.codec.warm_up(max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames)
+            log.info("start-up: capturing CUDA graphs (%.1f s so far)", time.perf_counter() - start)
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
         report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv, self.profile.ar.max_num_batched_tokens)

@@ -36,7 +36,7 @@ class StepInput:
     generated: np.ndarray | None = None  # the same tokens as int64 (kept by the request; else built here)
 
 
-MAX_GRAPH_TOKENS = 2048  # the largest step (in tokens) replayed from a graph
+MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 
 class ModelRunner:
