@@ -25,7 +25,7 @@ for stage in "$@"; do
     fish-engine) timeout 420 python3 -m intone.bench.engine_throughput --model random:fish-s2 \
         --profile fish-s2-high-concurrency --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:86:30 --out "$OUT/fish-engine.json" 2>&1 | tail -20 ;;
-    cosy-http) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-full-response \
+    cosy-http) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-full-response \
         --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http" 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/cosy-http/server.log"; grep -A12 "Where the time" "$OUT/cosy-http/report.md" ;;
     cosy-stream) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
