@@ -41,6 +41,8 @@ class CodecStageConfig(_Strict):
     flow_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="CosyVoice3: the flow's weights in this dtype (GPU only; its ODE state stays fp32)")
     compile: bool = Field(False, description="torch.compile the codec's heavy part at start-up (GPU only; minutes)")
+    overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
+                                            "the AR steps; false: in the engine loop")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
 

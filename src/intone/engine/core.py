@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
+from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.frontend_stage import FrontendStage, Prepared
 from intone.engine.kv_cache import BlockManager, KVCache
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
 IDLE_WAIT_S = 0.01  # with only references being encoded, wait this long for one to finish
+MAX_CODEC_BATCHES_IN_FLIGHT = 2  # beyond this the loop waits for the codec (backpressure)
 
 
 class TooLarge(IntoneError):
@@ -74,6 +76,7 @@ class EngineCore:
         self._outbox: list[AudioChunk] = []
         self.stats = EngineStats()
         self._start_up()
+        self.codec_worker = CodecWorker(self.codec, model.device) if profile.codec.overlap else None
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
@@ -229,11 +232,14 @@ class EngineCore:
         )
 
     def close(self) -> None:
-        """Stop the frontend worker (the process is ending)."""
+        """Stop the frontend and codec workers (the process is ending)."""
         self.frontend.close()
+        if self.codec_worker is not None:
+            self.codec_worker.close()
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._outbox) or bool(self._preparing)
+        return (bool(self.requests) or bool(self._outbox) or bool(self._preparing)
+                or bool(self.codec_worker and self.codec_worker.in_flight))
 
     def request_ids(self) -> list[str]:
         """Every live request, admitted or still having its reference encoded."""
@@ -246,6 +252,9 @@ class EngineCore:
             if not self.requests and not self._outbox:  # nothing else to do: wait for an encoding
                 self.frontend.wait(IDLE_WAIT_S)
             self._admit_prepared()
+        worker = self.codec_worker
+        if worker and worker.in_flight and not self.scheduler.running and not self.scheduler.waiting:
+            worker.wait(IDLE_WAIT_S)  # only the codec has work: wait for it rather than spin
         batch = self.scheduler.schedule()
         finished: list[str] = []
         if batch:
@@ -259,8 +268,13 @@ class EngineCore:
                 batch = []
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - start
-        live = {rid: r.num_frames for rid, r in self.requests.items() if r.status is Status.RUNNING}
+        done = set(finished)
+        live = {rid: r.num_frames for rid, r in self.requests.items()
+                if r.status is Status.RUNNING or rid in done}
         self._emit(self._plan(live, finished))
+        if worker:
+            for decoded in worker.collect():
+                self._deliver(decoded)
         out, self._outbox = self._outbox, []
         return out
 
@@ -284,6 +298,7 @@ class EngineCore:
                     req.stop_reason = "length"
             if req.stop_reason:
                 req.times.last_frame = now
+                self.scheduler.remove(req)  # its AR is done (KV freed); the codec may still have chunks
                 finished.append(req.request_id)
         self.stats.prefill_steps += prefilled
 
@@ -294,22 +309,33 @@ class EngineCore:
         return chunks
 
     def _emit(self, chunks: list[Chunk]) -> None:
+        """Hand the step's due chunks to the codec: to its worker (overlapped with the next AR
+        steps), or decoded here."""
         if not chunks:
             return
         items = [(self.requests[c.request_id], c) for c in chunks]
-        start = time.perf_counter()
-        try:
-            audio = self.codec.run(items)
-        except Exception:  # a failed batch is retried request by request; only failing ones end
-            log.exception("codec batch failed; retrying its chunks one by one")
-            audio = [self._decode_alone(req, c) for req, c in items]
-        spent = time.perf_counter() - start
-        self.stats.codec_seconds += spent
-        for req in {id(r): r for r, _ in items}.values():
-            req.times.codec_s += spent
-        for c, samples in zip(chunks, audio):
-            req = self.requests.get(c.request_id)
-            if req is None:  # failed on an earlier chunk of this step
+        tokens = [len(req.tokens) for req, _ in items]  # as of planning, so chunks never depend on timing
+        for req, _ in items:
+            req.codec_in_flight += 1
+        if self.codec_worker is None:
+            start = time.perf_counter()
+            audio = decode_batch(self.codec, items)
+            self._deliver(DecodedBatch(items, audio, time.perf_counter() - start, tokens))
+            return
+        while self.codec_worker.in_flight >= MAX_CODEC_BATCHES_IN_FLIGHT:
+            self.codec_worker.wait(1.0)
+            for decoded in self.codec_worker.collect():
+                self._deliver(decoded)
+        self.codec_worker.submit(items, tokens)
+
+    def _deliver(self, decoded: DecodedBatch) -> None:
+        """Send the decoded chunks of live requests, in order; a request's last chunk releases it."""
+        self.stats.codec_seconds += decoded.seconds
+        for req in {id(r): r for r, _ in decoded.items}.values():
+            req.times.codec_s += decoded.seconds
+        for (req, c), samples, generated in zip(decoded.items, decoded.audio, decoded.tokens):
+            req.codec_in_flight -= 1
+            if self.requests.get(c.request_id) is not req:  # ended meanwhile (abort, error)
                 continue
             if isinstance(samples, Exception):
                 self._fail(req, f"codec failed: {samples}")
@@ -319,19 +345,13 @@ class EngineCore:
                 request_id=c.request_id, seq=req.seq, start_frame=c.start, end_frame=c.end, audio=samples,
                 sample_rate=self.model.sample_rate, finished=c.finished,
                 stop_reason=req.stop_reason if c.finished else None,
-                prompt_tokens=len(req.prompt), completion_tokens=len(req.tokens),
+                prompt_tokens=len(req.prompt), completion_tokens=generated,
                 timings=req.times.summary(time.perf_counter()) if c.finished else None,
             ), context=c.context)
             req.seq += 1
+            req.delivered = c.end
             if c.finished:
                 self._release(req, req.stop_reason)
-
-    def _decode_alone(self, req: EngineRequest, chunk: Chunk):
-        try:
-            return self.codec.run([(req, chunk)])[0]
-        except Exception as e:
-            log.exception("codec failed for %s", req.request_id)
-            return e
 
     # ---- endings --------------------------------------------------------------------------------
 
@@ -340,9 +360,8 @@ class EngineCore:
 
     def _end(self, req: EngineRequest, reason: str, error: str | None = None, code: str | None = None) -> None:
         """End a request early: release it, then one terminal chunk at its frontier."""
-        emitted = self.planner.emitted(req.request_id) if req.request_id in self.planner else 0
         self._release(req, reason)
-        chunk = self._terminal(req.request_id, emitted, reason, error=error, req=req)
+        chunk = self._terminal(req.request_id, req.delivered, reason, error=error, req=req)
         chunk.error_code = code
         chunk.timings = req.times.summary(time.perf_counter())
         self._send(chunk)
@@ -353,7 +372,8 @@ class EngineCore:
         self.planner.remove(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.stats.finished[reason or "unknown"] += 1
-        req.codes = req.codec_state = req.token_buffer = None
+        if not req.codec_in_flight:  # else the codec worker still reads them; they go with the request
+            req.codes = req.codec_state = req.token_buffer = None
 
     def _terminal(self, rid: str, emitted: int, reason: str, error: str | None = None,
                   req: EngineRequest | None = None) -> AudioChunk:

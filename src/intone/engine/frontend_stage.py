@@ -198,10 +198,11 @@ class FrontendStage:
     def _encode(self, clips: list) -> list:
         self.batches += 1
         self.clips += len(clips)
-        if self._stream is None:
-            return self.model.reference_features_batch(clips)
-        with torch.cuda.stream(self._stream):
-            return self.model.reference_features_batch(clips)
+        with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
+            if self._stream is None:
+                return self.model.reference_features_batch(clips)
+            with torch.cuda.stream(self._stream):
+                return self.model.reference_features_batch(clips)
 
     def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:
         request = job.request

@@ -114,6 +114,8 @@ class EngineRequest:
     speed: float = 1.0
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far
+    delivered: int = 0  # frames whose audio has been sent (the frontier a terminal chunk reports)
+    codec_in_flight: int = 0  # chunks handed to the codec and not yet delivered
     times: RequestTimes = field(default_factory=RequestTimes)
 
     @property
