@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -138,7 +139,7 @@ def _install_routes(app: FastAPI) -> None:
         data = await upload.read(limit + 1)
         if len(data) > limit:
             raise MediaTooLarge("audio", f"over the {limit} byte limit")
-        samples, rate = read_audio(data, field="audio", max_seconds=state.settings.media.max_seconds)
+        samples, rate = await asyncio.to_thread(read_audio, data, "audio", state.settings.media.max_seconds)
         try:
             features = await state.engine.encode_reference(samples.numpy(), rate)
         except IntoneError as e:

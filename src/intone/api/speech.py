@@ -81,7 +81,7 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
 
     references = []
     if body.voice and body.voice != "default":
-        references.append(app_state.voices.reference(body.voice))
+        references.append(await asyncio.to_thread(app_state.voices.reference, body.voice))  # reads files
     if body.ref_audio:
         references.append(await load_reference(body.ref_audio, body.ref_text, "ref_audio", settings.media))
     for i, ref in enumerate(body.references or []):
