@@ -50,10 +50,10 @@ class ModelRunner:
     def _step_graphs(self) -> StepGraphs:
         """Probe the model's output and history shapes with a one-row dummy decode."""
         model, dev = self.model, self.model.device
-        width = model.embed(torch.zeros(1, dtype=torch.long, device=dev),
-                            torch.zeros(1, model.num_codebooks, dtype=torch.long, device=dev)).shape[-1]
         head = model.head if model.head_is_static else None
         with torch.inference_mode():
+            width = model.embed(torch.zeros(1, dtype=torch.long, device=dev),
+                                torch.zeros(1, model.num_codebooks, dtype=torch.long, device=dev)).shape[-1]
             x = torch.zeros(1, width, dtype=model.dtype, device=dev)
             one = torch.ones(1, dtype=torch.long, device=dev)
             out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,

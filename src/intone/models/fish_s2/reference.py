@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from intone.engine.codec_stage import bucket_rows
 from intone.models.fish_s2.codec import FishCodec
 
 FRAME_BUCKET = 43  # frames (~2.0 s at 44.1 kHz / 2048)
@@ -24,10 +25,6 @@ WARM_UP_SECONDS = (2, 4, 6, 8, 10)  # the usual reference lengths, primed at sta
 
 def bucket_frames(frames: int) -> int:
     return max(1, math.ceil(frames / FRAME_BUCKET)) * FRAME_BUCKET
-
-
-def bucket_rows(rows: int) -> int:
-    return 1 << max(0, rows - 1).bit_length()
 
 
 def plan_calls(frames: list[int]) -> list[list[int]]:
