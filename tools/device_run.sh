@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, encoder, fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, encoder, fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, cosy-engine, profile-fish, profile-cosy
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
@@ -15,6 +15,8 @@ for stage in "$@"; do
   start=$(date +%s)
   case $stage in
     tests) timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
+    gpu-new) timeout 300 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py -x -p no:cacheprovider 2>&1 | tail -15 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
     fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
         --num-requests "$N" --output-dir "$OUT/fish-http" 2>&1 | grep -v "it/s\]" | tail -20

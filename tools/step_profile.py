@@ -48,6 +48,42 @@ def instrument(core):
     core._admit_prepared = timed("admit prepared", core._admit_prepared)
 
 
+def overlapped(core, run, steps):
+    """The loop as it serves (no added syncs): wall per step, and the parts that block it."""
+    spent = collections.defaultdict(float)
+    rows = [0]
+
+    def wall(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    originals = core._run_ar, core._emit, core._deliver, core._admit_prepared
+    run_ar = wall("AR step (until tokens on host)", core._run_ar)
+
+    def counted(batch, *a):
+        rows[0] += len(batch)
+        return run_ar(batch, *a)
+    core._run_ar = counted
+    core._emit = wall("emit (incl. codec backpressure waits)", core._emit)
+    core._deliver = wall("deliver", core._deliver)
+    core._admit_prepared = wall("admit prepared", core._admit_prepared)
+    s0, f0 = core.stats.steps, core.stats.frames
+    t = time.perf_counter()
+    run(steps)
+    elapsed = time.perf_counter() - t
+    n, frames = core.stats.steps - s0, core.stats.frames - f0
+    core._run_ar, core._emit, core._deliver, core._admit_prepared = originals
+    print(f"as served: {n} steps in {elapsed:.2f} s = {1000 * elapsed / n:.1f} ms per step, "
+          f"{rows[0] / n:.1f} rows per step, {frames * core.model.samples_per_frame / core.model.sample_rate / elapsed:.1f} audio-s/s of frames")
+    for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:40s} {1000 * s / n:7.2f} ms/step")
+    print(f"  {'other (loop, planner, host)':40s} {1000 * (elapsed - sum(spent.values())) / n:7.2f} ms/step")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:fish-s2")
@@ -55,6 +91,7 @@ def main():
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--frames", default="normal:86:30")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--stream", action="store_true", help="streamed requests (chunks), not whole responses")
     args = ap.parse_args()
     core = EngineCore.build(args.model, load_profile(args.profile))
     items = synthetic_items(600, Path("/tmp/step-profile"), seed=3)
@@ -69,7 +106,7 @@ def main():
             (text, refs), = work.take(1)
             p = default_params(core.profile, seed=submitted, max_new_tokens=lengths[submitted % 600], ignore_eos=True)
             rid = f"r{submitted}"
-            core.add_request(SynthesisRequest(rid, text, refs, params=p))
+            core.add_request(SynthesisRequest(rid, text, refs, params=p, stream=args.stream))
             inflight.add(rid)
             submitted += 1
 
@@ -83,6 +120,7 @@ def main():
                     done += 1
 
     run(120)  # reach steady state
+    overlapped(core, run, args.steps)
     instrument(core)
     s0 = core.stats.steps
     t = time.perf_counter()

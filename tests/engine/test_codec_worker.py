@@ -46,3 +46,78 @@ def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fi
         assert all(s == e0 for (_, e0), (s, _) in zip([(0, 0)] + spans, spans))  # contiguous from 0
         assert got[-1].start_frame == (spans[-1][1] if spans else 0)
     assert snap["live_requests"] == 0 and snap["kv_tables"] == 0 and snap["planner_requests"] == 0
+
+
+def test_batches_waiting_for_the_worker_are_decoded_together_in_order(tiny_fish):
+    import threading
+
+    import torch
+
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.codec_worker import CodecWorker
+    from intone.engine.request import EngineRequest
+
+    stage = CodecStage(tiny_fish, max_batch=64, max_padded_frames=4096)
+    gate, calls, decode = threading.Event(), [], stage.run
+
+    def gated(items):
+        calls.append(len(items))
+        gate.wait(10)
+        return decode(items)
+    stage.run = gated
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for b in range(3):
+        req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
+        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
+        batches.append([(req, Chunk(req.request_id, 0, 12 + b, 0, True))])
+    worker = CodecWorker(stage, tiny_fish.device)
+    worker.submit(batches[0], [12])
+    while not calls:  # the worker is inside its first decode
+        threading.Event().wait(0.01)
+    for items in batches[1:]:
+        worker.submit(items, [12])
+    gate.set()
+    got = []
+    while len(got) < 3:
+        worker.wait(1.0)
+        got += worker.collect()
+    worker.close()
+    assert calls == [1, 2]  # the two that waited went in one call
+    assert [d.items for d in got] == batches
+    for d in got:
+        (req, chunk), = d.items
+        # the same window as decoded alone (to float rounding: batch shapes differ)
+        assert np.allclose(d.audio[0], decode([(req, chunk)])[0], atol=1e-4)
+    assert abs(sum(d.share for d in got) - len(calls)) < 1e-9
+
+
+def test_a_whole_response_is_one_chunk_decoded_in_one_pass(tiny_fish):
+    profile = load_profile("fish-s2-default", device="cpu")
+    core = EngineCore(tiny_fish, profile)
+    codes, release = {}, core._release
+
+    def keep_codes(req, reason):
+        codes[req.request_id] = req.codes[:, : req.num_frames].clone()
+        release(req, reason)
+    core._release = keep_codes
+    for i, stream in enumerate((False, True)):
+        params = SamplingParams(seed=7, max_new_tokens=60)
+        core.add_request(SynthesisRequest(f"s{int(stream)}", "One pass, please.", params=params, stream=stream))
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    core.close()
+    whole, streamed = chunks["s0"], chunks["s1"]
+    assert len(whole) == 1 and whole[0].finished and whole[0].start_frame == 0
+    assert len(streamed) > 1 and whole[0].end_frame == streamed[-1].end_frame
+    assert torch_equal(codes["s0"], codes["s1"])  # how the audio is chunked never changes the frames
+    one_pass = tiny_fish.decode(codes["s0"].unsqueeze(0), 0)[0].float().numpy()
+    assert whole[0].audio.shape == one_pass.shape  # padded to a bucketed shape, so equal to float rounding
+    assert np.allclose(whole[0].audio, one_pass, atol=1e-4)
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a == b).all())

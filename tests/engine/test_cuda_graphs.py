@@ -96,3 +96,41 @@ def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
         packed = runner._split(x, batch, batch.num_prefill_tokens)
     assert rows is not None and rows.shape == packed.shape == (4, packed.shape[1])
     assert (rows - packed).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.05, 0.8, 1.5])
+def test_triton_race_draws_the_tokens_of_the_torch_race(temperature):
+    """The fused race kernel and the torch ops it replaces pick the same token on every row."""
+    from intone.engine import sampling
+    from intone.ops import race as race_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows, n = 512, 4097
+    logits = torch.randn(rows, n, device="cuda", generator=g) * 4
+    probs = torch.softmax(logits / temperature, dim=-1)
+    probs[:, n // 2 :] = torch.where(probs[:, n // 2 :] < 1e-4, 0.0, probs[:, n // 2 :])  # filtered tokens
+    idx = torch.argsort(torch.rand(rows, n, device="cuda", generator=g), dim=-1)
+    params = sampling.SamplingBatch(
+        temperature=torch.full((rows,), temperature, device="cuda"), top_p=torch.ones(rows, device="cuda"),
+        top_k=torch.full((rows,), n, device="cuda"), repetition_penalty=torch.ones(rows, device="cuda"),
+        seeds=torch.randint(0, 2**62, (rows,), device="cuda", generator=g),
+        steps=torch.randint(0, 3000, (rows,), device="cuda", generator=g), max_top_k=n)
+    for draw in (0, 1, 9):
+        got = race_kernel.race_argmax(probs, idx, sampling.row_keys(params.seeds, params.steps, draw))
+        u = sampling.request_uniforms(params.seeds, params.steps, draw, idx)
+        want = idx.gather(1, (probs / (-torch.log(u)).to(probs.dtype)).argmax(-1, keepdim=True)).squeeze(1)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_triton_snake_returns_the_torch_expression(dtype):
+    from intone.ops.snake import snake, snake_reference
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(3, 96, 5000, device="cuda", generator=g) * 3).to(dtype)
+    alpha = (torch.rand(1, 96, 1, device="cuda", generator=g) * 2 + 0.05).to(dtype)
+    got, want = snake(x, alpha), snake_reference(x, alpha)
+    assert got.dtype == dtype
+    mismatch = (got != want).float().mean().item()
+    assert mismatch < 1e-4, mismatch  # the same roundings; at most a rare last-bit difference in sin
+    assert (got.float() - want.float()).abs().max() <= 2 * torch.finfo(dtype).eps * want.float().abs().max()

@@ -94,7 +94,7 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
         ignore_eos=body.ignore_eos or None, mode=body.sampling_mode, min_new_tokens=body.min_new_tokens,
     ).validate()
     return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames,
-                            speed=body.speed, instructions=body.instructions)
+                            speed=body.speed, instructions=body.instructions, stream=streaming)
 
 
 async def answer(body: SpeechRequest, request: Request) -> Response:

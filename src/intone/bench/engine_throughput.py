@@ -76,8 +76,9 @@ class Workload:
 
 
 def run_once(core: EngineCore, concurrency: int, requests: list[tuple[str, list[VoiceReference]]],
-             frames: list[int] | None, max_new: int, tag: str, seed: int = 0) -> dict:
-    """A closed loop: at most `concurrency` in flight; each finished request is replaced at once."""
+             frames: list[int] | None, max_new: int, tag: str, seed: int = 0, stream: bool = False) -> dict:
+    """A closed loop: at most `concurrency` in flight; each finished request is replaced at once.
+    stream=False asks for whole responses, as `intone bench` does without --stream."""
     n = len(requests)
     before = core.snapshot()
     start = time.perf_counter()
@@ -90,7 +91,7 @@ def run_once(core: EngineCore, concurrency: int, requests: list[tuple[str, list[
             forced = frames[submitted % len(frames)] if frames else None
             params = default_params(core.profile, seed=seed + submitted, max_new_tokens=forced or max_new,
                                     ignore_eos=True if forced else None)
-            core.add_request(SynthesisRequest(rid, text, refs, params=params))
+            core.add_request(SynthesisRequest(rid, text, refs, params=params, stream=stream))
             added_at[rid] = time.perf_counter()
             submitted += 1
         for chunk in core.step():
@@ -144,6 +145,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dataset", default="synthetic", help="'synthetic' (default) or a Seed-TTS meta.lst")
     ap.add_argument("--num-requests", "--requests-per-level", dest="num_requests", type=int, default=None,
                     help="measured requests per level (default: 2 x concurrency, at least 4)")
+    ap.add_argument("--stream", action="store_true", help="streamed requests (chunked audio), not whole responses")
     ap.add_argument("--warmup", type=int, default=4, help="requests run first at each level, excluded")
     ap.add_argument("--reference-pool", type=int, default=None, metavar="N",
                     help="cycle through N reference clips (cache hits); default: a distinct clip per request")
@@ -190,9 +192,9 @@ def main(argv=None) -> None:
         for c, (n, warm) in zip(levels, sizes):
             if warm:
                 frames = forced_frames(spec, warm, args.seed + 1)
-                run_once(core, c, workload.take(warm), frames, args.max_new_tokens, f"warm{c}", seed=10**6)
+                run_once(core, c, workload.take(warm), frames, args.max_new_tokens, f"warm{c}", seed=10**6, stream=args.stream)
             frames = forced_frames(spec, n, args.seed)
-            row = run_once(core, c, workload.take(n), frames, args.max_new_tokens, f"c{c}", seed=args.seed)
+            row = run_once(core, c, workload.take(n), frames, args.max_new_tokens, f"c{c}", seed=args.seed, stream=args.stream)
             row["warmup"] = warm
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from intone.engine import paged_decode
+from intone.ops import paged_decode
 
 
 @dataclass

@@ -57,6 +57,7 @@ class Chunk:
 @dataclass
 class _Frontier:
     initial: int  # this request's first-chunk size (0: none)
+    whole: bool = False  # no chunk before the terminal one (a non-streamed request)
     emitted: int = 0
     chunks: int = 0  # non-final chunks released so far (for hop growth)
     terminated: bool = False
@@ -71,15 +72,17 @@ class ChunkPlanner:
         self._frontiers: dict[str, _Frontier] = {}
         self.backlog_active = False  # the mode chosen at the last plan(), for tracing
 
-    def add(self, request_id: str, initial_chunk_frames: int | None = None, prompt_frames: int = 0) -> None:
+    def add(self, request_id: str, initial_chunk_frames: int | None = None, prompt_frames: int = 0,
+            whole: bool = False) -> None:
         """initial_chunk_frames overrides the policy's for this request (capped at the steady size);
-        prompt_frames: the codec prompt's length, for `align_first_chunk`."""
+        prompt_frames: the codec prompt's length, for `align_first_chunk`; whole: the request's
+        audio is its terminal chunk alone."""
         p = self.policy
         initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
         initial = max(0, min(initial, p.steady_chunk_frames))
         if p.align_first_chunk:
             initial = p.steady_chunk_frames + (-prompt_frames) % p.align_first_chunk
-        self._frontiers.setdefault(request_id, _Frontier(initial))
+        self._frontiers.setdefault(request_id, _Frontier(initial, whole))
 
     def remove(self, request_id: str) -> None:
         """Cancel: forget the request; it gets no more chunks. Idempotent."""
@@ -133,7 +136,7 @@ class ChunkPlanner:
             if n < front.emitted:
                 raise ValueError(f"{rid}: frame count went backwards ({n} < {front.emitted})")
             target = self._hop(front, steady)
-            if n - front.emitted >= target + self.policy.lookahead_frames:
+            if not front.whole and n - front.emitted >= target + self.policy.lookahead_frames:
                 chunks.append(self._release(rid, front, front.emitted + target, False))
             if rid in done:
                 chunks.append(self._release(rid, front, n, True))
@@ -146,8 +149,10 @@ class ChunkPlanner:
         front.chunks += not final
         return chunk
 
-    def one_chunk(self, initial_chunk_frames: int | None, max_frames: int) -> bool:
+    def one_chunk(self, initial_chunk_frames: int | None, max_frames: int, whole: bool = False) -> bool:
         """Whether a request of at most max_frames always gets its audio as the terminal chunk alone."""
+        if whole:
+            return True
         p = self.policy
         initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
         return not (initial or p.align_first_chunk) and p.steady_chunk_frames + p.lookahead_frames > max_frames

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from intone.models.base import TTSModel
 
-FRAME_BUCKETS = (4, 8, 16, 32, 50, 64, 100, 128, 256)  # then multiples of 256
+# ~25% apart above 64 frames: a whole utterance pads by at most a quarter (then multiples of 256)
+FRAME_BUCKETS = (4, 8, 16, 32, 50, 64, 80, 100, 128, 160, 192, 256, 320, 384, 512)
 
 
 def bucket_frames(frames: int) -> int:

@@ -3,8 +3,9 @@
 The engine loop plans chunks and hands each step's batch of them to this worker; the next AR steps
 run while the codec decodes. Batches are decoded in the order they were handed over, so a request's
 chunks still come out in order, and the chunk contents do not depend on timing (the windows were
-fixed when the batch was planned). A batch that raises is retried chunk by chunk; only a chunk that
-fails alone gets its exception as its result.
+fixed when the batch was planned); batches waiting when the worker turns to them are decoded
+together, in order, so the codec's calls grow with the backlog. A batch that raises is retried
+chunk by chunk; only a chunk that fails alone gets its exception as its result.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ log = logging.getLogger(__name__)
 class DecodedBatch:
     items: list  # (EngineRequest, Chunk) pairs, as handed over
     audio: list  # per item: the samples (np.ndarray) or the exception its decode raised
-    seconds: float  # wall time of the decode
+    seconds: float  # wall time of the decode calls that carried this batch
     tokens: list[int]  # per item: the request's generated tokens when the chunk was planned
+    share: float = 1.0  # this batch's part of those calls (batches decoded together split them)
 
 
 def decode_batch(stage, items: list) -> list:
@@ -75,16 +77,34 @@ class CodecWorker:
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        while (job := self._inbox.get()) is not None:
-            items, tokens = job
-            start = time.perf_counter()
-            with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
-                if self._stream is None:
+        stop = False
+        while not stop and (job := self._inbox.get()) is not None:
+            jobs = [job]
+            while True:  # everything handed over meanwhile goes into the same decode calls
+                try:
+                    more = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                jobs.append(more)
+            self._decode(jobs)
+
+    def _decode(self, jobs: list) -> None:
+        items = [item for batch, _ in jobs for item in batch]
+        start = time.perf_counter()
+        with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
+            if self._stream is None:
+                audio = decode_batch(self.stage, items)
+            else:
+                with torch.cuda.stream(self._stream):
                     audio = decode_batch(self.stage, items)
-                else:
-                    with torch.cuda.stream(self._stream):
-                        audio = decode_batch(self.stage, items)
-            done = DecodedBatch(items, audio, time.perf_counter() - start, tokens)
-            with self._lock:
-                self._done.append(done)
-                self._ready.set()
+        seconds = time.perf_counter() - start
+        done, at = [], 0
+        for batch, tokens in jobs:
+            done.append(DecodedBatch(batch, audio[at : at + len(batch)], seconds, tokens, len(batch) / len(items)))
+            at += len(batch)
+        with self._lock:
+            self._done.extend(done)
+            self._ready.set()

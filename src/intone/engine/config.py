@@ -43,6 +43,8 @@ class CodecStageConfig(_Strict):
     compile: bool = Field(False, description="torch.compile the codec's heavy part at start-up (GPU only; minutes)")
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")
+    warm_up_frames: int = Field(512, ge=0, description="start-up decodes every bucketed window shape up to this "
+                                                       "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
 

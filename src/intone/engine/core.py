@@ -90,7 +90,8 @@ class EngineCore:
             if hasattr(self.codec, "warm_up"):
                 c = self.profile.chunking
                 log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)
-                self.codec.warm_up(max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames)
+                chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
+                self.codec.warm_up(min(max(chunk, self.profile.codec.warm_up_frames), self.model.max_seq_len))
             log.info("start-up: capturing CUDA graphs (%.1f s so far)", time.perf_counter() - start)
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
@@ -142,8 +143,8 @@ class EngineCore:
         self.model.check_speed(request.speed)
         if request.speed == 1.0:
             return
-        if not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens):
-            raise InvalidRequestError("speed", "needs a full-response profile (one chunk per request)")
+        if not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens, not request.stream):
+            raise InvalidRequestError("speed", "needs a non-streamed request or a full-response profile")
 
     def _admit_prepared(self) -> None:
         """Admit the requests whose references are encoded, in the order they were encoded."""
@@ -188,7 +189,7 @@ class EngineCore:
         req.times.arrived, req.times.frontend_s = arrived, prepared.seconds
         req.times.ready = time.perf_counter()
         self.requests[rid] = req
-        self.planner.add(rid, request.initial_chunk_frames, prompt.codec_prompt_frames)
+        self.planner.add(rid, request.initial_chunk_frames, prompt.codec_prompt_frames, whole=not request.stream)
 
     def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
         chunk = self._terminal(rid, 0, "error", error=message)
@@ -330,7 +331,7 @@ class EngineCore:
 
     def _deliver(self, decoded: DecodedBatch) -> None:
         """Send the decoded chunks of live requests, in order; a request's last chunk releases it."""
-        self.stats.codec_seconds += decoded.seconds
+        self.stats.codec_seconds += decoded.seconds * decoded.share
         for req in {id(r): r for r, _ in decoded.items}.values():
             req.times.codec_s += decoded.seconds
         for (req, c), samples, generated in zip(decoded.items, decoded.audio, decoded.tokens):

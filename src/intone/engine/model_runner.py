@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from intone.engine import paged_decode
+from intone.ops import paged_decode
 from intone.engine.attention import AttentionMetadata
 from intone.engine.cuda_graphs import CaptureReport, StepGraphs, bucket
 from intone.engine.kv_cache import BlockManager, KVCache

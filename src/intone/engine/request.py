@@ -41,6 +41,9 @@ class SynthesisRequest:
     initial_chunk_frames: int | None = None  # per-request override of the profile's first chunk
     speed: float = 1.0  # tempo, for models that support it in a single (full-response) chunk
     instructions: str | None = None  # a style instruction, for models that take one
+    # False: the client takes the whole audio at once, so the codec decodes the utterance in one pass
+    # when it ends (the official non-streamed decode, and the cheapest) instead of in chunks.
+    stream: bool = True
 
 
 @dataclass

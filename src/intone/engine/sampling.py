@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from intone.ops import race as race_kernel
+
 _M32 = 0xFFFFFFFF
 
 
@@ -35,14 +37,28 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def request_uniforms(seeds: Tensor, steps: Tensor, draw: int, token_ids: Tensor) -> Tensor:
-    """Uniforms in (0, 1), shaped like token_ids [R, N]: U = f(seed_r, step_r, draw, token id)."""
+def row_keys(seeds: Tensor, steps: Tensor, draw: int) -> Tensor:
+    """Each row's 32-bit key for one draw: f(seed_r, step_r, draw) [R]."""
     seeds = seeds.to(torch.int64)
     key = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32) ^ 0x9E3779B9)
     key = _mix32(key ^ ((steps.to(torch.int64) * 0x27D4EB2F) & _M32))
-    key = _mix32(key ^ (draw * 0x165667B1 + 0x61C88647))
+    return _mix32(key ^ (draw * 0x165667B1 + 0x61C88647))
+
+
+def request_uniforms(seeds: Tensor, steps: Tensor, draw: int, token_ids: Tensor) -> Tensor:
+    """Uniforms in (0, 1), shaped like token_ids [R, N]: U = f(seed_r, step_r, draw, token id)."""
+    key = row_keys(seeds, steps, draw)
     bits = _mix32(_mix32(key.unsqueeze(1) ^ token_ids) + token_ids)
     return ((bits >> 8).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+def race(probs: Tensor, idx: Tensor, params: "SamplingBatch", draw: int) -> Tensor:
+    """The exponential race over candidates: idx [R, N] token ids with probabilities probs -> [R]."""
+    if race_kernel.available(probs):
+        return race_kernel.race_argmax(probs, idx, row_keys(params.seeds, params.steps, draw))
+    u = request_uniforms(params.seeds, params.steps, draw, idx)
+    score = probs / (-torch.log(u)).to(probs.dtype)
+    return idx.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 @dataclass
@@ -102,6 +118,4 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
     remove[:, 0] = False
     kept = torch.where(remove, float("-inf"), top)
     probs = torch.softmax(kept / torch.clamp(params.temperature.to(top.dtype), min=1e-5).unsqueeze(1), dim=-1)
-    u = request_uniforms(params.seeds, params.steps, draw, idx)
-    race = probs / (-torch.log(u)).to(probs.dtype)
-    return idx.gather(1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
+    return race(probs, idx, params, draw)

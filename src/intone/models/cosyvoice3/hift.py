@@ -31,6 +31,7 @@ from intone.models.cosyvoice3.hift_source import (
     HarmonicSource,
     PaddedConv1d,
 )
+from intone.ops.snake import snake
 
 RAND_INI_KEY = "m_source.l_sin_gen.rand_ini"
 SINE_NOISE_KEY = "m_source.l_sin_gen.sine_waves"
@@ -88,8 +89,7 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: Tensor) -> Tensor:
-        alpha = self.alpha[None, :, None]
-        return x + (1.0 / (alpha + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+        return snake(x, self.alpha[None, :, None])
 
 
 class ResBlock(nn.Module):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from intone.ops.snake import snake
 from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
 
 # With a mask, SDPA would pick cuDNN on CUDA, which builds a new plan for every new window
@@ -56,7 +57,7 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        return snake(x, self.alpha)
 
 
 class ResidualUnit(nn.Module):

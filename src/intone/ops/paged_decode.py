@@ -2,8 +2,10 @@
 
 Each program takes one row and one KV head: the row's G query heads of that group attend to the
 row's first `seq_len` keys, gathered from its block table a tile at a time with an online softmax
-in fp32. It reads only the keys a row owns (not the whole KV-length bucket), and its grid and
-loop bounds come from tensors, so it runs the same inside a CUDA graph. A prefill runs through it
+in fp32; scores and the weighted sum are tensor-core products (weights rounded to the cache dtype
+for the second, as flash attention does). It reads only the keys a row owns (not the whole
+KV-length bucket), and its grid and loop bounds come from tensors, so it runs the same inside a
+CUDA graph. A prefill runs through it
 too, one row per prompt token (seq_len = position + 1 gives the causal mask).
 """
 
@@ -18,7 +20,11 @@ try:
 except ImportError:  # CPU-only installs: the reference path is used
     triton = None
 
-TILE = 32  # keys per loop iteration ([group, TILE, head_dim] fp32 products stay in registers)
+# Keys per loop iteration. The group's query heads are padded to 16 rows so that both products run
+# on tensor cores (tl.dot); an fp32 cache multiplies in full fp32 ("ieee"), never TF32.
+TILE = {torch.float32: 32}
+DEFAULT_TILE = 64
+MIN_DOT_ROWS = 16
 
 
 def available(q: Tensor) -> bool:
@@ -31,7 +37,7 @@ if triton is not None:
     def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, scale,
                       stride_qb, stride_qh, stride_kblock, stride_kslot, stride_kh, stride_tb, stride_ob, stride_oh,
                       BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      TILE_K: tl.constexpr):
+                      TILE_K: tl.constexpr, PRECISION: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(seq_lens_ptr + row)
@@ -40,7 +46,6 @@ if triton is not None:
         g_ok = g < GROUP
         heads = kv_head * GROUP + g
         q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-        q = q.to(tl.float32) * scale
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -49,15 +54,15 @@ if triton is not None:
             valid = pos < seq_len
             block = tl.load(tables_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
             base = block * stride_kblock + (pos % BLOCK_SIZE) * stride_kslot + kv_head * stride_kh
-            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, TILE]
+            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, TILE] fp32
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
         tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -75,6 +80,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
         q, k_cache, v_cache, tables, seq_lens, out, dim**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_PAD=triton.next_power_of_2(group), TILE_K=TILE,
+        BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
     )
     return out

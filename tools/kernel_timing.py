@@ -1,0 +1,77 @@
+"""Diagnostic (GPU): the decode attention kernel and the sampling race at the serving shapes.
+
+    python3 tools/kernel_timing.py
+"""
+
+import torch
+
+from intone.engine import sampling
+from intone.ops import race as race_kernel
+from intone.engine.attention import decode_attention, decode_attention_reference
+
+
+def timed(fn, reps=50):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def attention(rows, length, heads, kv_heads, dim, dtype, bs=16):
+    blocks_per_row = -(-length // bs)
+    blocks = rows * blocks_per_row + 8
+    k = torch.randn(blocks, bs, kv_heads, dim, device="cuda").to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(rows, heads, dim, device="cuda").to(dtype)
+    tables = torch.randperm(blocks, device="cuda")[: rows * blocks_per_row].view(rows, blocks_per_row)
+    seq_lens = torch.randint(length // 2, length + 1, (rows,), device="cuda")
+    ms = timed(lambda: decode_attention(q, k, v, tables, seq_lens))
+    err = (decode_attention(q, k, v, tables, seq_lens).float()
+           - decode_attention_reference(q, k, v, tables, seq_lens).float()).abs().max().item()
+    read = 2 * int(seq_lens.sum()) * kv_heads * dim * k.element_size()
+    print(f"decode attention rows={rows} L<={length} {heads}/{kv_heads}x{dim} {dtype}: {1000 * ms:.0f} us "
+          f"({read / ms / 1e6:.0f} GB/s of KV), max err vs reference {err:.2e}")
+
+
+def race(rows, n):
+    probs = torch.softmax(torch.randn(rows, n, device="cuda"), -1)
+    idx = torch.argsort(torch.rand(rows, n, device="cuda"), -1)
+    seeds, steps = torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.long, device="cuda")
+    keys = sampling.row_keys(seeds, steps, 3)
+
+    def torch_race():
+        u = sampling.request_uniforms(seeds, steps, 3, idx)
+        return idx.gather(1, (probs / (-torch.log(u)).to(probs.dtype)).argmax(-1, keepdim=True))
+    print(f"race rows={rows} n={n}: torch {1000 * timed(torch_race):.0f} us, "
+          f"triton {1000 * timed(lambda: race_kernel.race_argmax(probs, idx, keys)):.0f} us")
+
+
+def snake_timing(shape, dtype):
+    from intone.ops.snake import snake, snake_reference
+
+    x = torch.randn(*shape, device="cuda").to(dtype)
+    alpha = torch.rand(1, shape[1], 1, device="cuda").to(dtype) + 0.1
+    print(f"snake {shape} {dtype}: torch {1000 * timed(lambda: snake_reference(x, alpha)):.0f} us, "
+          f"triton {1000 * timed(lambda: snake(x, alpha)):.0f} us, "
+          f"equal {(snake(x, alpha) == snake_reference(x, alpha)).float().mean().item():.6f}")
+
+
+def main():
+    for rows, length in ((64, 256), (64, 1024), (64, 2048), (512, 512)):
+        attention(rows, length, 32, 8, 128, torch.bfloat16)
+    for rows, length in ((64, 512), (64, 1024)):
+        attention(rows, length, 14, 2, 64, torch.float32)
+    snake_timing((8, 64, 100 * 2048), torch.float16)
+    snake_timing((8, 1024, 100 * 8), torch.float16)
+    snake_timing((8, 64, 24000 * 5 // 15), torch.float32)
+    race(64, 4097)
+    race(64, 4096)
+
+
+if __name__ == "__main__":
+    main()
