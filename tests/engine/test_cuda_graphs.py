@@ -131,6 +131,8 @@ def test_triton_snake_returns_the_torch_expression(dtype):
     alpha = (torch.rand(1, 96, 1, device="cuda", generator=g) * 2 + 0.05).to(dtype)
     got, want = snake(x, alpha), snake_reference(x, alpha)
     assert got.dtype == dtype
-    mismatch = (got != want).float().mean().item()
-    assert mismatch < 1e-4, mismatch  # the same roundings; at most a rare last-bit difference in sin
-    assert (got.float() - want.float()).abs().max() <= 2 * torch.finfo(dtype).eps * want.float().abs().max()
+    # The same operations in the same dtype; the last bit may differ (fused multiply-adds, sin's
+    # implementation), about one value in seven on the H200.
+    ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1.0)
+    assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
+    assert (got == want).float().mean() > 0.5

@@ -55,12 +55,20 @@ class CodecWorker:
         self._ready = threading.Event()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.in_flight = 0  # batches handed over and not yet collected
+        self._queued = 0  # chunks handed over that no decode call has taken yet
         self._thread = threading.Thread(target=self._work, name="intone-codec", daemon=True)
         self._thread.start()
 
     def submit(self, items: list, tokens: list[int]) -> None:
         self.in_flight += 1
+        with self._lock:
+            self._queued += len(items)
         self._inbox.put((items, tokens))
+
+    @property
+    def queued(self) -> int:
+        """Chunks waiting for the worker (not yet in a decode call)."""
+        return self._queued
 
     def collect(self) -> list[DecodedBatch]:
         with self._lock:
@@ -93,6 +101,8 @@ class CodecWorker:
 
     def _decode(self, jobs: list) -> None:
         items = [item for batch, _ in jobs for item in batch]
+        with self._lock:
+            self._queued -= len(items)
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if self._stream is None:

@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
 IDLE_WAIT_S = 0.01  # with only references being encoded, wait this long for one to finish
-MAX_CODEC_BATCHES_IN_FLIGHT = 2  # beyond this the loop waits for the codec (backpressure)
 
 
 class TooLarge(IntoneError):
@@ -323,7 +322,10 @@ class EngineCore:
             audio = decode_batch(self.codec, items)
             self._deliver(DecodedBatch(items, audio, time.perf_counter() - start, tokens))
             return
-        while self.codec_worker.in_flight >= MAX_CODEC_BATCHES_IN_FLIGHT:
+        # Backpressure: the loop waits only while a full codec call's worth of chunks is already
+        # queued, so the worker's next call takes everything that finished meanwhile (large
+        # batches are what make the codec fast), and the queue stays bounded.
+        while self.codec_worker.queued >= self.profile.codec.max_batch:
             self.codec_worker.wait(1.0)
             for decoded in self.codec_worker.collect():
                 self._deliver(decoded)

@@ -3,8 +3,9 @@
 In torch it is six elementwise kernels over the codec's largest tensors (its sample-rate
 activations), each a full read and write. The kernel reads x once and writes once, and rounds
 after every operation to the input's dtype as torch does for half types (each op computes in fp32
-and stores its result in the tensor dtype), so it returns the values of the torch expression;
-fp32 inputs skip the rounding, which is then the identity.
+and stores its result in the tensor dtype), so it returns the values of the torch expression up to
+the last bit (measured on the H200: ~85% of values bit-equal, the rest one unit in the last place
+apart, from fused multiply-adds and sin's implementation).
 """
 
 from __future__ import annotations
