@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.cosyvoice3 import features as fx
@@ -346,3 +347,14 @@ def test_bad_reference_audio_is_rejected(models, audio, rate, words):
 def test_shortest_accepted_reference(models):
     ref = extract_reference(torch.zeros(880), 16000, *models)  # 55 ms: 4 fbank frames, 1 token
     assert ref.num_tokens == 1 and ref.prompt_mel.shape == (2, 80)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(200, 30000), orig=st.sampled_from([16000, 22050, 44100, 48000]),
+       new=st.sampled_from([16000, 24000]))
+def test_bucketed_resampling_keeps_every_sample(n, orig, new):
+    """Padding the resampler's input to a shape bucket changes none of the samples it returns."""
+    audio = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    plain, bucketed = fx.official_resample(audio, orig, new), fx.official_resample(audio, orig, new, bucket=orig)
+    assert bucketed.shape == plain.shape
+    assert torch.allclose(bucketed, plain, atol=1e-6, rtol=0)

@@ -234,8 +234,12 @@ def _kernel_on(device: torch.device, orig: int, new: int) -> tuple[Tensor, int]:
     return kernel.to(device), width
 
 
-def official_resample(audio: Tensor, orig_rate: int, new_rate: int) -> Tensor:
+def official_resample(audio: Tensor, orig_rate: int, new_rate: int, bucket: int = 0) -> Tensor:
     """[..., N] float32 -> [..., ceil(N * new / orig)], equal to `torchaudio.transforms.Resample(orig, new)`.
+
+    bucket > 0: the convolution's input is zero-padded on the right to a multiple of `bucket`
+    samples beyond what it needs (outputs past the kept ones read the extra zeros and are
+    dropped), so clips of nearby lengths share a shape; the kept samples are unchanged.
 
     `intone.audio.resample` equals `torchaudio.functional.resample`, whose float32 bank differs
     from the transform's by float rounding (up to ~1e-5 on the output for 22.05/44.1 kHz input);
@@ -247,6 +251,7 @@ def official_resample(audio: Tensor, orig_rate: int, new_rate: int) -> Tensor:
     orig, new = int(orig_rate) // g, int(new_rate) // g
     kernel, width = _kernel_on(audio.device, orig, new)
     shape = audio.shape
-    flat = F.pad(audio.reshape(-1, shape[-1]).to(torch.float32), (width, width + orig))
+    extra = (-shape[-1]) % bucket if bucket > 0 else 0
+    flat = F.pad(audio.reshape(-1, shape[-1]).to(torch.float32), (width, width + orig + extra))
     out = F.conv1d(flat[:, None], kernel, stride=orig).transpose(1, 2).reshape(flat.shape[0], -1)
     return out[..., : math.ceil(new * shape[-1] / orig)].reshape(*shape[:-1], -1)

@@ -61,6 +61,7 @@ __all__ = [
     "SpeechTokenizer",
     "extract_batch",
     "extract_reference",
+    "warm_up",
     "kaldi_fbank",
     "prompt_mel",
     "random_frontend",
@@ -80,6 +81,12 @@ MIN_FBANK_FRAMES = 4
 BACKENDS = ("auto", "torch", "onnxruntime")
 MAX_BATCH_CLIPS = 64
 MAX_BATCH_FRAMES = 64 * 1000  # padded feature frames (100 per second) in one network call
+# Network inputs are zero-padded (with their true lengths, so results are unchanged to float
+# rounding) to a multiple of this many feature frames (1 s): on a GPU every new input shape makes
+# the convolutions build new plans (hundreds of ms for CAM++), and unique clip lengths would make
+# every request pay that; with buckets the shapes repeat, and start-up warms them.
+FRAME_BUCKET = 100
+WARM_UP_SECONDS = range(1, 11)
 PROBE_SECONDS = 3.0
 PROBE_TOKEN_AGREEMENT = 0.9  # FSQ rounding may flip a few codes between runtimes, not more
 PROBE_VECTOR_RTOL = 1e-3
@@ -108,9 +115,9 @@ def _groups(lengths: list[int]) -> list[list[int]]:
 
 
 def _padded(items: list[Tensor], dim: int) -> tuple[Tensor, Tensor]:
-    """Stack along a new first axis, zero-padding axis `dim`; (batch, lengths)."""
+    """Stack along a new first axis, zero-padding axis `dim` to a multiple of FRAME_BUCKET; (batch, lengths)."""
     lengths = [int(x.shape[dim]) for x in items]
-    longest = max(lengths)
+    longest = -(-max(lengths) // FRAME_BUCKET) * FRAME_BUCKET
     pads = []
     for x, n in zip(items, lengths):
         pad = [0, 0] * x.dim()
@@ -433,8 +440,8 @@ def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
     for i, (audio, rate) in enumerate(items):
         try:
             audio = _checked(audio, rate, field).to(device)
-            mels.append(prompt_mel(official_resample(audio, int(rate), PROMPT_RATE)))  # [frames, 80]
-            clips16.append(official_resample(audio, int(rate), TOKENIZER_RATE))
+            mels.append(prompt_mel(official_resample(audio, int(rate), PROMPT_RATE, bucket=int(rate))))  # [frames, 80]
+            clips16.append(official_resample(audio, int(rate), TOKENIZER_RATE, bucket=int(rate)))
             todo.append(i)
         except InvalidRequestError as e:
             results[i] = e
@@ -450,6 +457,17 @@ def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
             except Exception as e:  # noqa: BLE001 - this item's error, in its slot
                 results[i] = e
     return results
+
+
+def warm_up(tokenizer, speaker_encoder) -> int:
+    """Run both networks once per bucketed input length of 1-10 s (a GPU's start-up); returns the count."""
+    device = getattr(tokenizer, "device", torch.device("cpu"))
+    for seconds in WARM_UP_SECONDS:
+        clip = torch.zeros(seconds * TOKENIZER_RATE, device=device)
+        clip[:: TOKENIZER_RATE // 100] = 0.1  # not silent, so no path is skipped
+        _each(tokenizer, "tokenize_batch", [clip])
+        _each(speaker_encoder, "embed_batch", [clip])
+    return len(WARM_UP_SECONDS)
 
 
 def extract_reference(audio: Tensor, sample_rate: int, tokenizer: SpeechTokenizer, speaker_encoder: SpeakerEncoder,

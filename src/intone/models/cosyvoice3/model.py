@@ -15,6 +15,7 @@ from intone.errors import InvalidRequestError
 from intone.models.base import Prompt, SamplingParams, TTSModel, VoiceReference
 from intone.models.cosyvoice3.frontend import (
     ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_batch, extract_reference,
+    warm_up as frontend_warm_up,
 )
 from intone.models.cosyvoice3.prompt import (
     MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
@@ -61,6 +62,10 @@ class CosyVoice3(TTSModel):
     def reference_features(self, audio: Tensor, sample_rate: int, field: str = "ref_audio") -> dict[str, Tensor]:
         f = extract_reference(audio, sample_rate, self.speech_tokenizer, self.speaker_encoder, field=field)
         return {"speech_tokens": f.speech_tokens, "prompt_mel": f.prompt_mel, "speaker": f.speaker}
+
+    def warm_up_frontend(self) -> None:
+        if getattr(self.speech_tokenizer, "device", torch.device("cpu")).type == "cuda":
+            frontend_warm_up(self.speech_tokenizer, self.speaker_encoder)
 
     def reference_features_batch(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio") -> list:
         """Many clips through the frontend's networks together (on the model's device when they
