@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from intone.audio import bank_fits, resample_direct
+
 # speech tokenizer features (whisper front end)
 WHISPER_N_FFT = 400
 WHISPER_HOP = 160
@@ -247,6 +249,8 @@ def official_resample(audio: Tensor, orig_rate: int, new_rate: int, bucket: int 
     """
     if orig_rate == new_rate:
         return audio
+    if not bank_fits(int(orig_rate), int(new_rate)):  # an odd rate: its bank would take gigabytes
+        return resample_direct(audio.to(torch.float32), int(orig_rate), int(new_rate))
     g = math.gcd(int(orig_rate), int(new_rate))
     orig, new = int(orig_rate) // g, int(new_rate) // g
     kernel, width = _kernel_on(audio.device, orig, new)
