@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus"]
+ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 
 
 class ReferenceIn(BaseModel):
@@ -29,7 +29,7 @@ class SpeechRequest(BaseModel):
 
     input: str
     model: str | None = None
-    voice: str | None = None
+    voice: str | None = None  # a name, or the OpenAI SDK's custom-voice object {"id": name}
     response_format: ResponseFormat = "wav"
     speed: float = Field(1.0, ge=0.25, le=4.0)
     stream: bool = False
@@ -48,6 +48,15 @@ class SpeechRequest(BaseModel):
     min_new_tokens: int | None = Field(None, ge=0, le=4096)
     initial_codec_chunk_frames: int | None = Field(None, ge=0, le=1024)
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens frames
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_name(cls, voice):
+        if isinstance(voice, dict):
+            if not isinstance(voice.get("id"), str):
+                raise ValueError('a voice object needs a string "id"')
+            return voice["id"]
+        return voice
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",

@@ -37,7 +37,8 @@ class Settings:
     voices_dir: Path = Path("voices")
     max_input_chars: int = 4096
     max_body_bytes: int = 16 * 1024 * 1024
-    sse_dialect: str = "openai"  # or "sglang"
+    sse_dialect: str = "openai"  # what a bare `stream: true` answers: "openai" (SSE), "sglang" or "audio"
+    voice_aliases: dict[str, str] = field(default_factory=dict)  # request voice name -> stored voice or "default"
     device: str | None = None
     trace_frames: str | None = None
 

@@ -1,4 +1,4 @@
-"""POST /v1/audio/speech: validation, the engine round trip, and the three ways to answer."""
+"""POST /v1/audio/speech: validation, the engine round trip, and the four ways to answer."""
 
 from __future__ import annotations
 
@@ -14,15 +14,26 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from intone.api.encoding import CONTENT_TYPES, STREAMABLE, StreamEncoder, encode_file, wav_bytes
+from intone.api.encoding import CONTENT_TYPES, encode_file, pcm_headers, stream_encoder, wav_bytes
 from intone.api.media import load_reference
 from intone.api.protocol import SpeechRequest, error_body
+from intone.api.voices import resolve_voice
 from intone.engine.client import EngineDead
 from intone.engine.core import default_params
 from intone.engine.request import AudioChunk, SynthesisRequest
 from intone.errors import InvalidRequestError
 
 ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "internal": 500}
+# What `stream: true` without `stream_format` means, per --sse-dialect
+DIALECT_ANSWERS = {"openai": "sse", "sglang": "sglang", "audio": "audio"}
+
+
+def answer_kind(body: SpeechRequest, dialect: str) -> str:
+    """'file', 'audio' (raw bytes), 'sse' (OpenAI's events) or 'sglang' (SGLang-Omni's events).
+    An explicit stream_format always wins; the server's dialect only decides a bare `stream: true`."""
+    if body.stream_format:
+        return body.stream_format
+    return DIALECT_ANSWERS[dialect] if body.stream else "file"
 
 
 @dataclass
@@ -66,22 +77,20 @@ def refuse(chunk: AudioChunk) -> JSONResponse:
     return JSONResponse(error_body(chunk.error, param, code=chunk.error_code), status, headers=headers)
 
 
-async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
+async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> SynthesisRequest:
     """Everything that can be checked before the engine sees the request."""
     settings = app_state.settings
     if not body.input.strip():
         raise InvalidRequestError("input", "must not be empty")
     if len(body.input) > settings.max_input_chars:
         raise InvalidRequestError("input", f"is {len(body.input)} characters, over the {settings.max_input_chars} limit")
-    streaming = body.stream or body.stream_format == "audio"
-    if streaming and settings.sse_dialect != "sglang" and body.response_format not in STREAMABLE:
-        raise InvalidRequestError("response_format", f"{body.response_format} cannot stream; use wav or pcm")
     if body.ref_text and not body.ref_audio:
         raise InvalidRequestError("ref_audio", "ref_text was given without ref_audio")
 
     references = []
-    if body.voice and body.voice != "default":
-        references.append(await asyncio.to_thread(app_state.voices.reference, body.voice))  # reads files
+    voice = await asyncio.to_thread(resolve_voice, body.voice, app_state.voices, settings.voice_aliases)  # reads files
+    if voice is not None:
+        references.append(voice)
     if body.ref_audio:
         references.append(await load_reference(body.ref_audio, body.ref_text, "ref_audio", settings.media))
     for i, ref in enumerate(body.references or []):
@@ -100,7 +109,8 @@ async def build_synthesis(body: SpeechRequest, app_state) -> SynthesisRequest:
 async def answer(body: SpeechRequest, request: Request) -> Response:
     state = request.app.state
     parsed = time.perf_counter()
-    synth = await build_synthesis(body, state)
+    kind = answer_kind(body, state.settings.sse_dialect)
+    synth = await build_synthesis(body, state, streaming=kind != "file")
     outcome = Outcome(start=time.perf_counter(), parsed=parsed)
     stream = state.engine.generate(synth)
     state.metrics.in_flight.inc()
@@ -112,18 +122,20 @@ async def answer(body: SpeechRequest, request: Request) -> Response:
             return refuse(first)
         outcome.see(first)
         sr = state.engine.sample_rate
-        if not (body.stream or body.stream_format == "audio"):
+        if kind == "file":
             return await _whole_file(body, request, first, stream, outcome, sr)
-        if body.stream_format == "audio":
+        headers = {"X-Request-Id": synth.request_id, "Cache-Control": "no-cache"}
+        if kind == "audio":
             gen = _raw_stream(body.response_format, first, stream, outcome, sr)
             media = CONTENT_TYPES[body.response_format]
-        elif state.settings.sse_dialect == "sglang":
+            if body.response_format == "pcm":
+                headers.update(pcm_headers(sr))
+        elif kind == "sglang":
             gen, media = _sglang_events(first, stream, outcome, sr), "text/event-stream"
         else:
             gen, media = _openai_events(body.response_format, first, stream, outcome, sr), "text/event-stream"
         handed_over = True
-        return StreamingResponse(_finishing(gen, stream, outcome, state), media_type=media,
-                                 headers={"X-Request-Id": synth.request_id, "Cache-Control": "no-cache"})
+        return StreamingResponse(_finishing(gen, stream, outcome, state), media_type=media, headers=headers)
     except EngineDead as e:
         state.metrics.finished("error")
         return JSONResponse(error_body(str(e), None, "server_error", "engine_dead"), 503)
@@ -182,10 +194,14 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
     async def handed_over():  # runs after the body was sent
         _record_stages(state, outcome)
 
-    return Response(data, media_type=CONTENT_TYPES[body.response_format], headers={
+    headers = {
         "X-Prompt-Tokens": str(outcome.prompt_tokens), "X-Completion-Tokens": str(outcome.completion_tokens),
         "X-Engine-Time": f"{outcome.engine_s:.4f}", "X-Stop-Reason": outcome.reason,
-    }, background=BackgroundTask(handed_over))
+    }
+    if body.response_format == "pcm":
+        headers.update(pcm_headers(sr))
+    return Response(data, media_type=CONTENT_TYPES[body.response_format], headers=headers,
+                    background=BackgroundTask(handed_over))
 
 
 async def _chunks(first, stream, outcome: Outcome):
@@ -197,12 +213,22 @@ async def _chunks(first, stream, outcome: Outcome):
         yield chunk
 
 
-async def _raw_stream(fmt: str, first, stream, outcome: Outcome, sr: int):
-    encoder = StreamEncoder(fmt, sr)
-    async for chunk in _chunks(first, stream, outcome):
+async def _encoded(chunks, encoder):
+    """Each chunk's encoded bytes (possibly empty), then the encoder's tail after the terminal chunk.
+    Compressed formats encode off the event loop."""
+    async for chunk in chunks:
         if chunk.error:
+            yield chunk, b""
+            return
+        audio = chunk.audio
+        yield chunk, encoder.encode(audio) if encoder.cheap else await asyncio.to_thread(encoder.encode, audio)
+    yield None, encoder.finish() if encoder.cheap else await asyncio.to_thread(encoder.finish)
+
+
+async def _raw_stream(fmt: str, first, stream, outcome: Outcome, sr: int):
+    async for chunk, data in _encoded(_chunks(first, stream, outcome), stream_encoder(fmt, sr)):
+        if chunk is not None and chunk.error:
             return  # a raw byte stream has no way to say more; the client sees it end early
-        data = encoder.encode(chunk.audio)
         if data:
             yield data
 
@@ -212,12 +238,10 @@ def _sse(payload: dict) -> bytes:
 
 
 async def _openai_events(fmt: str, first, stream, outcome: Outcome, sr: int):
-    encoder = StreamEncoder(fmt, sr)
-    async for chunk in _chunks(first, stream, outcome):
-        if chunk.error:
+    async for chunk, data in _encoded(_chunks(first, stream, outcome), stream_encoder(fmt, sr)):
+        if chunk is not None and chunk.error:
             yield _sse({"type": "speech.audio.error", "error": error_body(chunk.error, code=chunk.error_code)["error"]})
             return
-        data = encoder.encode(chunk.audio)
         if data:
             yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
     yield _sse({"type": "speech.audio.done", "usage": {

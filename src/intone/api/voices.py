@@ -16,6 +16,12 @@ from intone.errors import InvalidRequestError
 from intone.models.base import VoiceReference
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Names clients send without asking what a server has; they mean "the model's default voice" here.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer",
+                           "verse", "marin", "cedar"})
+VLLM_OMNI_PRESETS = frozenset({"vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna",
+                               "sohee"})  # Qwen3-TTS's speakers; "vivian" is vLLM-Omni's default
+PRESET_VOICES = OPENAI_VOICES | VLLM_OMNI_PRESETS | {"default"}
 
 
 class VoiceExists(InvalidRequestError):
@@ -96,3 +102,22 @@ class VoiceStore:
         ref = VoiceReference(text=info["transcript"], codes=features.get("codes"), features=features)
         self._cache[name] = ref
         return ref
+
+
+def resolve_voice(name: str | None, store: VoiceStore, aliases: dict[str, str]) -> VoiceReference | None:
+    """A request's voice: an alias (--voice-alias) first, then a stored voice, then a preset name,
+    which means the model's default voice (None)."""
+    if name is None:
+        return None
+    target = aliases.get(name, name)
+    if target == "default":
+        return None
+    try:
+        return store.reference(target)
+    except UnknownVoice:
+        if target.lower() in PRESET_VOICES:
+            return None
+        if name in aliases:
+            raise UnknownVoice("voice", f"{name!r} is an alias of {target!r}, which is not a stored voice") from None
+        raise UnknownVoice("voice", f"unknown voice {name!r}: not a stored voice, an alias (--voice-alias) "
+                                    "or a preset name (alloy, vivian, ...)") from None

@@ -20,12 +20,22 @@ def add_parser(sub) -> None:
     p.add_argument("--voices-dir", default="voices", help="where uploaded voices are stored")
     p.add_argument("--max-input-chars", type=int, default=4096)
     p.add_argument("--max-reference-seconds", type=float, default=30.0)
-    p.add_argument("--sse-dialect", choices=["openai", "sglang"], default="openai",
-                   help="event format of stream=true responses")
+    p.add_argument("--sse-dialect", choices=["openai", "sglang", "audio"], default="openai",
+                   help="what stream=true without stream_format answers: OpenAI's SSE events, SGLang-Omni's, "
+                        "or raw audio bytes (older vLLM-Omni clients); an explicit stream_format always wins")
+    p.add_argument("--voice-alias", action="append", default=[], type=voice_alias, metavar="NAME=VOICE",
+                   help="a request's voice NAME means the stored VOICE (or 'default'); repeatable")
     p.add_argument("--device", default=None, help="overrides the profile's device")
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
+
+
+def voice_alias(text: str) -> tuple[str, str]:
+    name, sep, voice = text.partition("=")
+    if not sep or not name.strip() or not voice.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: use NAME=VOICE")
+    return name.strip(), voice.strip()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             allow_remote=args.allow_remote_media, max_seconds=args.max_reference_seconds,
         ),
         voices_dir=Path(args.voices_dir), max_input_chars=args.max_input_chars, sse_dialect=args.sse_dialect,
-        device=args.device, trace_frames=args.trace_frames,
+        voice_aliases=dict(args.voice_alias), device=args.device, trace_frames=args.trace_frames,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=10)
