@@ -1,6 +1,8 @@
 """The speech API serving CosyVoice3 (tiny), over real HTTP."""
 
+import base64
 import io
+import json
 
 import httpx
 import numpy as np
@@ -25,7 +27,16 @@ def speech(server, **body):
     return httpx.post(server.url("/v1/audio/speech"), json={**base, **body}, timeout=120)
 
 
-def test_streamed_and_whole_audio_are_the_same_24khz_samples(cosy_server):
+def test_whole_audio_is_the_one_pass_decode_and_the_stream_carries_the_same_frames(cosy_server, tiny_cache):
+    """A non-streamed answer is the official non-streamed inference (one flow + HiFT pass over all
+    tokens); a stream is the official streaming output; both carry the same tokens."""
+    from intone.audio import read_audio
+    from intone.engine.config import load_profile
+    from intone.engine.core import EngineCore, default_params
+    from intone.engine.request import SynthesisRequest
+    from intone.models import load_model, resolve_model_dir
+    from intone.models.base import VoiceReference
+
     whole = speech(cosy_server, response_format="wav")
     assert whole.status_code == 200, whole.text
     audio, rate = sf.read(io.BytesIO(whole.content), dtype="int16")
@@ -36,7 +47,21 @@ def test_streamed_and_whole_audio_are_the_same_24khz_samples(cosy_server):
             stream_format="audio", response_format="pcm")) as r:
         assert r.status_code == 200
         streamed = np.frombuffer(b"".join(r.iter_bytes()), dtype="<i2")
-    assert np.array_equal(streamed, audio)
+    assert len(streamed) == len(audio) and not np.array_equal(streamed, audio)
+
+    profile = load_profile("cosyvoice3-streaming", device="cpu")
+    core = EngineCore(load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cpu"), profile)
+    ref, ref_rate = read_audio(str(cosy_server.media / "ref.wav"))
+    core.add_request(SynthesisRequest("one-pass", "Hello from the tiny voice.",
+                                      [VoiceReference("A short reference sentence.", audio=ref, sample_rate=ref_rate)],
+                                      default_params(profile, seed=11, max_new_tokens=70), stream=False))
+    chunks = []
+    while core.has_work():
+        chunks += core.step()
+    core.close()
+    assert len(chunks) == 1 and chunks[0].finished
+    expected = np.clip(np.round(chunks[0].audio * 32767), -32768, 32767)
+    assert np.abs(audio.astype(np.int32) - expected).max() <= 1  # PCM16 rounding
 
 
 def test_a_request_without_a_reference_is_a_400_naming_ref_audio(cosy_server):
@@ -62,11 +87,38 @@ def test_sampling_modes(cosy_server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_mode"
 
 
-def test_speed_needs_a_full_response_profile(cosy_server):
-    r = speech(cosy_server, speed=1.5)  # this server streams (cosyvoice3-streaming)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "speed"
+def test_speed_works_whole_and_is_refused_for_streams_of_a_streaming_profile(cosy_server):
+    normal, fast = speech(cosy_server, response_format="wav"), speech(cosy_server, speed=1.5, response_format="wav")
+    assert fast.status_code == 200, fast.text
+    n_normal = sf.info(io.BytesIO(normal.content)).frames
+    n_fast = sf.info(io.BytesIO(fast.content)).frames
+    assert abs(n_fast - n_normal / 1.5) < 0.05 * n_normal  # the whole mel stretched, as officially
+    streamed = speech(cosy_server, speed=1.5, stream=True, response_format="pcm")  # cosyvoice3-streaming
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "speed"
 
 
 def test_instructions_are_accepted(cosy_server):
     r = speech(cosy_server, instructions="Speak slowly and clearly.")
     assert r.status_code == 200 and len(r.content) > 44
+
+
+def test_openai_sdk_with_a_reference(cosy_server):
+    """CosyVoice3 needs a reference: the SDK passes it in extra_body; 'alloy' means no stored voice."""
+    import av
+    import openai
+    client = openai.OpenAI(base_url=cosy_server.url("/v1"), api_key="unused", max_retries=0)
+    extra = dict(ref_audio=str(cosy_server.media / "ref.wav"), ref_text="A short reference sentence.", seed=11,
+                 max_new_tokens=70)
+    aac = client.audio.speech.create(model="tiny", voice="alloy", input="Hello.", response_format="aac",
+                                     extra_body=extra)
+    with av.open(io.BytesIO(aac.content)) as f:
+        assert f.streams.audio[0].rate == 24000 and sum(fr.samples for fr in f.decode(audio=0)) > 960
+    with client.audio.speech.with_streaming_response.create(
+            model="tiny", voice="alloy", input="Hello.", response_format="pcm", stream_format="sse",
+            extra_body=extra) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert events[-1]["type"] == "speech.audio.done" and len(pcm) > 0 and len(pcm) % (2 * 960) == 0
+    with pytest.raises(openai.BadRequestError) as e:  # a preset name is no reference
+        client.audio.speech.create(model="tiny", voice="alloy", input="Hello.")
+    assert e.value.body["param"] == "ref_audio"

@@ -137,6 +137,20 @@ def test_sglang_dialect(strict_server):
     assert samples == final["usage"]["completion_tokens"] * 2048
 
 
+def test_an_explicit_stream_format_wins_over_the_sglang_dialect(strict_server):
+    """One server serves both kinds of client: --sse-dialect only decides a bare `stream: true`."""
+    with httpx.stream("POST", strict_server.url("/v1/audio/speech"), headers=AUTH, timeout=120,
+                      json={**GOOD, "stream": True, "stream_format": "sse", "response_format": "pcm"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert len(pcm) == events[-1]["usage"]["output_tokens"] * 2048 * 2
+    with httpx.stream("POST", strict_server.url("/v1/audio/speech"), headers=AUTH, timeout=120,
+                      json={**GOOD, "stream": True, "stream_format": "audio", "response_format": "pcm"}) as r:
+        assert r.headers["x-sample-rate"] == "44100"
+        assert len(b"".join(r.iter_bytes())) == len(pcm)  # the same seed: the same frames
+
+
 def test_full_queue_answers_503_with_retry_after(strict_server):
     async def main():
         async with httpx.AsyncClient(base_url=strict_server.base, headers=AUTH, timeout=120) as client:

@@ -150,3 +150,19 @@ def test_unknown_voice_is_a_400_naming_voice(client, voice, words):
     error = e.value.body
     assert e.value.status_code == 400 and error["param"] == "voice"
     assert "voice" in error["message"] and words in error["message"]
+
+
+@pytest.mark.parametrize("fields, dialect, kind", [
+    ({"stream": True}, "openai", "sse"),
+    ({"stream": True}, "sglang", "sglang"),
+    ({"stream": True}, "audio", "audio"),  # what older vLLM-Omni `--stream` clients expect
+    ({"stream": True, "stream_format": "sse"}, "sglang", "sse"),
+    ({"stream": True, "stream_format": "audio"}, "openai", "audio"),
+    ({"stream_format": "sse"}, "sglang", "sse"),
+    ({"stream_format": "audio"}, "sglang", "audio"),
+    ({}, "audio", "file"),
+])
+def test_dialects_per_request(fields, dialect, kind):
+    from intone.api.protocol import SpeechRequest
+    from intone.api.speech import answer_kind
+    assert answer_kind(SpeechRequest(input="x", **fields), dialect) == kind
