@@ -92,3 +92,39 @@ def test_the_cache_is_bounded_and_keyed_by_samples_and_rate():
     assert len(cache) == 3 and cache.bytes == 2400 and cache.get(keys[0]) is None
     assert cache.get(keys[3]) is not None and (cache.hits, cache.misses) == (1, 1)
     assert clip_key(np.zeros(10, np.float32), 16000) != clip_key(np.zeros(10, np.float32), 22050)
+
+
+def test_a_voice_upload_is_encoded_beside_the_running_streams(tiny_fish):
+    """Uploads go through the frontend's worker (never the loop's thread) while requests keep stepping,
+    and come back equal to the same clip encoded directly."""
+    import threading
+
+    core = EngineCore(tiny_fish, load_profile("fish-s2-default", device="cpu"))
+    threads, encode = [], tiny_fish.reference_features_batch
+
+    def recording(clips, *a, **k):
+        threads.append(threading.current_thread().name)
+        return encode(clips, *a, **k)
+    tiny_fish.reference_features_batch = recording
+    try:
+        core.add_request(SynthesisRequest("r", "Keep talking.", params=SamplingParams(seed=1, max_new_tokens=30)))
+        upload = clip(3.0, 180)
+        core.submit_encode("voice-1", upload.numpy(), 16000)
+        steps_before = core.stats.steps
+        encoded = []
+        while not encoded or core.has_work():
+            core.step()
+            encoded += core.take_encoded()
+        (token, features, error), = encoded
+        assert token == "voice-1" and error is None
+        assert threads == ["intone-frontend"]  # encoded on the worker, not in a step
+        assert core.stats.steps > steps_before and core.frontend.pending_encodes == 0
+        direct = tiny_fish.encode_reference(upload, 16000)
+        assert np.array_equal(features["codes"], direct.numpy())
+        core.submit_encode("voice-2", np.zeros(0, np.float32), 16000)  # unusable audio: an error, no crash
+        while core.frontend.pending_encodes or not (done := core.take_encoded()):
+            core.step()
+        assert done[0][0] == "voice-2" and done[0][1] is None and done[0][2]
+    finally:
+        tiny_fish.reference_features_batch = encode
+        core.close()

@@ -73,6 +73,7 @@ class EngineCore:
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
+        self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
         self.stats = EngineStats()
         self._start_up()
         self.codec_worker = CodecWorker(self.codec, model.device) if profile.codec.overlap else None
@@ -201,6 +202,15 @@ class EngineCore:
         features = self.frontend.features(audio, sample_rate)
         return {name: value.cpu().numpy() for name, value in features.items()}
 
+    def submit_encode(self, token: str, audio, sample_rate: int) -> None:
+        """A voice upload, encoded by the frontend stage beside the running streams; the result
+        comes back from `take_encoded` (a step collects it)."""
+        self.frontend.submit_encode(token, audio, sample_rate)
+
+    def take_encoded(self) -> list[tuple]:
+        done, self._encoded = self._encoded, []
+        return done
+
     def abort(self, request_id: str) -> None:
         """Cancel: free everything; the client gets one terminal chunk unless it already had one."""
         if self._preparing.pop(request_id, None) is not None:  # its encoding result is dropped
@@ -238,8 +248,8 @@ class EngineCore:
             self.codec_worker.close()
 
     def has_work(self) -> bool:
-        return (bool(self.requests) or bool(self._outbox) or bool(self._preparing)
-                or bool(self.codec_worker and self.codec_worker.in_flight))
+        return (bool(self.requests) or bool(self._outbox) or bool(self._preparing) or bool(self._encoded)
+                or bool(self.frontend.pending_encodes) or bool(self.codec_worker and self.codec_worker.in_flight))
 
     def request_ids(self) -> list[str]:
         """Every live request, admitted or still having its reference encoded."""
@@ -248,10 +258,11 @@ class EngineCore:
     # ---- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[AudioChunk]:
-        if self._preparing:
+        if self._preparing or self.frontend.pending_encodes:
             if not self.requests and not self._outbox:  # nothing else to do: wait for an encoding
                 self.frontend.wait(IDLE_WAIT_S)
             self._admit_prepared()
+            self._encoded += self.frontend.collect_encoded()
         worker = self.codec_worker
         if worker and worker.in_flight and not self.scheduler.running and not self.scheduler.waiting:
             worker.wait(IDLE_WAIT_S)  # only the codec has work: wait for it rather than spin

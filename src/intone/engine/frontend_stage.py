@@ -1,6 +1,7 @@
 """The reference frontend as a batched stage: reference audio -> the model's features -> a prompt.
 
-Requests that bring reference audio are handed to one worker thread. It takes every request
+Requests that bring reference audio are handed to one worker thread, and so are voice uploads
+(which must never pause the engine loop either). It takes every job
 queued at that moment, looks each clip up in the reference cache (keyed by a hash of its samples
 and rate), encodes the misses in one batched call on its own CUDA stream (so running streams
 keep stepping meanwhile), builds the prompts and hands the requests back to the engine loop.
@@ -82,8 +83,15 @@ class Prepared:
 
 @dataclass
 class _Job:
-    request: object
+    request: object  # SynthesisRequest, or None for a voice upload
+    voice: tuple | None = None  # (token, audio, sample rate) of a voice upload
     submitted: float = field(default_factory=time.perf_counter)
+
+    def clips(self) -> list:
+        """(audio, rate) per reference to encode, None where the reference needs no encoding."""
+        if self.voice is not None:
+            return [self.voice[1:]]
+        return [None if ref.audio is None else (ref.audio, ref.sample_rate) for ref in self.request.references]
 
 
 class FrontendStage:
@@ -92,6 +100,7 @@ class FrontendStage:
         self.cache = ReferenceCache(cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
         self._done: list[Prepared] = []
+        self._encoded: list[tuple] = []  # (token, features as numpy | None, error message | None)
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -99,15 +108,30 @@ class FrontendStage:
         self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
         self.batches = self.clips = 0
         self.pending = 0  # submitted, not yet collected
+        self.pending_encodes = 0  # voice uploads submitted, not yet collected
 
     # ---- engine side ------------------------------------------------------------------------
 
     def submit(self, request) -> None:
+        self.pending += 1
+        self._put(_Job(request))
+
+    def submit_encode(self, token: str, audio, sample_rate: int) -> None:
+        """A voice upload: its features come back from `collect_encoded` (through the cache)."""
+        self.pending_encodes += 1
+        self._put(_Job(None, (token, audio, sample_rate)))
+
+    def _put(self, job: _Job) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="intone-frontend", daemon=True)
             self._thread.start()
-        self.pending += 1
-        self._inbox.put(_Job(request))
+        self._inbox.put(job)
+
+    def collect_encoded(self) -> list[tuple]:
+        with self._lock:
+            done, self._encoded = self._encoded, []
+        self.pending_encodes -= len(done)
+        return done
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -164,36 +188,42 @@ class FrontendStage:
                     break
                 jobs.append(nxt)
             try:
-                prepared = self._prepare(jobs)
+                prepared, encoded = self._prepare(jobs)
             except Exception as e:  # a bug here must refuse these requests, not kill the thread
                 log.exception("reference frontend failed")
-                prepared = [Prepared(j.request, None, e, time.perf_counter() - j.submitted) for j in jobs]
+                prepared = [Prepared(j.request, None, e, time.perf_counter() - j.submitted)
+                            for j in jobs if j.voice is None]
+                encoded = [(j.voice[0], None, str(e)) for j in jobs if j.voice is not None]
             with self._lock:
                 self._done.extend(prepared)
+                self._encoded.extend(encoded)
                 self._ready.set()
 
-    def _prepare(self, jobs: list[_Job]) -> list[Prepared]:
-        live = [j for j in jobs if j.request.request_id not in self._cancelled]
+    def _prepare(self, jobs: list[_Job]) -> tuple[list[Prepared], list[tuple]]:
+        live = [j for j in jobs if j.voice is not None or j.request.request_id not in self._cancelled]
         wanted: dict[bytes, tuple[torch.Tensor, int]] = {}
         keys: dict[tuple[int, int], bytes] = {}
         found: dict[bytes, dict | Exception] = {}
         for j, job in enumerate(live):
-            for r, ref in enumerate(job.request.references):
-                if ref.audio is None:
+            for r, clip in enumerate(job.clips()):
+                if clip is None:
                     continue
-                key = keys[j, r] = clip_key(ref.audio, ref.sample_rate)
+                audio, rate = clip
+                key = keys[j, r] = clip_key(audio, rate)
                 if key not in found and key not in wanted:
                     cached = self.cache.get(key)
                     if cached is not None:
                         found[key] = cached
                     else:
-                        wanted[key] = (torch.as_tensor(ref.audio, dtype=torch.float32), int(ref.sample_rate or 0))
+                        wanted[key] = (torch.as_tensor(audio, dtype=torch.float32), int(rate or 0))
         if wanted:
             for key, result in zip(wanted, self._encode(list(wanted.values()))):
                 found[key] = result
                 if not isinstance(result, Exception):
                     self.cache.put(key, result)
-        return [self._build(job, j, keys, found) for j, job in enumerate(live)]
+        prepared = [self._build(job, j, keys, found) for j, job in enumerate(live) if job.voice is None]
+        encoded = [_encoded(job.voice[0], found[keys[j, 0]]) for j, job in enumerate(live) if job.voice is not None]
+        return prepared, encoded
 
     def _encode(self, clips: list) -> list:
         self.batches += 1
@@ -220,3 +250,9 @@ class FrontendStage:
             return Prepared(replace(request, references=refs), prompt, None, time.perf_counter() - job.submitted)
         except Exception as e:  # noqa: BLE001 - refuses this request alone
             return Prepared(request, None, e, time.perf_counter() - job.submitted)
+
+
+def _encoded(token: str, result) -> tuple:
+    if isinstance(result, Exception):
+        return token, None, str(result)
+    return token, {name: value.cpu().numpy() for name, value in result.items()}, None

@@ -64,12 +64,9 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
                 core.abort(msg[1])
             elif msg[0] == "stats":
                 push.send(pickle.dumps(("stats", core.snapshot())))
-            elif msg[0] == "encode":
+            elif msg[0] == "encode":  # encoded by the frontend stage; answered after a later step
                 _, token, audio, rate = msg
-                try:
-                    push.send(pickle.dumps(("encoded", (token, core.encode_reference(audio, rate), None))))
-                except Exception as e:  # a bad upload must not take the engine down
-                    push.send(pickle.dumps(("encoded", (token, None, str(e)))))
+                core.submit_encode(token, audio, rate)
             elif msg[0] == "shutdown":
                 for rid in core.request_ids():
                     core.abort(rid)
@@ -83,6 +80,8 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
             chunks = core.step()
             if chunks:
                 push.send(pickle.dumps(("chunks", chunks)))
+            for encoded in core.take_encoded():
+                push.send(pickle.dumps(("encoded", encoded)))
 
 
 def main(argv=None) -> None:
