@@ -13,19 +13,45 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import pickle
+import shutil
 import sys
+import threading
+import time
 import traceback
+from pathlib import Path
 
 import zmq
 
 log = logging.getLogger(__name__)
 
 POLL_IDLE_MS = 100
+PARENT_CHECK_S = 0.5
+
+
+def watch_parent(parent: int, sockets: list[str]) -> None:
+    """Exit when the process that started this one is gone (killed API server: no orphaned
+    engine holding GPU memory), removing the IPC socket files and their directory."""
+    def run() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        log.error("the parent process %d is gone; the engine core exits", parent)
+        folders = set()
+        for address in sockets:
+            path = Path(address.removeprefix("ipc://"))
+            path.unlink(missing_ok=True)
+            folders.add(path.parent)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(3)
+    threading.Thread(target=run, name="intone-parent-watch", daemon=True).start()
 
 
 def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_frames: str | None) -> None:
     """Process entry point (spawned): build the core, answer 'ready', loop until 'shutdown'."""
+    if inbox.startswith("ipc://"):
+        watch_parent(os.getppid(), [inbox, outbox])
     from intone.engine.config import Profile
     from intone.engine.core import EngineCore
 
