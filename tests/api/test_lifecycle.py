@@ -115,3 +115,23 @@ def test_shutdown_ends_in_flight_streams_cleanly(tiny_cache, tiny_fish_dir, tmp_
     assert not t.is_alive() and got.get("status") == 200
     log = s.log.read_text()
     assert "aborting in-flight requests" in log and "Application shutdown complete" in log
+
+
+def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
+    """The client gives up (a read timeout) long before the audio is ready: the engine stops working on it."""
+    body = {"input": "A long answer that nobody will wait for.", "seed": 1, "max_new_tokens": 2000, "ignore_eos": True}
+    try:
+        httpx.post(server.url("/v1/audio/speech"), json=body, timeout=httpx.Timeout(60, read=1.5))
+        raise AssertionError("the request finished before the client left")
+    except httpx.ReadTimeout:
+        pass
+    text = ""
+    for _ in range(100):
+        text = httpx.get(server.url("/metrics")).text
+        if metric(text, "intone_requests_running") == 0 and metric(text, "intone_requests_in_flight") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert metric(text, "intone_requests_running") == 0, "the engine still generates for a departed client"
+    assert metric(text, "intone_requests_in_flight") == 0
+    assert metric(text, "intone_kv_cache_blocks_used") == 0
+    assert 'intone_requests_total{outcome="disconnect"}' in text

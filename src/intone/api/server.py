@@ -12,6 +12,7 @@ from pathlib import Path
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 
 from intone.api.media import MediaPolicy, MediaTooLarge
 from intone.api.metrics import ServerMetrics
@@ -88,19 +89,42 @@ def _install_errors(app: FastAPI) -> None:
 
 
 def _install_guards(app: FastAPI, settings: Settings) -> None:
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
+    app.add_middleware(Guard, settings=settings)
+
+
+class Guard:
+    """Body size, API key and engine liveness, checked before a route runs.
+
+    A plain ASGI middleware, not `@app.middleware("http")`: Starlette's BaseHTTPMiddleware hands
+    the route a receive channel on which the client's disconnect never shows, so a non-streamed
+    request whose client left was never aborted.
+    """
+
+    def __init__(self, app, settings: Settings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope) -> JSONResponse | None:
+        settings, path = self.settings, scope["path"]
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_body_bytes:
             return JSONResponse(error_body(f"request body over {settings.max_body_bytes} bytes"), 413)
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
+        if settings.api_key and path.startswith("/v1/"):
+            given = headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 return JSONResponse(error_body("missing or wrong API key", None, "authentication_error"), 401)
-        engine = getattr(request.app.state, "engine", None)
-        if engine is not None and engine.dead and request.url.path.startswith("/v1/audio"):
+        engine = getattr(scope["app"].state, "engine", None)
+        if engine is not None and engine.dead and path.startswith("/v1/audio"):
             return JSONResponse(error_body(f"engine is dead: {engine.dead}", None, "server_error", "engine_dead"), 503)
-        return await call_next(request)
+        return None
 
 
 def _install_routes(app: FastAPI) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 import uuid
@@ -23,6 +24,7 @@ from intone.engine.core import default_params
 from intone.engine.request import AudioChunk, SynthesisRequest
 from intone.errors import InvalidRequestError
 
+DISCONNECT_POLL_S = 0.25  # how often a whole response's handler checks that its client is still there
 ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "internal": 500}
 # What `stream: true` without `stream_format` means, per --sse-dialect
 DIALECT_ANSWERS = {"openai": "sse", "sglang": "sglang", "audio": "audio"}
@@ -116,7 +118,13 @@ async def answer(body: SpeechRequest, request: Request) -> Response:
     state.metrics.in_flight.inc()
     handed_over = False
     try:
-        first = await stream.__anext__()
+        if kind != "file":
+            first = await stream.__anext__()
+        else:  # a whole response's first chunk is its last: watch the client meanwhile
+            first = await _first_unless_gone(stream, request)
+            if first is None:
+                outcome.reason = "disconnect"
+                return Response(status_code=499)
         if first.error:
             state.metrics.finished("rejected")
             return refuse(first)
@@ -166,6 +174,19 @@ def _encode_whole(parts: list[np.ndarray], sr: int, fmt: str) -> bytes:
     return wav_bytes(audio, sr) if fmt == "wav" else encode_file(audio, sr, fmt)
 
 
+async def _first_unless_gone(stream, request: Request):
+    """The stream's next chunk, or None (and the request aborted) if the client disconnects first."""
+    task = asyncio.ensure_future(stream.__anext__())
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await task  # the engine stream's cleanup (its abort) has run
+            return None
+    return task.result()
+
+
 async def _whole_file(body, request: Request, first, stream, outcome: Outcome, sr: int) -> Response:
     """Collect every chunk; a client that goes away meanwhile aborts the request."""
     chunks = [first]
@@ -177,7 +198,7 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
 
     task = asyncio.ensure_future(collect()) if not first.finished else None
     while task is not None and not task.done():
-        await asyncio.wait({task}, timeout=0.25)
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if not task.done() and await request.is_disconnected():
             task.cancel()
             outcome.reason = "disconnect"
