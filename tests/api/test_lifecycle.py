@@ -11,6 +11,17 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
+def metrics_once_idle(server, tries: int = 100) -> str:
+    """/metrics once nothing runs or is in flight (or after `tries` tenths of a second)."""
+    text = ""
+    for _ in range(tries):
+        text = httpx.get(server.url("/metrics")).text
+        if metric(text, "intone_requests_running") == 0 and metric(text, "intone_requests_in_flight") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    return text
+
+
 def test_64_streams_half_disconnected_leave_nothing(server):
     async def one(client, i):
         body = {"input": f"Stream number {i}.", "seed": i, "max_new_tokens": 60, "stream": True,
@@ -32,12 +43,7 @@ def test_64_streams_half_disconnected_leave_nothing(server):
     results = asyncio.run(main())
     assert all(kind == ("dropped" if i % 2 else "done") for i, (kind, _) in enumerate(results))
     assert all(n > 0 and n % 4096 == 0 for kind, n in results if kind == "done")
-    text = ""
-    for _ in range(100):
-        text = httpx.get(server.url("/metrics")).text
-        if metric(text, "intone_requests_running") == 0 and metric(text, "intone_requests_in_flight") == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
+    text = metrics_once_idle(server)
     assert metric(text, "intone_requests_running") == 0
     assert metric(text, "intone_requests_waiting") == 0
     assert metric(text, "intone_requests_in_flight") == 0
@@ -125,12 +131,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
         raise AssertionError("the request finished before the client left")
     except httpx.ReadTimeout:
         pass
-    text = ""
-    for _ in range(100):
-        text = httpx.get(server.url("/metrics")).text
-        if metric(text, "intone_requests_running") == 0 and metric(text, "intone_requests_in_flight") == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
+    text = metrics_once_idle(server)
     assert metric(text, "intone_requests_running") == 0, "the engine still generates for a departed client"
     assert metric(text, "intone_requests_in_flight") == 0
     assert metric(text, "intone_kv_cache_blocks_used") == 0
