@@ -136,3 +136,57 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     assert metric(text, "intone_requests_in_flight") == 0
     assert metric(text, "intone_kv_cache_blocks_used") == 0
     assert 'intone_requests_total{outcome="disconnect"}' in text
+
+
+def test_engine_death_reaches_every_open_request_as_an_error(tiny_cache, tiny_fish_dir, tmp_path):
+    """SSE gets speech.audio.error, a raw stream is cut (no clean end of body), a whole response gets 503."""
+    import json
+    import os
+    import signal
+    import threading
+
+    from tests.api.conftest import start_server, stop_server
+
+    s = start_server(tmp_path, tiny_cache)
+    body = {"input": "Keep going for a long while.", "seed": 2, "max_new_tokens": 2000, "ignore_eos": True}
+    started, results = threading.Barrier(3), {}
+
+    def sse():
+        events = []
+        with httpx.stream("POST", s.url("/v1/audio/speech"), timeout=120,
+                          json={**body, "stream": True, "response_format": "pcm"}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 1:
+                        started.wait(30)
+        results["sse"] = events
+
+    def raw():
+        try:
+            with httpx.stream("POST", s.url("/v1/audio/speech"), timeout=120,
+                              json={**body, "stream": True, "stream_format": "audio", "response_format": "pcm"}) as r:
+                for i, _ in enumerate(r.iter_bytes()):
+                    if i == 0:
+                        started.wait(30)
+            results["raw"] = "ended cleanly"
+        except httpx.RemoteProtocolError:
+            results["raw"] = "cut"
+
+    def whole():
+        results["whole"] = httpx.post(s.url("/v1/audio/speech"), json=body, timeout=120)
+
+    try:
+        threads = [threading.Thread(target=f) for f in (sse, raw, whole)]
+        for t in threads:
+            t.start()
+        started.wait(60)  # both streams have audio; the whole response is being made
+        os.kill(_engine_pid(s.process.pid), signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert results["sse"][-1]["type"] == "speech.audio.error"
+        assert results["sse"][-1]["error"]["code"] == "engine_dead"
+        assert results["raw"] == "cut"
+        assert results["whole"].status_code == 503 and results["whole"].json()["error"]["code"] == "engine_dead"
+    finally:
+        stop_server(s)

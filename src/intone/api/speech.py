@@ -225,13 +225,25 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
                     background=BackgroundTask(handed_over))
 
 
+class StreamCut(Exception):
+    """Raised inside a raw audio body that cannot be finished, so that the server drops the
+    connection without the body's proper end: the client cannot mistake cut audio for all of it."""
+
+
 async def _chunks(first, stream, outcome: Outcome):
+    """The request's chunks; if the engine dies meanwhile, a terminal error chunk says so."""
     yield first
     if first.finished:
         return
-    async for chunk in stream:
-        outcome.see(chunk)
-        yield chunk
+    try:
+        async for chunk in stream:
+            outcome.see(chunk)
+            yield chunk
+    except EngineDead as e:
+        outcome.reason = "error"
+        yield AudioChunk(request_id=first.request_id, seq=-1, start_frame=0, end_frame=0,
+                         audio=np.zeros(0, np.float32), sample_rate=first.sample_rate, finished=True,
+                         stop_reason="error", error=str(e), error_code="engine_dead")
 
 
 async def _encoded(chunks, encoder):
@@ -249,7 +261,7 @@ async def _encoded(chunks, encoder):
 async def _raw_stream(fmt: str, first, stream, outcome: Outcome, sr: int):
     async for chunk, data in _encoded(_chunks(first, stream, outcome), stream_encoder(fmt, sr)):
         if chunk is not None and chunk.error:
-            return  # a raw byte stream has no way to say more; the client sees it end early
+            raise StreamCut(chunk.error)  # a raw byte stream has no way to say more
         if data:
             yield data
 
