@@ -190,3 +190,33 @@ def test_engine_death_reaches_every_open_request_as_an_error(tiny_cache, tiny_fi
         assert results["whole"].status_code == 503 and results["whole"].json()["error"]["code"] == "engine_dead"
     finally:
         stop_server(s)
+
+
+def test_a_hung_engine_turns_health_to_503_and_metrics_still_answer(tiny_cache, tiny_fish_dir, tmp_path):
+    import os
+    import signal
+    import time
+
+    from tests.api.conftest import start_server, stop_server
+
+    s = start_server(tmp_path, tiny_cache, "--engine-silence-seconds", "2")
+    engine = _engine_pid(s.process.pid)
+    try:
+        assert httpx.get(s.url("/health")).status_code == 200
+        os.kill(engine, signal.SIGSTOP)  # alive but not stepping: a hung GPU call looks like this
+        deadline = time.time() + 10
+        while time.time() < deadline and httpx.get(s.url("/health")).status_code == 200:
+            time.sleep(0.2)
+        health = httpx.get(s.url("/health"))
+        assert health.status_code == 503 and health.json()["status"] == "unresponsive"
+        start = time.time()
+        metrics = httpx.get(s.url("/metrics"), timeout=10)
+        assert metrics.status_code == 200 and time.time() - start < 5  # bounded, not hanging with the core
+        os.kill(engine, signal.SIGCONT)
+        deadline = time.time() + 10
+        while time.time() < deadline and httpx.get(s.url("/health")).status_code != 200:
+            time.sleep(0.2)
+        assert httpx.get(s.url("/health")).status_code == 200  # it recovered, and /health says so
+    finally:
+        os.kill(engine, signal.SIGCONT)
+        stop_server(s)

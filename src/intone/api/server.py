@@ -42,6 +42,7 @@ class Settings:
     voice_aliases: dict[str, str] = field(default_factory=dict)  # request voice name -> stored voice or "default"
     device: str | None = None
     trace_frames: str | None = None
+    engine_silence_s: float = 10.0  # /health turns 503 when the core's loop has been silent this long
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -144,13 +145,19 @@ def _install_routes(app: FastAPI) -> None:
         engine = request.app.state.engine
         if engine.dead:
             return JSONResponse({"status": "dead", "error": engine.dead}, 503)
+        silent = engine.silent_for()
+        if silent > request.app.state.settings.engine_silence_s:
+            return JSONResponse({"status": "unresponsive", "error": f"engine core silent for {silent:.1f} s"}, 503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics(request: Request):
         state = request.app.state
         if not state.engine.dead:
-            state.metrics.engine_state(await state.engine.stats())
+            try:
+                state.metrics.engine_state(await state.engine.stats())
+            except TimeoutError:  # a hung core: the API's own metrics still answer
+                log.warning("engine core did not answer a stats request in time")
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/audio/voices", status_code=201)

@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
                    help="a request's voice NAME means the stored VOICE (or 'default'); repeatable")
     p.add_argument("--device", default=None, help="overrides the profile's device")
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
+    p.add_argument("--engine-silence-seconds", type=float, default=10.0,
+                   help="/health answers 503 once the engine core has been silent this long (hung)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         voices_dir=Path(args.voices_dir), max_input_chars=args.max_input_chars, sse_dialect=args.sse_dialect,
         voice_aliases=dict(args.voice_alias), device=args.device, trace_frames=args.trace_frames,
+        engine_silence_s=args.engine_silence_seconds,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=10)

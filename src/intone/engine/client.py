@@ -18,6 +18,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -31,6 +32,7 @@ from intone.errors import IntoneError
 
 log = logging.getLogger("intone.engine")
 STARTUP_TIMEOUT_S = 600
+STATS_TIMEOUT_S = 2.0
 
 
 class EngineDead(IntoneError):
@@ -47,6 +49,7 @@ class Engine:
         self._encode_waiters: dict[str, asyncio.Future] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.dead: str | None = None
+        self.last_heard = time.monotonic()  # any message from the core, heartbeats included
 
     @property
     def sample_rate(self) -> int:
@@ -85,8 +88,11 @@ class Engine:
         try:
             while True:
                 kind, payload = await _recv(self._pull, self._process)
+                self.last_heard = time.monotonic()
                 if kind == "fatal":
                     raise EngineDead(payload)
+                if kind == "alive":
+                    continue
                 if kind == "stats":
                     if self._stats_waiters:
                         self._stats_waiters.pop(0).set_result(payload)
@@ -137,14 +143,24 @@ class Engine:
     def _post(self, msg: tuple) -> None:
         self._push.send(pickle.dumps(msg))
 
-    async def stats(self) -> dict:
-        """The core's counters and occupancy (see EngineCore.snapshot)."""
+    def silent_for(self) -> float:
+        """Seconds since the core last said anything (it says it is alive about every second)."""
+        return time.monotonic() - self.last_heard
+
+    async def stats(self, timeout: float = STATS_TIMEOUT_S) -> dict:
+        """The core's counters and occupancy (see EngineCore.snapshot); TimeoutError if a hung
+        core does not answer in time."""
         if self.dead:
             raise EngineDead(f"engine core is dead: {self.dead}")
         waiter = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(waiter)
         self._post(("stats",))
-        return await waiter
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            if waiter in self._stats_waiters:  # a late answer must not go to the next caller
+                self._stats_waiters.remove(waiter)
+            raise
 
     async def encode_reference(self, audio, sample_rate: int):
         """Mono float32 audio -> the model's reference features (numpy arrays by name)."""

@@ -2,7 +2,8 @@
 
 In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("encode", token, audio, rate)
      | ("shutdown",)
-Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output,
+Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output, ("alive", None)
+     about every second from the loop,
      ("stats", dict) per stats request, ("encoded", (token, features | None, error | None)) per
      encode, ("fatal", message) if the loop dies.
 Messages are pickled; nothing else is shared with the client.
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 POLL_IDLE_MS = 100
 PARENT_CHECK_S = 0.5
+HEARTBEAT_S = 1.0  # the loop says it is alive at least this often (between steps)
 
 
 def watch_parent(parent: int, sockets: list[str]) -> None:
@@ -80,7 +82,11 @@ def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_fr
 def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
+    beat = 0.0
     while True:
+        if time.monotonic() - beat > HEARTBEAT_S:  # from the loop itself: a hung step stops it
+            push.send(pickle.dumps(("alive", None)))
+            beat = time.monotonic()
         timeout = 0 if core.has_work() else POLL_IDLE_MS
         while poller.poll(timeout):
             msg = pickle.loads(pull.recv())
