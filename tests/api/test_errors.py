@@ -167,3 +167,43 @@ def test_full_queue_answers_503_with_retry_after(strict_server):
 
 import io  # noqa: E402
 import json  # noqa: E402
+
+
+@pytest.mark.parametrize("field, body", [
+    ("input", '{"input": "hi \\ud800 there", "max_new_tokens": 5}'),
+    ("ref_text", '{"input": "hi", "ref_audio": "r.wav", "ref_text": "\\udc00", "max_new_tokens": 5}'),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(server, field, body):
+    r = httpx.post(server.url("/v1/audio/speech"), content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert "surrogate" in r.json()["error"]["message"]
+
+
+def test_hostile_media_paths_are_a_400_naming_ref_audio(server):
+    loop = server.media / "loop.wav"
+    if not loop.is_symlink():
+        loop.symlink_to(loop)
+    for path in [str(loop), "a\x00b.wav", "x" * 5000 + ".wav"]:
+        r = httpx.post(server.url("/v1/audio/speech"), timeout=30,
+                       json={"input": "hi", "ref_audio": path, "ref_text": "x", "max_new_tokens": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "ref_audio", (path[:20], r.text)
+        assert len(r.json()["error"]["message"]) < 400
+
+
+def test_a_damaged_stored_voice_is_skipped_in_the_list_and_refused_by_name(server, reference_wav):
+    files = {"audio": ("ref.wav", reference_wav.read_bytes(), "audio/wav")}
+    for name in ("intact", "damaged"):
+        r = httpx.post(server.url("/v1/audio/voices"), data={"name": name, "transcript": "A reference."},
+                       files=files, timeout=60)
+        assert r.status_code == 201, r.text
+    meta = next(p for p in server.log.parent.glob("voices/*/meta.json") if '"damaged"' in p.read_text())
+    meta.write_text("{not json")
+    listed = httpx.get(server.url("/v1/audio/voices"))
+    assert listed.status_code == 200
+    names = [v["name"] for v in listed.json()["data"]]
+    assert "intact" in names and "damaged" not in names
+    r = httpx.post(server.url("/v1/audio/speech"), json={"input": "hi", "voice": "damaged", "max_new_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "voice"
+    import shutil
+
+    shutil.rmtree(meta.parent)  # the session's server is shared: leave no damaged voice behind

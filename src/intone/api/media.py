@@ -82,15 +82,19 @@ def _read_local(path_text: str, field: str, policy: MediaPolicy) -> bytes:
     if policy.allowed_local_dir is None:
         raise InvalidRequestError(field, "local files are disabled on this server (see --allowed-local-media-path)")
     root = policy.allowed_local_dir.resolve()
-    path = Path(path_text)
-    path = (path if path.is_absolute() else root / path).resolve()
-    if not path.is_relative_to(root):
-        raise InvalidRequestError(field, f"{path_text}: outside the allowed media directory")
-    if not path.is_file():
-        raise InvalidRequestError(field, f"{path_text}: no such file")
-    if path.stat().st_size > policy.max_bytes:
-        raise MediaTooLarge(field, f"{path_text}: over the {policy.max_bytes} byte limit")
-    return path.read_bytes()
+    shown = path_text if len(path_text) <= 200 else path_text[:200] + "..."
+    try:
+        path = Path(path_text)
+        path = (path if path.is_absolute() else root / path).resolve()
+        if not path.is_relative_to(root):
+            raise InvalidRequestError(field, f"{shown}: outside the allowed media directory")
+        if not path.is_file():
+            raise InvalidRequestError(field, f"{shown}: no such file")
+        if path.stat().st_size > policy.max_bytes:
+            raise MediaTooLarge(field, f"{shown}: over the {policy.max_bytes} byte limit")
+        return path.read_bytes()
+    except (ValueError, RuntimeError, OSError):  # a NUL byte, a symlink loop, a name too long, ...
+        raise InvalidRequestError(field, f"{shown}: not a usable file path") from None
 
 
 async def _download(url: str, field: str, policy: MediaPolicy) -> bytes:

@@ -9,11 +9,23 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 
 
+def unicode_text(value):
+    """JSON may carry lone surrogates (\\ud800), which are not text: refuse them here, naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("contains a lone surrogate: not valid Unicode text") from None
+    return value
+
+
 class ReferenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     audio: str | None = None  # data: URL, file:// URL or path, or http(s) URL when enabled
     audio_path: str | None = None  # SGLang-Omni's name for a local path
     text: str = Field(min_length=1)
+
+    _text_only = field_validator("audio", "audio_path", "text")(unicode_text)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -48,6 +60,8 @@ class SpeechRequest(BaseModel):
     min_new_tokens: int | None = Field(None, ge=0, le=4096)
     initial_codec_chunk_frames: int | None = Field(None, ge=0, le=1024)
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens frames
+
+    _text_only = field_validator("input", "ref_text", "ref_audio", "instructions", "voice", "model")(unicode_text)
 
     @field_validator("voice", mode="before")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -22,6 +23,8 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "
 VLLM_OMNI_PRESETS = frozenset({"vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna",
                                "sohee"})  # Qwen3-TTS's speakers; "vivian" is vLLM-Omni's default
 PRESET_VOICES = OPENAI_VOICES | VLLM_OMNI_PRESETS | {"default"}
+
+log = logging.getLogger(__name__)
 
 
 class VoiceExists(InvalidRequestError):
@@ -76,7 +79,10 @@ class VoiceStore:
     def list(self) -> list[VoiceInfo]:
         out = []
         for meta in sorted(self.root.glob("*/meta.json")):
-            out.append(VoiceInfo(**json.loads(meta.read_text())))
+            try:
+                out.append(VoiceInfo(**json.loads(meta.read_text())))
+            except (OSError, ValueError, TypeError) as e:  # one broken voice must not hide the others
+                log.warning("skipping the stored voice in %s: unreadable meta.json (%s)", meta.parent, e)
         return out
 
     def delete(self, name: str) -> None:
@@ -93,7 +99,11 @@ class VoiceStore:
         folder = self._dir(name) if NAME.fullmatch(name) else None
         if folder is None or not (folder / "meta.json").exists():
             raise UnknownVoice("voice", f"unknown voice {name!r}")
-        info = json.loads((folder / "meta.json").read_text())
+        try:
+            info = json.loads((folder / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            log.warning("stored voice %s has an unreadable meta.json (%s)", name, e)
+            raise InvalidRequestError("voice", f"the stored voice {name!r} is damaged; upload it again") from None
         if (folder / "features.npz").exists():
             with np.load(folder / "features.npz") as stored:
                 features = {k: torch.from_numpy(stored[k]) for k in stored.files}
