@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def read_audio(source: str | Path | bytes, field: str = "ref_audio", max_seconds
         data, rate = sf.read(io.BytesIO(source) if isinstance(source, bytes) else str(source),
                              dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
-        raise InvalidRequestError(field, f"{label}: not a readable audio file ({e})") from None
+        reason = re.sub(r"<[^>]* at 0x[0-9a-f]+>", "the data", str(e))  # no object addresses in answers
+        raise InvalidRequestError(field, f"{label}: not a readable audio file ({reason})") from None
     if data.shape[0] == 0:
         raise InvalidRequestError(field, f"{label}: audio is empty")
     check_sample_rate(int(rate), field)

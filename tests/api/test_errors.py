@@ -207,3 +207,39 @@ def test_a_damaged_stored_voice_is_skipped_in_the_list_and_refused_by_name(serve
     import shutil
 
     shutil.rmtree(meta.parent)  # the session's server is shared: leave no damaged voice behind
+
+
+def test_a_chunked_body_over_the_limit_is_a_413_before_it_is_read_whole(tiny_cache, tmp_path):
+    s = start_server(tmp_path, tiny_cache)
+    try:
+        def body(size: int):
+            sent = 0
+            while sent < size:  # a generator body: httpx sends it chunked, with no content-length
+                part = b" " * min(1 << 20, size - sent)
+                sent += len(part)
+                yield part
+
+        big = httpx.post(s.url("/v1/audio/speech"), content=body(64 << 20), timeout=60,
+                         headers={"content-type": "application/json"})
+        assert big.status_code == 413
+        small = httpx.post(s.url("/v1/audio/speech"), timeout=60, headers={"content-type": "application/json"},
+                           content=iter([b'{"input": "Chunked', b' but small.", "max_new_tokens": 5}']))
+        assert small.status_code == 200 and small.content[:4] == b"RIFF"
+    finally:
+        stop_server(s)
+
+
+def test_vllm_omni_voice_upload_form_is_accepted(server, reference_wav):
+    files = {"audio_sample": ("ref.wav", reference_wav.read_bytes(), "audio/wav")}
+    r = httpx.post(server.url("/v1/audio/voices"), timeout=60, files=files,
+                   data={"name": "omni-form", "ref_text": "A reference.", "consent": "true"})
+    assert r.status_code == 201, r.text
+    assert speech_ok(server, voice="omni-form")
+    missing = httpx.post(server.url("/v1/audio/voices"), timeout=60, files=files, data={"name": "no-text"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "transcript"
+    httpx.delete(server.url("/v1/audio/voices/omni-form"))
+
+
+def speech_ok(server, **body) -> bool:
+    r = httpx.post(server.url("/v1/audio/speech"), json={"input": "Hi.", "max_new_tokens": 5, **body}, timeout=60)
+    return r.status_code == 200 and r.content[:4] == b"RIFF"

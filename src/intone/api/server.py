@@ -107,10 +107,28 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             refusal = self._refusal(scope)
+            if refusal is None and "content-length" not in Headers(scope=scope):
+                receive, refusal = await self._bounded_body(receive)
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    async def _bounded_body(self, receive):
+        """A body without a declared length (chunked) is read here up to the limit, then replayed
+        to the route; over the limit it is a 413 before anything else reads it."""
+        limit, parts, size = self.settings.max_body_bytes, [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before the body ended
+                return _replay([message], receive), None
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > limit:
+                return receive, JSONResponse(error_body(f"request body over {limit} bytes"), 413)
+            if not message.get("more_body", False):
+                body = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+                return _replay([body], receive), None
 
     def _refusal(self, scope) -> JSONResponse | None:
         settings, path = self.settings, scope["path"]
@@ -126,6 +144,15 @@ class Guard:
         if engine is not None and engine.dead and path.startswith("/v1/audio"):
             return JSONResponse(error_body(f"engine is dead: {engine.dead}", None, "server_error", "engine_dead"), 503)
         return None
+
+
+def _replay(messages: list, receive):
+    """A receive channel that hands out `messages` first, then the client's own (its disconnect)."""
+    pending = list(messages)
+
+    async def replayed():
+        return pending.pop(0) if pending else await receive()
+    return replayed
 
 
 def _install_routes(app: FastAPI) -> None:
@@ -161,12 +188,17 @@ def _install_routes(app: FastAPI) -> None:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/audio/voices", status_code=201)
-    async def add_voice(request: Request, name: str = Form(...), transcript: str = Form(...),
+    async def add_voice(request: Request, name: str = Form(...), transcript: str | None = Form(None),
+                        ref_text: str | None = Form(None), consent: str | None = Form(None),
                         audio: UploadFile | None = File(None), audio_sample: UploadFile | None = File(None)):
+        """Ours (audio, transcript) or vLLM-Omni's upload form (audio_sample, ref_text, consent)."""
         state = request.app.state
         upload = audio or audio_sample
         if upload is None:
             raise InvalidRequestError("audio", "a file is required")
+        transcript = transcript if transcript is not None else ref_text
+        if not transcript:
+            raise InvalidRequestError("transcript", "the reference's transcript is required (or ref_text)")
         limit = state.settings.media.max_bytes
         data = await upload.read(limit + 1)
         if len(data) > limit:

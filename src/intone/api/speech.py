@@ -76,7 +76,8 @@ def refuse(chunk: AudioChunk) -> JSONResponse:
     status = ERROR_STATUS.get(chunk.error_code or "internal", 500)
     headers = {"Retry-After": "1"} if chunk.error_code == "queue_full" else None
     param = chunk.error_field if chunk.error_code != "internal" else None
-    return JSONResponse(error_body(chunk.error, param, code=chunk.error_code), status, headers=headers)
+    kind = "invalid_request_error" if status < 500 else "server_error"  # queue full: the server's state
+    return JSONResponse(error_body(chunk.error, param, kind, code=chunk.error_code), status, headers=headers)
 
 
 async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> SynthesisRequest:
