@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
+from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.frontend_stage import FrontendStage, Prepared
@@ -68,7 +69,8 @@ class EngineCore:
         self.policy = dataclasses.replace(
             policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
-        self.codec = model.make_codec_stage(profile.codec)
+        self.codec = model.make_codec_stage(profile.codec) or CodecStage(
+            model, profile.codec.max_batch, profile.codec.max_padded_frames)
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20)
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived

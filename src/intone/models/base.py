@@ -157,13 +157,9 @@ class TTSModel(abc.ABC):
         return True
 
     def make_codec_stage(self, config):
-        """The stage that turns planned chunks into audio (default: windows through `decode`).
-
-        config: the profile's `codec` section.
-        """
-        from intone.engine.codec_stage import CodecStage
-
-        return CodecStage(self, config.max_batch, config.max_padded_frames)
+        """A codec stage of the model's own (CosyVoice3: flow + HiFT), or None: the engine's default
+        stage, which decodes windows through `decode`. config: the profile's `codec` section."""
+        return None
 
     # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from intone.models.cosyvoice3.hift import RAND_INI_KEY, SINE_NOISE_KEY, HiFTConfig
+from intone.models.cosyvoice3.hift_config import RAND_INI_KEY, SINE_NOISE_KEY, HiFTConfig
 from intone.models.cosyvoice3.hift_source import OFFICIAL_NOISE_SAMPLES
 
 FLOW_NOISE_KEY = "flow.decoder.rand_noise"
