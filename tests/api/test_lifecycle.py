@@ -96,11 +96,11 @@ def test_shutdown_ends_in_flight_streams_cleanly(tiny_cache, tiny_fish_dir, tmp_
 
     from tests.api.conftest import start_server
 
-    s = start_server(tmp_path, tiny_cache)
+    s = start_server(tmp_path, tiny_cache, "--drain-seconds", "2")
     got = {}
 
     def listen():
-        body = {"input": "A long stream.", "seed": 1, "max_new_tokens": 2000, "stream": True,
+        body = {"input": "A long stream.", "seed": 1, "max_new_tokens": 2000, "stream": True, "ignore_eos": True,
                 "stream_format": "audio", "response_format": "pcm", "temperature": 0.8}
         try:
             with httpx.stream("POST", s.url("/v1/audio/speech"), json=body, timeout=60) as r:
@@ -119,6 +119,7 @@ def test_shutdown_ends_in_flight_streams_cleanly(tiny_cache, tiny_fish_dir, tmp_
     assert s.process.wait(40) in (0, -signal.SIGTERM)
     t.join(30)
     assert not t.is_alive() and got.get("status") == 200
+    assert got.get("error") == "RemoteProtocolError"  # cut, so the client knows the audio is not whole
     log = s.log.read_text()
     assert "aborting in-flight requests" in log and "Application shutdown complete" in log
 
@@ -220,3 +221,27 @@ def test_a_hung_engine_turns_health_to_503_and_metrics_still_answer(tiny_cache, 
     finally:
         os.kill(engine, signal.SIGCONT)
         stop_server(s)
+
+
+def test_a_whole_response_cut_by_shutdown_is_a_503_to_retry(tiny_cache, tiny_fish_dir, tmp_path):
+    import signal
+    import threading
+    import time
+
+    from tests.api.conftest import start_server
+
+    s = start_server(tmp_path, tiny_cache, "--drain-seconds", "1")
+    got = {}
+
+    def ask():
+        body = {"input": "A long answer.", "seed": 1, "max_new_tokens": 2000, "ignore_eos": True}
+        got["r"] = httpx.post(s.url("/v1/audio/speech"), json=body, timeout=60)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(2)
+    s.process.send_signal(signal.SIGTERM)
+    t.join(40)
+    assert s.process.wait(40) in (0, -signal.SIGTERM)
+    r = got["r"]
+    assert r.status_code == 503 and r.headers.get("retry-after") and r.json()["error"]["code"] == "aborted"

@@ -25,7 +25,7 @@ from intone.engine.request import AudioChunk, SynthesisRequest
 from intone.errors import InvalidRequestError
 
 DISCONNECT_POLL_S = 0.25  # how often a whole response's handler checks that its client is still there
-ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "internal": 500}
+ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "aborted": 503, "internal": 500}
 # What `stream: true` without `stream_format` means, per --sse-dialect
 DIALECT_ANSWERS = {"openai": "sse", "sglang": "sglang", "audio": "audio"}
 
@@ -74,7 +74,7 @@ class Outcome:
 
 def refuse(chunk: AudioChunk) -> JSONResponse:
     status = ERROR_STATUS.get(chunk.error_code or "internal", 500)
-    headers = {"Retry-After": "1"} if chunk.error_code == "queue_full" else None
+    headers = {"Retry-After": "1"} if chunk.error_code in ("queue_full", "aborted") else None
     param = chunk.error_field if chunk.error_code != "internal" else None
     kind = "invalid_request_error" if status < 500 else "server_error"  # queue full: the server's state
     return JSONResponse(error_body(chunk.error, param, kind, code=chunk.error_code), status, headers=headers)
@@ -126,6 +126,7 @@ async def answer(body: SpeechRequest, request: Request) -> Response:
             if first is None:
                 outcome.reason = "disconnect"
                 return Response(status_code=499)
+        first = _cut_if_aborted(first)
         if first.error:
             state.metrics.finished("rejected")
             return refuse(first)
@@ -176,16 +177,31 @@ def _encode_whole(parts: list[np.ndarray], sr: int, fmt: str) -> bytes:
 
 
 async def _first_unless_gone(stream, request: Request):
-    """The stream's next chunk, or None (and the request aborted) if the client disconnects first."""
+    """The stream's next chunk, or None (and the request aborted) if the client disconnects first.
+    If the server cancels this handler (its drain deadline passed), the answer is a 503 chunk."""
     task = asyncio.ensure_future(stream.__anext__())
-    while not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await task  # the engine stream's cleanup (its abort) has run
-            return None
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                await _stop(task)
+                return None
+    except asyncio.CancelledError:
+        await _stop(task)
+        return _shutdown_chunk()
     return task.result()
+
+
+async def _stop(task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await task  # the engine stream's cleanup (its abort) has run
+
+
+def _shutdown_chunk() -> AudioChunk:
+    chunk = AudioChunk(request_id="", seq=-1, start_frame=0, end_frame=0, audio=np.zeros(0, np.float32),
+                       sample_rate=0, finished=True, stop_reason="abort")
+    return _cut_if_aborted(chunk)
 
 
 async def _whole_file(body, request: Request, first, stream, outcome: Outcome, sr: int) -> Response:
@@ -195,15 +211,19 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
     async def collect():
         async for chunk in stream:
             outcome.see(chunk)
-            chunks.append(chunk)
+            chunks.append(_cut_if_aborted(chunk))
 
     task = asyncio.ensure_future(collect()) if not first.finished else None
-    while task is not None and not task.done():
-        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if not task.done() and await request.is_disconnected():
-            task.cancel()
-            outcome.reason = "disconnect"
-            return Response(status_code=499)
+    try:
+        while task is not None and not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                await _stop(task)
+                outcome.reason = "disconnect"
+                return Response(status_code=499)
+    except asyncio.CancelledError:  # the server's drain deadline passed
+        await _stop(task)
+        return refuse(_shutdown_chunk())
     if task is not None:
         task.result()
     last = chunks[-1]
@@ -231,6 +251,14 @@ class StreamCut(Exception):
     connection without the body's proper end: the client cannot mistake cut audio for all of it."""
 
 
+def _cut_if_aborted(chunk: AudioChunk) -> AudioChunk:
+    """An abort the client did not ask for (the server is shutting down) ends the answer as an error:
+    the audio so far is not the whole utterance."""
+    if chunk.finished and chunk.stop_reason == "abort" and not chunk.error:
+        chunk.error, chunk.error_code = "the server stopped this request (shutting down); retry", "aborted"
+    return chunk
+
+
 async def _chunks(first, stream, outcome: Outcome):
     """The request's chunks; if the engine dies meanwhile, a terminal error chunk says so."""
     yield first
@@ -239,7 +267,7 @@ async def _chunks(first, stream, outcome: Outcome):
     try:
         async for chunk in stream:
             outcome.see(chunk)
-            yield chunk
+            yield _cut_if_aborted(chunk)
     except EngineDead as e:
         outcome.reason = "error"
         yield AudioChunk(request_id=first.request_id, seq=-1, start_frame=0, end_frame=0,

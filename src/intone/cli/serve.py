@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
     p.add_argument("--engine-silence-seconds", type=float, default=10.0,
                    help="/health answers 503 once the engine core has been silent this long (hung)")
+    p.add_argument("--drain-seconds", type=float, default=120.0,
+                   help="on SIGTERM, how long in-flight requests may take to finish (then: 503 / cut streams)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -60,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
         engine_silence_s=args.engine_silence_seconds,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=args.drain_seconds)
     return 0
