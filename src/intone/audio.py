@@ -21,6 +21,8 @@ def read_audio(source: str | Path | bytes, field: str = "ref_audio", max_seconds
     label = "data" if isinstance(source, bytes) else str(source)
     if not isinstance(source, bytes) and not Path(source).is_file():
         raise InvalidRequestError(field, f"{label}: no such file")
+    if max_seconds is not None:
+        _check_declared_length(source, label, field, max_seconds)
     try:
         data, rate = sf.read(io.BytesIO(source) if isinstance(source, bytes) else str(source),
                              dtype="float32", always_2d=True)
@@ -35,6 +37,18 @@ def read_audio(source: str | Path | bytes, field: str = "ref_audio", max_seconds
     if not np.isfinite(data).all():
         raise InvalidRequestError(field, f"{label}: audio contains NaN or infinite samples")
     return torch.from_numpy(data.mean(axis=1)), int(rate)
+
+
+def _check_declared_length(source, label: str, field: str, max_seconds: float) -> None:
+    """Refuse by the header's length before decoding anything (two hours of FLAC silence would
+    otherwise be decoded whole, seconds of CPU and gigabytes, just to be refused)."""
+    try:
+        info = sf.info(io.BytesIO(source) if isinstance(source, bytes) else str(source))
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        return  # unreadable: sf.read below says so, naming the field
+    if info.samplerate > 0 and info.frames > 0 and info.frames / info.samplerate > max_seconds:
+        raise InvalidRequestError(field, f"{label}: audio is {info.frames / info.samplerate:.1f} s, "
+                                         f"over the {max_seconds:g} s limit")
 
 
 def write_wav(path: str | Path, audio: Tensor | np.ndarray, sample_rate: int) -> None:

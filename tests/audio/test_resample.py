@@ -74,3 +74,15 @@ def test_cosyvoice3_resampler_takes_odd_rates_without_a_bank():
     x = torch.randn(16001 * 2, generator=torch.Generator().manual_seed(0))
     y = official_resample(x, 16001, 24000)
     assert y.shape == (48000,) and torch.isfinite(y).all()
+
+
+def test_a_long_compressed_reference_is_refused_by_its_header_before_decoding(tmp_path):
+    import time
+
+    path = tmp_path / "long.flac"
+    sf.write(path, np.zeros(16000 * 60 * 60, np.float32), 16000, format="FLAC")  # an hour of silence
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError) as e:
+        read_audio(path.read_bytes(), field="ref_audio", max_seconds=30)
+    assert e.value.field == "ref_audio" and "3600.0 s" in str(e.value)
+    assert time.perf_counter() - start < 0.1  # the header only: decoding it all takes ~1 s
