@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, encoder, fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, encoder, ar-timing, cosy-frontend, fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, cosy-engine, profile-fish, profile-cosy
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
@@ -16,8 +16,10 @@ for stage in "$@"; do
   case $stage in
     tests) timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
-    gpu-new) timeout 300 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py -x -p no:cacheprovider 2>&1 | tail -15 ;;
+    gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py -p no:cacheprovider 2>&1 | tail -15 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
+    ar-timing) timeout 400 python3 tools/ar_step_timing.py 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
+    cosy-frontend) timeout 200 python3 tools/cosy_frontend_timing.py 2>&1 | tee "$OUT/cosy-frontend.txt" | tail -20 ;;
     fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
         --num-requests "$N" --output-dir "$OUT/fish-http" 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/fish-http/server.log"; grep -A12 "Where the time" "$OUT/fish-http/report.md" ;;
@@ -40,6 +42,7 @@ for stage in "$@"; do
     profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-full-response --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
+  rm -rf "$OUT"/*/dataset  # the generated clips: too many files to bring back
   summary+=("$stage: $(( $(date +%s) - start )) s")
 done
 printf '%s\n' "${summary[@]}"

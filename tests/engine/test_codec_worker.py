@@ -1,5 +1,7 @@
 """The codec on its own worker thread: the same chunks as decoding in the loop, nothing left after aborts."""
 
+import time
+
 import numpy as np
 
 from intone.engine.config import load_profile
@@ -48,7 +50,8 @@ def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fi
     assert snap["live_requests"] == 0 and snap["kv_tables"] == 0 and snap["planner_requests"] == 0
 
 
-def test_batches_waiting_for_the_worker_are_decoded_together_in_order(tiny_fish):
+def _gated_worker(tiny_fish, max_call):
+    """A worker whose decode calls wait for `gate`; calls records the request ids of each call."""
     import threading
 
     import torch
@@ -62,35 +65,86 @@ def test_batches_waiting_for_the_worker_are_decoded_together_in_order(tiny_fish)
     gate, calls, decode = threading.Event(), [], stage.run
 
     def gated(items):
-        calls.append(len(items))
+        calls.append([req.request_id for req, _ in items])
         gate.wait(10)
         return decode(items)
     stage.run = gated
     g = torch.Generator().manual_seed(0)
-    batches = []
-    for b in range(3):
+    items = {}
+    for b in range(4):
         req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
         req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
-        batches.append([(req, Chunk(req.request_id, 0, 12 + b, 0, True))])
-    worker = CodecWorker(stage, tiny_fish.device)
-    worker.submit(batches[0], [12])
-    while not calls:  # the worker is inside its first decode
-        threading.Event().wait(0.01)
-    for items in batches[1:]:
-        worker.submit(items, [12])
-    gate.set()
+        items[req.request_id] = (req, Chunk(req.request_id, 0, 12 + b, 0, True))
+    return CodecWorker(stage, tiny_fish.device, max_call=max_call), gate, calls, items, decode
+
+
+def _drain(worker, count):
     got = []
-    while len(got) < 3:
+    while sum(len(d.items) for d in got) < count:
         worker.wait(1.0)
         got += worker.collect()
     worker.close()
-    assert calls == [1, 2]  # the two that waited went in one call
-    assert [d.items for d in got] == batches
+    return got
+
+
+def _until_busy(calls):
+    import threading
+
+    while not calls:  # the worker is inside its first decode
+        threading.Event().wait(0.01)
+
+
+def test_chunks_waiting_for_the_worker_go_into_one_call_in_order(tiny_fish):
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None)
+    worker.submit([items["r0"]], [12])
+    _until_busy(calls)
+    worker.submit([items["r1"], items["r2"]], [13, 14])
+    worker.submit([items["r3"]], [15])
+    gate.set()
+    got = _drain(worker, 4)
+    assert calls == [["r0"], ["r1", "r2", "r3"]]
     for d in got:
-        (req, chunk), = d.items
-        # the same window as decoded alone (to float rounding: batch shapes differ)
-        assert np.allclose(d.audio[0], decode([(req, chunk)])[0], atol=1e-4)
-    assert abs(sum(d.share for d in got) - len(calls)) < 1e-9
+        for (req, chunk), audio, tokens in zip(d.items, d.audio, d.tokens):
+            assert tokens == 12 + int(req.request_id[1:])
+            # the same window as decoded alone (to float rounding: batch shapes differ)
+            assert np.allclose(audio, decode([(req, chunk)])[0], atol=1e-4)
+
+
+def test_waiting_chunks_are_decoded_earliest_deadline_first_in_full_calls(tiny_fish):
+    """With deadlines, each next call takes up to max_call waiting chunks, the earliest deadlines
+    first (a new stream's first chunk ahead of the backlog)."""
+    worker, gate, calls, items, _ = _gated_worker(tiny_fish, max_call=2)
+    worker.submit([items["r0"]], [12], [5.0])
+    _until_busy(calls)
+    worker.submit([items["r1"], items["r2"]], [13, 14], [10.0, 3.0])
+    worker.submit([items["r3"]], [15], [7.0])
+    assert worker.queued == 3 and worker.in_flight == 4
+    gate.set()
+    _drain(worker, 4)
+    assert calls == [["r0"], ["r2", "r3"], ["r1"]]
+    assert worker.in_flight == 0 and worker.queued == 0
+
+
+def test_a_streams_later_chunks_are_due_when_its_earlier_audio_has_played(tiny_fish):
+    profile = load_profile("fish-s2-default", device="cpu", **{"codec.schedule": "deadline"})
+    core = EngineCore(tiny_fish, profile)
+    core.add_request(SynthesisRequest("d", "A deadline for every chunk.", params=SamplingParams(seed=3, max_new_tokens=60)))
+    due, submit = [], core.codec_worker.submit
+
+    def record(items, tokens, deadlines):
+        due.extend((c.start, d) for (_, c), d in zip(items, deadlines))
+        submit(items, tokens, deadlines)
+    core.codec_worker.submit = record
+    arrived = core._preparing.get("d") or time.perf_counter()
+    while core.has_work():
+        core.step()
+    core.close()
+    assert len(due) > 2 and due[0][0] == 0 and due[0][1] <= arrived
+    fps = tiny_fish.sample_rate / tiny_fish.samples_per_frame
+    anchor = due[1][1] - due[1][0] / fps
+    for start, deadline in due[1:]:
+        assert abs(deadline - (anchor + start / fps)) < 1e-6
+    assert [d for _, d in due] == sorted(d for _, d in due)
 
 
 def test_a_whole_response_is_one_chunk_decoded_in_one_pass(tiny_fish):

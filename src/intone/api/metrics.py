@@ -30,6 +30,10 @@ ENGINE_COUNTERS = {
     "frontend_clips": ("intone_frontend_clips", "Reference clips encoded by the frontend"),
     "graph_replays": ("intone_graph_replays", "Decode steps run by replaying a captured CUDA graph"),
     "eager_decode_steps": ("intone_eager_decode_steps", "Decode steps run eagerly (no graph)"),
+    "frontend_graph_replays": ("intone_frontend_graph_replays",
+                               "Reference-frontend network calls replayed from a CUDA graph"),
+    "frontend_eager_runs": ("intone_frontend_eager_runs",
+                            "Reference-frontend network calls run eagerly (a shape without a graph)"),
     "steps": ("intone_engine_steps", "Engine steps"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
 }

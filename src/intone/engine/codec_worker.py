@@ -1,17 +1,22 @@
 """The codec stage on a worker thread of its own (and its own CUDA stream), beside the AR loop.
 
 The engine loop plans chunks and hands each step's batch of them to this worker; the next AR steps
-run while the codec decodes. Batches are decoded in the order they were handed over, so a request's
-chunks still come out in order, and the chunk contents do not depend on timing (the windows were
-fixed when the batch was planned); batches waiting when the worker turns to them are decoded
-together, in order, so the codec's calls grow with the backlog. A batch that raises is retried
-chunk by chunk; only a chunk that fails alone gets its exception as its result.
+run while the codec decodes. By default chunks are decoded in the order they were handed over, and
+each decode call takes every chunk waiting (so the calls grow with the backlog). With deadlines
+(`codec.schedule: deadline`), each chunk carries the moment its listener runs out of audio without
+it (its request's first chunk: at once), and each call takes the waiting chunks with the earliest
+deadlines, up to `max_call` (so a new stream's first chunk goes ahead of the backlog of running
+ones, and the worst-off stream next). Either way a request's chunks come out in order (their
+deadlines grow), and their contents do not depend on timing (the windows were fixed when they
+were planned). A call that raises is retried chunk by chunk; only a
+chunk that fails alone gets its exception as its result.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +32,6 @@ class DecodedBatch:
     audio: list  # per item: the samples (np.ndarray) or the exception its decode raised
     seconds: float  # wall time of the decode calls that carried this batch
     tokens: list[int]  # per item: the request's generated tokens when the chunk was planned
-    share: float = 1.0  # this batch's part of those calls (batches decoded together split them)
 
 
 def decode_batch(stage, items: list) -> list:
@@ -47,62 +51,64 @@ def decode_batch(stage, items: list) -> list:
 
 
 class CodecWorker:
-    def __init__(self, stage, device: torch.device):
+    def __init__(self, stage, device: torch.device, max_call: int | None = None):
         self.stage = stage
-        self._inbox: queue.Queue = queue.Queue()
+        self.max_call = max_call  # chunks per decode call (None: all that wait)
+        self._waiting: list = []  # heap of (deadline, order, item, tokens)
+        self._order = itertools.count()
         self._done: list[DecodedBatch] = []
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
         self._ready = threading.Event()
+        self._stop = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.in_flight = 0  # batches handed over and not yet collected
-        self._queued = 0  # chunks handed over that no decode call has taken yet
+        self.in_flight = 0  # chunks handed over and not yet collected
         self._thread = threading.Thread(target=self._work, name="intone-codec", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list, tokens: list[int]) -> None:
-        self.in_flight += 1
-        with self._lock:
-            self._queued += len(items)
-        self._inbox.put((items, tokens))
+    def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
+        """deadlines: per item (perf_counter seconds); None: as handed over."""
+        self.in_flight += len(items)
+        if deadlines is None:
+            deadlines = [time.perf_counter()] * len(items)
+        with self._wake:
+            for item, n, deadline in zip(items, tokens, deadlines):
+                heapq.heappush(self._waiting, (deadline, next(self._order), item, n))
+            self._wake.notify()
 
     @property
     def queued(self) -> int:
         """Chunks waiting for the worker (not yet in a decode call)."""
-        return self._queued
+        return len(self._waiting)
 
     def collect(self) -> list[DecodedBatch]:
         with self._lock:
             done, self._done = self._done, []
             self._ready.clear()
-        self.in_flight -= len(done)
+        self.in_flight -= sum(len(d.items) for d in done)
         return done
 
     def wait(self, timeout: float) -> None:
         self._ready.wait(timeout)
 
     def close(self) -> None:
-        self._inbox.put(None)
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
         self._thread.join(timeout=30)
 
     def _work(self) -> None:
-        stop = False
-        while not stop and (job := self._inbox.get()) is not None:
-            jobs = [job]
-            while True:  # everything handed over meanwhile goes into the same decode calls
-                try:
-                    more = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                jobs.append(more)
-            self._decode(jobs)
+        while True:
+            with self._wake:
+                while not self._waiting and not self._stop:
+                    self._wake.wait()
+                if self._stop:
+                    return
+                n = len(self._waiting) if self.max_call is None else min(self.max_call, len(self._waiting))
+                taken = [heapq.heappop(self._waiting) for _ in range(n)]
+            self._decode([t[2] for t in taken], [t[3] for t in taken])
 
-    def _decode(self, jobs: list) -> None:
-        items = [item for batch, _ in jobs for item in batch]
-        with self._lock:
-            self._queued -= len(items)
+    def _decode(self, items: list, tokens: list[int]) -> None:
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if self._stream is None:
@@ -110,11 +116,7 @@ class CodecWorker:
             else:
                 with torch.cuda.stream(self._stream):
                     audio = decode_batch(self.stage, items)
-        seconds = time.perf_counter() - start
-        done, at = [], 0
-        for batch, tokens in jobs:
-            done.append(DecodedBatch(batch, audio[at : at + len(batch)], seconds, tokens, len(batch) / len(items)))
-            at += len(batch)
+        decoded = DecodedBatch(items, audio, time.perf_counter() - start, tokens)
         with self._lock:
-            self._done.extend(done)
+            self._done.append(decoded)
             self._ready.set()

@@ -47,10 +47,15 @@ class CodecStageConfig(_Strict):
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
+    schedule: Literal["fifo", "deadline"] = Field(
+        "fifo", description="order of the chunks waiting for the codec worker: as handed over (each call takes "
+                            "all of them), or earliest listener deadline first (each call takes up to max_batch)")
 
 
 class FrontendConfig(_Strict):
     cache_mb: int = Field(256, ge=0, description="reference features kept by clip hash (MiB; 0: no cache)")
+    cuda_graphs: bool = Field(False, description="capture the frontend's networks per input shape at start-up and "
+                                                 "replay them (GPU; experimental: not yet seen to work over HTTP)")
 
 
 class ChunkingConfig(_Strict):

@@ -19,6 +19,7 @@ from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
+from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.frontend_stage import FrontendStage, Prepared
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.model_runner import ModelRunner, StepInput
@@ -78,17 +79,23 @@ class EngineCore:
         self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
         self.stats = EngineStats()
         self._start_up()
-        self.codec_worker = CodecWorker(self.codec, model.device) if profile.codec.overlap else None
+        deadline = profile.codec.schedule == "deadline"
+        self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.max_batch if deadline else None) \
+            if profile.codec.overlap else None
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
         then every CUDA graph the runner will replay (captures must see no other GPU work)."""
         start = time.perf_counter()
         gpu = self.model.device.type == "cuda"
+        self.frontend_graphs: FunctionGraphs | None = None
         if gpu:
             torch.backends.cudnn.benchmark = self.profile.codec.cudnn_benchmark
             log.info("start-up: warming the reference frontend's shapes")
-            self.model.warm_up_frontend()
+            # Graphs of the frontend's networks: their eager launches (thousands of small kernels
+            # per clip) would hold the GIL the engine loop needs.
+            self.frontend_graphs = FunctionGraphs() if self.profile.frontend.cuda_graphs else None
+            self.model.warm_up_frontend(self.frontend_graphs)
             if hasattr(self.codec, "warm_up"):
                 c = self.profile.chunking
                 log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)
@@ -102,8 +109,10 @@ class EngineCore:
             # Steps stay within what the graphs cover, unless one prompt alone is larger.
             self.scheduler.step_token_target = self.runner.max_graph_tokens
             self.stats.captured_graphs, self.stats.capture_seconds = report.graphs, report.seconds
-            log.info("captured %d CUDA graphs in %.1f s (%d failed and run eagerly); frontend warm-up %.1f s",
-                     report.graphs, report.seconds, report.failed, self.stats.warm_up_seconds)
+            front = self.frontend_graphs.report if self.frontend_graphs is not None else None
+            log.info("captured %d CUDA graphs in %.1f s (%d failed and run eagerly); frontend warm-up %.1f s "
+                     "(%d frontend graphs, %d failed)", report.graphs, report.seconds, report.failed,
+                     self.stats.warm_up_seconds, front.graphs if front else 0, front.failed if front else 0)
 
     def _default_kv_tokens(self) -> int:
         seats = self.profile.ar.max_num_seqs
@@ -226,7 +235,7 @@ class EngineCore:
 
     def snapshot(self) -> dict:
         """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
-        cache, graphs = self.frontend.cache, self.runner.graphs
+        cache, graphs, front = self.frontend.cache, self.runner.graphs, self.frontend_graphs
         return dict(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             live_requests=len(self.requests), planner_requests=len(self.planner), preparing=len(self._preparing),
@@ -241,6 +250,7 @@ class EngineCore:
             frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
             graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
             captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
+            frontend_graph_replays=front.replays if front else 0, frontend_eager_runs=front.eager if front else 0,
         )
 
     def close(self) -> None:
@@ -336,17 +346,28 @@ class EngineCore:
             self._deliver(DecodedBatch(items, audio, time.perf_counter() - start, tokens))
             return
         # Backpressure: the loop waits only while a full codec call's worth of chunks is already
-        # queued, so the worker's next call takes everything that finished meanwhile (large
-        # batches are what make the codec fast), and the queue stays bounded.
+        # queued, so the worker's next call is full (large batches are what make the codec fast),
+        # and the queue stays bounded.
         while self.codec_worker.queued >= self.profile.codec.max_batch:
             self.codec_worker.wait(1.0)
             for decoded in self.codec_worker.collect():
                 self._deliver(decoded)
-        self.codec_worker.submit(items, tokens)
+        by_deadline = self.profile.codec.schedule == "deadline"
+        self.codec_worker.submit(items, tokens, [self._deadline(req, c) for req, c in items] if by_deadline else None)
+
+    def _deadline(self, req: EngineRequest, chunk: Chunk) -> float:
+        """When the listener runs out of audio without this chunk: a first chunk is due since the
+        request arrived; a later one when the audio before it, played from the first chunk's
+        planning on, ends."""
+        now = time.perf_counter()
+        if req.times.first_planned is None:
+            req.times.first_planned = now
+            return req.times.arrived or now
+        return req.times.first_planned + chunk.start * self.model.samples_per_frame / self.model.sample_rate
 
     def _deliver(self, decoded: DecodedBatch) -> None:
         """Send the decoded chunks of live requests, in order; a request's last chunk releases it."""
-        self.stats.codec_seconds += decoded.seconds * decoded.share
+        self.stats.codec_seconds += decoded.seconds
         for req in {id(r): r for r, _ in decoded.items}.values():
             req.times.codec_s += decoded.seconds
         for (req, c), samples, generated in zip(decoded.items, decoded.audio, decoded.tokens):

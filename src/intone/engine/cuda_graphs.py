@@ -19,6 +19,7 @@ kernels on the same shapes, so the same bits a replay would give.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -236,3 +237,74 @@ class StepGraphs:
         decode = sorted(k for k, b in self._decode.items() if b.graph is not None)
         head = sorted(("head", r) for r, b in self._head.items() if b.graph is not None)
         return decode + head
+
+
+def _tensors(tree) -> list[Tensor]:
+    return list(tree) if isinstance(tree, (tuple, list)) else [tree]
+
+
+class FunctionGraphs:
+    """CUDA graphs of a model's fixed-shape functions outside the AR step (the reference frontend's
+    networks), keyed by name and input shapes. The engine makes one and hands it to the model at
+    start-up; the model captures each shape it will see (`capture`), and later calls `run`, which
+    replays the graph for those shapes or, for any other shape, calls the function eagerly. The
+    graphs share one memory pool of their own, so they are replayed one at a time (a lock)."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], list[Tensor]]] = {}
+        self._lock = threading.Lock()
+        self._last: torch.cuda.Event | None = None
+        self._pool = None
+        self.replays = self.eager = 0
+        self.report = CaptureReport()
+
+    @staticmethod
+    def key(name: str, inputs) -> tuple:
+        return (name, *((tuple(t.shape), t.dtype) for t in inputs))
+
+    def capture(self, name: str, fn: Callable, *inputs: Tensor) -> None:
+        """Capture fn(*inputs) for these shapes (start-up only: nothing else may use the GPU)."""
+        key = self.key(name, inputs)
+        if key in self._graphs or not inputs[0].is_cuda:
+            return
+        start = time.perf_counter()
+        static = [t.clone() for t in inputs]
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fn(*static)  # warm-up outside the capture (allocator, lazy init, plans)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = _tensors(fn(*static))
+            self._pool = graph.pool()
+            self._graphs[key] = (graph, static, out)
+            self.report.graphs += 1
+        except Exception:  # this shape runs eagerly instead
+            log.exception("cannot capture a CUDA graph for %s; it will run eagerly", key)
+            self.report.failed += 1
+            torch.cuda.synchronize()
+        self.report.seconds += time.perf_counter() - start
+
+    def run(self, name: str, fn: Callable, *inputs: Tensor) -> list[Tensor]:
+        """fn(*inputs) as a list of tensors: replayed when these shapes were captured."""
+        entry = self._graphs.get(self.key(name, inputs))
+        if entry is None:
+            self.eager += 1
+            return _tensors(fn(*inputs))
+        graph, static, out = entry
+        with self._lock:
+            if self._last is not None:  # the previous replay (maybe on another stream) is done with the buffers
+                torch.cuda.current_stream().wait_event(self._last)
+            for buffer, value in zip(static, inputs):
+                buffer.copy_(value)
+            graph.replay()
+            self.replays += 1
+            result = [t.clone() for t in out]
+            self._last = torch.cuda.Event()
+            self._last.record()
+            return result
+
+    def __len__(self) -> int:
+        return len(self._graphs)

@@ -81,6 +81,7 @@ class RequestTimes:
     prefill_s: float | None = None  # that step's wall time
     last_frame: float | None = None
     codec_s: float = 0.0  # wall time of the codec calls that carried its chunks
+    first_planned: float | None = None  # when its first chunk went to the codec (playback can start)
 
     def summary(self, now: float) -> dict[str, float]:
         """Seconds per stage: frontend, queue (ready -> scheduled), prefill, decode (prefill step

@@ -142,8 +142,11 @@ class TTSModel(abc.ABC):
                 out.append(e)
         return out
 
-    def warm_up_frontend(self) -> None:
-        """Run the reference frontend once per shape it will see, at start-up (default: nothing)."""
+    def warm_up_frontend(self, graphs=None) -> None:
+        """Run the reference frontend once per shape it will see, at start-up (default: nothing).
+
+        graphs: the engine's FunctionGraphs (GPU, graphs on), in which the model may capture
+        those shapes and through which it then runs them."""
 
     @abc.abstractmethod
     def history_row(self, generated: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:

@@ -16,6 +16,7 @@ from torch import nn
 from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.cosyvoice3 import features as fx
 from intone.models.cosyvoice3 import frontend as fe
+from intone.models.cosyvoice3 import frontend_networks as networks
 from intone.models.cosyvoice3 import tiny_onnx
 from intone.models.cosyvoice3.campplus_net import CamShape, export_campplus, random_campplus
 from intone.models.cosyvoice3.frontend import (
@@ -110,7 +111,7 @@ def test_tiny_files_load_into_the_torch_ports(ports, caplog):
 
 
 def test_backend_is_logged(files, caplog):
-    with caplog.at_level(logging.INFO, logger="intone.models.cosyvoice3.frontend"):
+    with caplog.at_level(logging.INFO, logger="intone.models.cosyvoice3.frontend_networks"):
         SpeechTokenizer(files["tokenizer"]).load()
         SpeakerEncoder(files["campplus"], backend="onnxruntime").load()
     text = caplog.text
@@ -261,7 +262,7 @@ def test_another_network_runs_on_onnxruntime(tmp_path, caplog):
     tok = _export(_OtherTokenizer(), (torch.zeros(1, 128, 40), torch.tensor([40], dtype=torch.int32)),
                   tmp_path / "speech_tokenizer_v3.onnx", ["feats", "feats_length"], ["indices"])
     spk = _export(_OtherEncoder(), (torch.zeros(1, 50, 80),), tmp_path / "campplus.onnx", ["input"], ["output"])
-    with caplog.at_level(logging.INFO, logger="intone.models.cosyvoice3.frontend"):
+    with caplog.at_level(logging.INFO, logger="intone.models.cosyvoice3.frontend_networks"):
         frontend = ReferenceFrontend(tmp_path).load()
     assert frontend.tokenizer.backend == "onnxruntime" and frontend.speaker_encoder.backend == "onnxruntime"
     assert "not the network of the torch port" in caplog.text
@@ -274,7 +275,7 @@ def test_another_network_runs_on_onnxruntime(tmp_path, caplog):
 
 
 def test_a_port_that_disagrees_with_onnxruntime_is_not_used(files, monkeypatch, caplog):
-    real = fe.speech_tokenizer_from_onnx
+    real = networks.speech_tokenizer_from_onnx
 
     def broken(graph):
         net = real(graph)
@@ -282,8 +283,8 @@ def test_a_port_that_disagrees_with_onnxruntime_is_not_used(files, monkeypatch, 
             net.quantizer.project_in.weight.neg_()
         return net
 
-    monkeypatch.setattr(fe, "speech_tokenizer_from_onnx", broken)
-    with caplog.at_level(logging.WARNING, logger="intone.models.cosyvoice3.frontend"):
+    monkeypatch.setattr(networks, "speech_tokenizer_from_onnx", broken)
+    with caplog.at_level(logging.WARNING, logger="intone.models.cosyvoice3.frontend_networks"):
         tokenizer = SpeechTokenizer(files["tokenizer"]).load()
     assert tokenizer.backend == "onnxruntime"
     assert "disagrees with onnxruntime" in caplog.text
@@ -347,3 +348,26 @@ def test_batch_on_cuda_matches_cpu(files):
         assert (a.speech_tokens == b.speech_tokens).double().mean().item() >= 0.97
         assert (a.prompt_mel - b.prompt_mel).abs().max().item() < 1e-3
         assert (a.speaker - b.speaker).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_frontend_graphs_give_the_eager_features_bitwise(files):
+    """The start-up graphs of both networks replace their eager runs without changing a bit for a
+    clip alone (CAM++ always runs so); a batch padded to a power of two keeps its tokens."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+    from intone.models.cosyvoice3.frontend import warm_up
+
+    eager = ReferenceFrontend(files["dir"]).load().to("cuda")
+    graphed = ReferenceFrontend(files["dir"]).load().to("cuda")
+    graphs = FunctionGraphs()
+    warm_up(graphed.tokenizer, graphed.speaker_encoder, graphs)
+    assert graphs.report.failed == 0 and len(graphs) > 10
+    items = [(_speech(s, 24000, seed=i), 24000) for i, s in enumerate((2.37, 5.9, 3.3))]
+    for batch in (items[:1], items):
+        for a, b in zip(graphed.extract_batch(batch), eager.extract_batch(batch)):
+            if len(batch) == 1:
+                assert torch.equal(a.speech_tokens, b.speech_tokens)
+            assert (a.speech_tokens == b.speech_tokens).double().mean().item() >= 0.97
+            assert torch.equal(a.speaker, b.speaker)
+            assert torch.equal(a.prompt_mel, b.prompt_mel)
+    assert graphs.replays >= 6 and graphs.eager == 0

@@ -63,9 +63,9 @@ class CosyVoice3(TTSModel):
         f = extract_reference(audio, sample_rate, self.speech_tokenizer, self.speaker_encoder, field=field)
         return {"speech_tokens": f.speech_tokens, "prompt_mel": f.prompt_mel, "speaker": f.speaker}
 
-    def warm_up_frontend(self) -> None:
+    def warm_up_frontend(self, graphs=None) -> None:
         if getattr(self.speech_tokenizer, "device", torch.device("cpu")).type == "cuda":
-            frontend_warm_up(self.speech_tokenizer, self.speaker_encoder)
+            frontend_warm_up(self.speech_tokenizer, self.speaker_encoder, graphs)
 
     def reference_features_batch(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio") -> list:
         """Many clips through the frontend's networks together (on the model's device when they

@@ -44,6 +44,7 @@ class FishS2(TTSModel):
         self.kv_layout = KVLayout(cfg.slow.n_layer, cfg.slow.n_kv_head, cfg.slow.head_dim)
         self.device = lm.slow_rope.device
         self.dtype = lm.text_model.model.norm.weight.dtype
+        self._encoder_graphs = None  # the engine's FunctionGraphs, once warm_up_frontend captured in it
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -133,15 +134,16 @@ class FishS2(TTSModel):
             except Exception as e:  # noqa: BLE001 - that clip's request is refused alone
                 wavs.append(e)
         live = [i for i, w in enumerate(wavs) if not isinstance(w, Exception)]
-        codes = encode_batch(self.codec, [wavs[i] for i in live]) if live else []
+        codes = encode_batch(self.codec, [wavs[i] for i in live], self._encoder_graphs) if live else []
         out: list = list(wavs)
         for i, c in zip(live, codes):
             out[i] = {"codes": c}
         return out
 
-    def warm_up_frontend(self) -> None:
+    def warm_up_frontend(self, graphs=None) -> None:
         if self.codec_device_type == "cuda":
-            warm_up_encoder(self.codec)
+            warm_up_encoder(self.codec, graphs)
+            self._encoder_graphs = graphs
 
     @property
     def codec_device_type(self) -> str:

@@ -20,7 +20,7 @@ from intone.models.fish_s2.codec import FishCodec
 FRAME_BUCKET = 43  # frames (~2.0 s at 44.1 kHz / 2048)
 MAX_ROWS = 16
 MAX_BATCH_FRAMES = MAX_ROWS * 4 * FRAME_BUCKET  # rows x padded frames per call (16 clips of 8 s)
-WARM_UP_SECONDS = (2, 4, 6, 8, 10)  # the usual reference lengths, primed at start-up
+WARM_UP_SECONDS = 10  # every length bucket up to this, primed at start-up
 
 
 def bucket_frames(frames: int) -> int:
@@ -42,9 +42,16 @@ def plan_calls(frames: list[int]) -> list[list[int]]:
     return calls
 
 
+def _encode(codec: FishCodec, batch: Tensor, graphs) -> Tensor:
+    if graphs is None:
+        return codec.encode(batch)
+    return graphs.run("fish encoder", codec.encode, batch)[0]
+
+
 @torch.inference_mode()
-def encode_batch(codec: FishCodec, wavs: list[Tensor]) -> list[Tensor]:
-    """44.1 kHz mono clips [N] -> codes [K, ceil(N / hop)] each (int64, CPU)."""
+def encode_batch(codec: FishCodec, wavs: list[Tensor], graphs=None) -> list[Tensor]:
+    """44.1 kHz mono clips [N] -> codes [K, ceil(N / hop)] each (int64, CPU); the encoder replayed
+    from `graphs` (an engine's FunctionGraphs) where `warm_up_encoder` captured its shape."""
     hop = codec.hop_length
     device = next(codec.parameters()).device
     frames = [max(1, math.ceil(w.shape[0] / hop)) for w in wavs]
@@ -54,23 +61,26 @@ def encode_batch(codec: FishCodec, wavs: list[Tensor]) -> list[Tensor]:
         batch = torch.zeros(bucket_rows(len(call)), padded, dtype=torch.float32)
         for row, i in enumerate(call):
             batch[row, : wavs[i].shape[0]] = wavs[i]
-        codes = codec.encode(batch.to(device, non_blocking=True)).cpu()
+        codes = _encode(codec, batch.to(device, non_blocking=True), graphs).cpu()
         for row, i in enumerate(call):
             out[i] = codes[row, :, : frames[i]].clone()
     return out
 
 
 @torch.inference_mode()
-def warm_up_encoder(codec: FishCodec) -> int:
-    """Encode silence once per (rows, length) bucket of the usual reference lengths; returns the count."""
+def warm_up_encoder(codec: FishCodec, graphs=None) -> int:
+    """Encode silence once per (rows, length) bucket of the usual reference lengths (captured in
+    `graphs` too, when given); returns the count."""
     device = next(codec.parameters()).device
     hop, rate = codec.hop_length, codec.sample_rate
     shapes = 0
-    for seconds in WARM_UP_SECONDS:
-        length = bucket_frames(math.ceil(seconds * rate / hop))
+    for length in range(FRAME_BUCKET, bucket_frames(math.ceil(WARM_UP_SECONDS * rate / hop)) + 1, FRAME_BUCKET):
         rows = 1
         while rows <= MAX_ROWS and rows * length <= MAX_BATCH_FRAMES:
-            codec.encode(torch.zeros(rows, length * hop, device=device))
+            silence = torch.zeros(rows, length * hop, device=device)
+            codec.encode(silence)
+            if graphs is not None:
+                graphs.capture("fish encoder", codec.encode, silence)
             shapes += 1
             rows *= 2
     return shapes

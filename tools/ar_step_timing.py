@@ -1,0 +1,120 @@
+"""Diagnostic (GPU): the AR step's two graphs (decode forward, head) at serving shapes, as captured
+today and with the model's functions under torch.compile first (then captured the same way), with
+the difference between the two outputs.
+
+    python3 tools/ar_step_timing.py [--models fish-s2,cosyvoice3] [--rows 64] [--kv 1024]
+"""
+
+import argparse
+import time
+
+import torch
+
+from intone.engine.cuda_graphs import StepGraphs
+from intone.engine.kv_cache import KVCache
+from intone.models import load_model
+
+
+def timed(fn, reps=30):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def fill(graphs: StepGraphs, kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, seed=0):
+    """One decode key's buffers with a realistic batch: rows of lengths kv/2..kv over distinct blocks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    key = graphs.decode_key(rows, kv_tokens)
+    buf = graphs._decode_buffers(key)
+    per_row = key[1] // kv.block_size
+    lens = torch.randint(kv_tokens // 2, kv_tokens, (rows,), generator=g, device="cuda")
+    buf.x.copy_(torch.randn(rows, width, generator=g, device="cuda").to(dtype) * 0.5)
+    buf.positions.copy_(lens - 1)
+    buf.seq_lens.copy_(lens)
+    buf.tables.copy_(torch.arange(rows * per_row, device="cuda").view(rows, per_row))
+    buf.slots.copy_(buf.tables[:, 0] * kv.block_size + (lens - 1) % kv.block_size)
+    head = graphs._head_buffers(rows) if graphs.head_fn is not None else None
+    if head is not None:
+        s = head.sampling
+        s.temperature.fill_(0.8), s.top_p.fill_(0.8), s.top_k.fill_(30), s.repetition_penalty.fill_(1.0)
+        s.seeds.copy_(torch.arange(rows, device="cuda")), s.steps.fill_(5)
+        head.hidden.copy_(torch.randn(head.hidden.shape, generator=g, device="cuda").to(head.hidden.dtype))
+    return buf, head
+
+
+def variant(model, kv, rows, kv_tokens, compiled: bool):
+    decode_fn, head_fn = model.forward_decode, (model.head if model.head_is_static else None)
+    start = time.perf_counter()
+    if compiled:
+        decode_fn = torch.compile(decode_fn, dynamic=False)
+        head_fn = torch.compile(head_fn, dynamic=False) if head_fn is not None else None
+    width = model.embed(torch.zeros(1, dtype=torch.long, device="cuda"),
+                        torch.zeros(1, model.num_codebooks, dtype=torch.long, device="cuda")).shape[-1]
+    probe = model.forward_decode(torch.zeros(1, width, dtype=model.dtype, device="cuda"),
+                                 torch.zeros(1, dtype=torch.long, device="cuda"),
+                                 torch.full((1,), kv.scratch_slot, device="cuda"),
+                                 torch.full((1, 1), kv.num_blocks, device="cuda"),
+                                 torch.ones(1, dtype=torch.long, device="cuda"), kv)
+    graphs = StepGraphs(decode_fn, head_fn, kv, width, model.dtype, tuple(probe.shape[1:]), probe.dtype,
+                        model.history_width)
+    buf, head = fill(graphs, kv, rows, kv_tokens, width, model.dtype)
+    buf.capture(None)  # the first run inside compiles
+    if head is not None:
+        head.capture(buf.graph.pool())
+    setup = time.perf_counter() - start
+    out = dict(setup_s=round(setup, 1), decode_ms=timed(lambda: buf.graph.replay()))
+    out["decode_out"] = buf.out.float().clone()
+    if head is not None:
+        out["head_ms"] = timed(lambda: head.graph.replay())
+        head.graph.replay()
+        out["head_out"] = [t.clone() for t in head.out]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="fish-s2,cosyvoice3")
+    ap.add_argument("--rows", default="64")
+    ap.add_argument("--kv", type=int, default=1024)
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    for family in args.models.split(","):
+        dtype = torch.bfloat16 if family == "fish-s2" else torch.float32
+        model = load_model(f"random:{family}", device="cuda", dtype=dtype, codec_dtype=torch.float16)
+        for rows in map(int, args.rows.split(",")):
+            blocks = rows * (args.kv // 16) + 4
+            kv = KVCache(model.kv_layout, blocks, 16, model.dtype, model.device)
+            with torch.inference_mode():
+                base = variant(model, kv, rows, args.kv, compiled=False)
+                try:
+                    fused = variant(model, kv, rows, args.kv, compiled=True)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"{family} rows={rows}: compiled variant failed: {type(e).__name__}: {e}"[:2000])
+                    fused = None
+            line = f"{family} rows={rows} kv={args.kv}: decode graph {base['decode_ms']:.2f} ms"
+            if "head_ms" in base:
+                line += f", head graph {base['head_ms']:.2f} ms"
+            print(line)
+            if fused is not None:
+                diff = (fused["decode_out"] - base["decode_out"]).abs().max().item()
+                scale = base["decode_out"].abs().max().item()
+                line = (f"  compiled: decode {fused['decode_ms']:.2f} ms (max diff {diff:.3g} of {scale:.3g}), "
+                        f"compile+capture {fused['setup_s']} s")
+                if "head_ms" in fused:
+                    same = [float((a == b).float().mean()) for a, b in zip(base["head_out"], fused["head_out"])]
+                    line += f"; head {fused['head_ms']:.2f} ms (outputs equal: {same})"
+                print(line)
+            del kv
+            torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
