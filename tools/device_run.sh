@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, encoder, ar-timing, cosy-frontend, fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, cosy-engine, profile-fish, profile-cosy
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
@@ -19,6 +19,8 @@ for stage in "$@"; do
     gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py -p no:cacheprovider 2>&1 | tail -15 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
     ar-timing) timeout 400 python3 tools/ar_step_timing.py 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
+    probe) timeout 300 python3 tools/engine_probe.py ${PROBE:---model random:cosyvoice3 --set frontend.cuda_graphs=true} 2>&1 \
+        | tee "$OUT/probe.txt" | grep -v Warning | tail -60 ;;
     cosy-frontend) timeout 200 python3 tools/cosy_frontend_timing.py 2>&1 | tee "$OUT/cosy-frontend.txt" | tail -20 ;;
     fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
         --num-requests "$N" --output-dir "$OUT/fish-http" 2>&1 | grep -v "it/s\]" | tail -20
