@@ -16,3 +16,7 @@ class InvalidRequestError(IntoneError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class MediaTooLarge(InvalidRequestError):
+    """Media over the server's size limit: answered with 413."""

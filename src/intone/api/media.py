@@ -1,5 +1,5 @@
 """Reference audio from a request: data: URLs, local paths under an allowed directory, or
-http(s) URLs when the server allows them. Every failure names the field.
+http(s) URLs when the server allows them (`remote_media`: public hosts only). Every failure names the field.
 
 Decoding (base64, file reads, soundfile) runs in a worker thread: a few megabytes of reference
 audio per request must never stall the event loop that serves every other request's chunks."""
@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-import httpx
-
 from intone.audio import read_audio
-from intone.errors import InvalidRequestError
+from intone.api.remote_media import download
+from intone.errors import InvalidRequestError, MediaTooLarge
 from intone.models.base import VoiceReference
 
 
@@ -24,13 +23,10 @@ from intone.models.base import VoiceReference
 class MediaPolicy:
     allowed_local_dir: Path | None = None
     allow_remote: bool = False
+    allow_private: bool = False  # remote media from loopback / private networks too (never link-local)
     max_bytes: int = 10 * 1024 * 1024
     max_seconds: float = 30.0
     remote_timeout_s: float = 10.0
-
-
-class MediaTooLarge(InvalidRequestError):
-    """Answered with 413."""
 
 
 async def load_reference(source: str, text: str | None, field: str, policy: MediaPolicy) -> VoiceReference:
@@ -39,7 +35,7 @@ async def load_reference(source: str, text: str | None, field: str, policy: Medi
     if not source.startswith("data:") and urlparse(source).scheme in ("http", "https"):
         if not policy.allow_remote:
             raise InvalidRequestError(field, "http(s) URLs are disabled on this server (see --allow-remote-media)")
-        data = await _download(source, field, policy)
+        data = await download(source, field, policy)
         audio, rate = await asyncio.to_thread(_decode, data, field, policy)
     else:  # one hop to a worker thread for the whole fetch + decode
         audio, rate = await asyncio.to_thread(_load_sync, source, field, policy)
@@ -95,18 +91,3 @@ def _read_local(path_text: str, field: str, policy: MediaPolicy) -> bytes:
         return path.read_bytes()
     except (ValueError, RuntimeError, OSError):  # a NUL byte, a symlink loop, a name too long, ...
         raise InvalidRequestError(field, f"{shown}: not a usable file path") from None
-
-
-async def _download(url: str, field: str, policy: MediaPolicy) -> bytes:
-    try:
-        async with httpx.AsyncClient(timeout=policy.remote_timeout_s, follow_redirects=True) as client:
-            async with client.stream("GET", url) as response:
-                response.raise_for_status()
-                data = bytearray()
-                async for part in response.aiter_bytes():
-                    data += part
-                    if len(data) > policy.max_bytes:
-                        raise MediaTooLarge(field, f"download is over the {policy.max_bytes} byte limit")
-                return bytes(data)
-    except httpx.HTTPError as e:
-        raise InvalidRequestError(field, f"cannot download {url}: {e}") from None

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
-from intone.api.media import MediaPolicy, MediaTooLarge
+from intone.api.media import MediaPolicy
 from intone.api.metrics import ServerMetrics
 from intone.api.protocol import SpeechRequest, error_body
 from intone.api.speech import answer
@@ -23,7 +23,7 @@ from intone.audio import read_audio
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
 from intone.models import default_profile
-from intone.errors import IntoneError, InvalidRequestError
+from intone.errors import IntoneError, InvalidRequestError, MediaTooLarge
 
 log = logging.getLogger("intone.server")
 

@@ -16,7 +16,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="ref_audio may name local files under DIR (paths or file:// URLs)")
-    p.add_argument("--allow-remote-media", action="store_true", help="ref_audio may be an http(s) URL")
+    p.add_argument("--allow-remote-media", action="store_true",
+                   help="ref_audio may be an http(s) URL of a public host")
+    p.add_argument("--allow-private-media", action="store_true",
+                   help="with --allow-remote-media: loopback and private-network hosts too (never link-local)")
     p.add_argument("--voices-dir", default="voices", help="where uploaded voices are stored")
     p.add_argument("--max-input-chars", type=int, default=4096)
     p.add_argument("--max-reference-seconds", type=float, default=30.0)
@@ -55,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         model=args.model, profile=args.profile, served_model_name=args.served_model_name, api_key=args.api_key,
         media=MediaPolicy(
             allowed_local_dir=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-            allow_remote=args.allow_remote_media, max_seconds=args.max_reference_seconds,
+            allow_remote=args.allow_remote_media, allow_private=args.allow_private_media,
+            max_seconds=args.max_reference_seconds,
         ),
         voices_dir=Path(args.voices_dir), max_input_chars=args.max_input_chars, sse_dialect=args.sse_dialect,
         voice_aliases=dict(args.voice_alias), device=args.device, trace_frames=args.trace_frames,
