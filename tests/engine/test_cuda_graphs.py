@@ -136,3 +136,38 @@ def test_triton_snake_returns_the_torch_expression(dtype):
     ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1.0)
     assert ((got.float() - want.float()).abs() <= 2 * ulp).all()
     assert (got == want).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])
+def test_fused_elementwise_pieces_replay_bitwise_and_stay_close_to_eager(name, tiny_cache):
+    """ar.fuse_elementwise: the compiled norms / RoPE / gate are captured like any kernel (replay ==
+    the same eager static step, bit for bit) and change the step's output by float rounding only."""
+    from intone.ops import fused
+
+    model = load_model(str(resolve_model_dir(f"tiny:{name}")), device="cuda", dtype=torch.float32)
+    dev = torch.device("cuda")
+    x = torch.randn(4, model.embed(torch.zeros(1, dtype=torch.long, device=dev),
+                                   torch.zeros(1, model.num_codebooks, dtype=torch.long, device=dev)).shape[-1],
+                    device=dev)
+    kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cuda")
+    args = (torch.tensor([3, 7, 1, 0], device=dev), torch.tensor([3, 16 + 7, 32 + 1, 48], device=dev),
+            torch.arange(4, device=dev).view(4, 1), torch.tensor([4, 8, 2, 1], device=dev), kv)
+    with torch.inference_mode():
+        plain = model.forward_decode(x, *args).clone()
+        fused.use_compiled(True)
+        try:
+            eager = model.forward_decode(x, *args).clone()
+            blocks = BlockManager(256, 16)
+            cache = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+            graphed = ModelRunner(model, cache, blocks, cuda_graphs=True)
+            assert graphed.capture(8, 600).failed == 0
+            g = torch.Generator().manual_seed(0)
+            batch = _decodes(model, graphed, [5, 40, 17], g)
+            k0, v0 = cache.k.clone(), cache.v.clone()
+            a = graphed.run(batch)
+            cache.k.copy_(k0), cache.v.copy_(v0)
+            b = ModelRunner(model, cache, blocks, cuda_graphs=True).run(batch)
+        finally:
+            fused.use_compiled(False)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.codes, b.codes)
+    assert (eager - plain).abs().max().item() <= 1e-4 * max(1.0, plain.abs().max().item())

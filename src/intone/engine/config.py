@@ -30,6 +30,8 @@ class ARConfig(_Strict):
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = Field(True, description="replay captured graphs where the model has them (GPU only)")
+    fuse_elementwise: bool = Field(False, description="the AR's norms, RoPE and SwiGLU gate through torch.compile, "
+                                                      "one kernel each, inside the graphs (GPU only; see ops.fused)")
 
 
 class CodecStageConfig(_Strict):

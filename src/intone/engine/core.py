@@ -28,6 +28,7 @@ from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import SamplingParams, TTSModel
+from intone.ops import fused
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class EngineCore:
     def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None):
         self.model, self.profile, self.tracer = model, profile, tracer
         ar = profile.ar
+        fused.use_compiled(ar.fuse_elementwise and model.device.type == "cuda")  # before any AR forward
         kv_tokens = ar.kv_cache_tokens or self._default_kv_tokens()
         num_blocks = max(1, kv_tokens // ar.block_size)
         self.blocks = BlockManager(num_blocks, ar.block_size)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intone.engine.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
 from intone.engine.kv_cache import KVCache
+from intone.ops import fused
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused.rms_norm(x, self.weight, self.eps, torch.float32)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -66,11 +64,7 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D]; cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+apply_rope = fused.rope_halves  # x [T, H, D]; cos/sin [T, D]
 
 
 class Attention(nn.Module):
@@ -99,7 +93,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -3,33 +3,36 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from intone.ops import fused
 
 
 class RMSNorm(nn.Module):
-    """Normalises in fp32, casts back, then scales: the official order (it matters in bf16)."""
+    """Normalises in fp32 (fp64 stays fp64), casts back, then scales: the official order (it matters
+    in bf16). fusable: the AR's norms follow `ops.fused`'s switch; the codec's stay eager."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fusable: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fusable = eps, fusable
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 (fp64 stays fp64)
-        normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        norm = fused.rms_norm if self.fusable else fused.rms_norm_eager
+        return norm(x, self.weight, self.eps, torch.promote_types(x.dtype, torch.float32))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, fusable: bool = False):
         super().__init__()
+        self.fusable = fusable
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = fused.silu_mul if self.fusable else fused.silu_mul_eager
+        return self.w2(gate(self.w1(x), self.w3(x)))
 
 
 def rope_table(positions: int | Tensor, head_dim: int, base: float) -> Tensor:
@@ -50,15 +53,6 @@ def rope_table(positions: int | Tensor, head_dim: int, base: float) -> Tensor:
     return table.to(torch.bfloat16).float()
 
 
-def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate interleaved pairs (x[2i], x[2i+1]) — GPT-J style, not NeoX halves.
-
-    x: [..., T, H, D]; table: [..., T, D/2, 2] (already gathered at x's positions).
-    """
-    compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 models
-    xs = x.to(compute).reshape(*x.shape[:-1], -1, 2)
-    cos = table[..., 0].unsqueeze(-2).to(compute)  # [T, 1, D/2]
-    sin = table[..., 1].unsqueeze(-2).to(compute)
-    x0, x1 = xs[..., 0], xs[..., 1]
-    out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
-    return out.flatten(-2).type_as(x)
+# Rotate interleaved pairs (x[2i], x[2i+1]), GPT-J style, not NeoX halves; x [..., T, H, D], table
+# [..., T, D/2, 2] gathered at x's positions. The codec's (always eager); the AR calls ops.fused.rope_pairs.
+apply_rope = fused.rope_pairs_eager

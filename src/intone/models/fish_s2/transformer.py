@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from intone.engine.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
 from intone.engine.kv_cache import KVCache
 from intone.models.fish_s2.config import FishS2Config, TransformerShape
-from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
+from intone.models.fish_s2.layers import RMSNorm, SwiGLU, rope_table
+from intone.ops import fused
 
 # attend(q, k, v) with q [.., T, H, D] and k, v [.., T, H_kv, D] -> [.., T, H, D]
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -42,7 +43,7 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
         if self.qk_norm:  # before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = fused.rope_pairs(q, rope), fused.rope_pairs(k, rope)
         return self.wo(attend(q, k, v).flatten(-2))
 
 
@@ -50,9 +51,9 @@ class Block(nn.Module):
     def __init__(self, shape: TransformerShape, eps: float):
         super().__init__()
         self.attention = Attention(shape, eps)
-        self.feed_forward = SwiGLU(shape.dim, shape.intermediate_size)
-        self.attention_norm = RMSNorm(shape.dim, eps)
-        self.ffn_norm = RMSNorm(shape.dim, eps)
+        self.feed_forward = SwiGLU(shape.dim, shape.intermediate_size, fusable=True)
+        self.attention_norm = RMSNorm(shape.dim, eps, fusable=True)
+        self.ffn_norm = RMSNorm(shape.dim, eps, fusable=True)
 
     def forward(self, x: Tensor, rope: Tensor, attend: AttendFn) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope, attend)
@@ -66,7 +67,7 @@ class SlowModel(nn.Module):
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.slow.dim)
         self.layers = nn.ModuleList(Block(cfg.slow, cfg.norm_eps) for _ in range(cfg.slow.n_layer))
-        self.norm = RMSNorm(cfg.slow.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.slow.dim, cfg.norm_eps, fusable=True)
         if not cfg.tie_word_embeddings:
             self.output = nn.Linear(cfg.slow.dim, cfg.vocab_size, bias=False)
 
@@ -91,7 +92,7 @@ class AudioDecoder(nn.Module):
             self.project_in = nn.Linear(cfg.text_dim, fast.dim)
         self.embeddings = nn.Embedding(cfg.codebook_size, fast.dim)
         self.layers = nn.ModuleList(Block(fast, cfg.norm_eps) for _ in range(fast.n_layer))
-        self.norm = RMSNorm(fast.dim, cfg.norm_eps)
+        self.norm = RMSNorm(fast.dim, cfg.norm_eps, fusable=True)
         self.output = nn.Linear(fast.dim, cfg.codebook_size, bias=False)
 
     def project(self, hidden: Tensor) -> Tensor:

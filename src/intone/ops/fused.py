@@ -1,0 +1,77 @@
+"""The AR models' per-layer elementwise pieces (RMSNorm, RoPE, SwiGLU's gate) behind one switch.
+
+By default they run as plain PyTorch in the official op order (several kernels each). With
+`use_compiled(True)` (the profile's `ar.fuse_elementwise`, GPU only) the same functions run through
+torch.compile, which fuses each into one kernel: the runner captures those kernels in its graphs like
+any other, so a decode step launches far fewer of them. The maths is the same; a fused reduction may
+sum in another order, so results can differ in the last bit. Only the AR models call these; codecs
+keep the eager functions (they run on other threads, where compiling at run time would race).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def rms_norm_eager(x: Tensor, weight: Tensor, eps: float, compute: torch.dtype) -> Tensor:
+    """Normalised in `compute`, cast back to x's dtype, then scaled."""
+    xf = x.to(compute)
+    normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
+def rope_pairs_eager(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]), GPT-J style, in fp32 (fp64 for fp64 models).
+
+    x: [..., T, H, D]; table: [..., T, D/2, 2] (cos, sin at x's positions)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    xs = x.to(compute).reshape(*x.shape[:-1], -1, 2)
+    cos = table[..., 0].unsqueeze(-2).to(compute)  # [T, 1, D/2]
+    sin = table[..., 1].unsqueeze(-2).to(compute)
+    x0, x1 = xs[..., 0], xs[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def rope_halves_eager(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """NeoX/Qwen2 halves in x's dtype. x [T, H, D]; cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+def silu_mul_eager(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+_EAGER = {"rms_norm": rms_norm_eager, "rope_pairs": rope_pairs_eager, "rope_halves": rope_halves_eager,
+          "silu_mul": silu_mul_eager}
+_active = dict(_EAGER)
+
+
+def use_compiled(on: bool) -> None:
+    """Switch every AR model in this process to the compiled (on) or eager (off) functions."""
+    for name, fn in _EAGER.items():
+        _active[name] = torch.compile(fn, dynamic=True, fullgraph=True) if on else fn
+
+
+def compiled() -> bool:
+    return _active["rms_norm"] is not rms_norm_eager
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, compute: torch.dtype) -> Tensor:
+    return _active["rms_norm"](x, weight, eps, compute)
+
+
+def rope_pairs(x: Tensor, table: Tensor) -> Tensor:
+    return _active["rope_pairs"](x, table)
+
+
+def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return _active["rope_halves"](x, cos, sin)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return _active["silu_mul"](gate, up)
