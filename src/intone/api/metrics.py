@@ -78,6 +78,8 @@ class ServerMetrics:
         self.audio_seconds = Counter("intone_audio_seconds", "Audio produced, in seconds", registry=r)
         self.frames = Counter("intone_frames", "Codec frames produced", registry=r)
         self.outcomes = Counter("intone_requests", "Finished speech requests by outcome", ["outcome"], registry=r)
+        self.engine_restarts = Counter("intone_engine_restarts", "Engine cores replaced after dying or hanging",
+                                       registry=r)
         self.stages = Histogram("intone_request_stage_seconds", "Seconds of one finished request spent per stage "
                                 "(api_in, frontend, queue, prefill, decode, codec, api_out; total: the engine's)",
                                 ["stage"], buckets=STAGE_BUCKETS, registry=r)

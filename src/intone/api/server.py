@@ -8,6 +8,7 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable
 
 from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,7 @@ from intone.api.protocol import SpeechRequest, error_body
 from intone.api.speech import answer
 from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
 from intone.audio import read_audio
+from intone.api.supervisor import EngineSupervisor
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
 from intone.models import default_profile
@@ -43,6 +45,8 @@ class Settings:
     device: str | None = None
     trace_frames: str | None = None
     engine_silence_s: float = 10.0  # /health turns 503 when the core's loop has been silent this long
+    engine_restart: str = "restart"  # a dead core: "restart" it (with back-off) or "exit" the server
+    engine_hang_s: float = 60.0  # a core silent this long is killed (then restarted); 0: never
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -50,13 +54,18 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         overrides = {"device": settings.device} if settings.device else {}
         app.state.profile = load_profile(settings.profile or default_profile(settings.model), **overrides)
-        app.state.engine = await Engine.from_profile(app.state.profile, model=settings.model,
-                                                     trace_frames=settings.trace_frames)
+        def start() -> Awaitable[Engine]:
+            return Engine.from_profile(app.state.profile, model=settings.model, trace_frames=settings.trace_frames)
+
+        app.state.engine = await start()
         info = app.state.engine.info
         log.info("ready: model %s (%s) on %s, profile %s, %d Hz, capacity %d", settings.model, info["name"],
                  info["device"], info["profile"], info["sample_rate"], info["capacity"])
+        app.state.supervisor = EngineSupervisor(app, start, settings.engine_restart, settings.engine_hang_s)
+        app.state.supervisor.begin()
         yield
         log.info("shutting down: aborting in-flight requests")
+        await app.state.supervisor.stop()
         await app.state.engine.shutdown()
 
     app = FastAPI(title="intone", lifespan=lifespan)
@@ -142,7 +151,8 @@ class Guard:
                 return JSONResponse(error_body("missing or wrong API key", None, "authentication_error"), 401)
         engine = getattr(scope["app"].state, "engine", None)
         if engine is not None and engine.dead and path.startswith("/v1/audio"):
-            return JSONResponse(error_body(f"engine is dead: {engine.dead}", None, "server_error", "engine_dead"), 503)
+            return JSONResponse(error_body(f"engine is dead: {engine.dead}", None, "server_error", "engine_dead"), 503,
+                                headers={"Retry-After": "5"})
         return None
 
 
@@ -169,9 +179,10 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request):
-        engine = request.app.state.engine
+        engine, supervisor = request.app.state.engine, request.app.state.supervisor
         if engine.dead:
-            return JSONResponse({"status": "dead", "error": engine.dead}, 503)
+            status = "restarting" if supervisor.restarting else "dead"
+            return JSONResponse({"status": status, "error": engine.dead, "restarts": supervisor.restarts}, 503)
         silent = engine.silent_for()
         if silent > request.app.state.settings.engine_silence_s:
             return JSONResponse({"status": "unresponsive", "error": f"engine core silent for {silent:.1f} s"}, 503)

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
     p.add_argument("--engine-silence-seconds", type=float, default=10.0,
                    help="/health answers 503 once the engine core has been silent this long (hung)")
+    p.add_argument("--engine-restart", choices=["restart", "exit"], default="restart",
+                   help="when the engine core dies: start a new one (back-off 1 s doubling to 60 s), or stop the server")
+    p.add_argument("--engine-hang-seconds", type=float, default=60.0,
+                   help="kill (then restart) an engine core whose loop is silent this long (0: never)")
     p.add_argument("--drain-seconds", type=float, default=120.0,
                    help="on SIGTERM, how long in-flight requests may take to finish (then: 503 / cut streams)")
     p.add_argument("--log-level", default="info")
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         ),
         voices_dir=Path(args.voices_dir), max_input_chars=args.max_input_chars, sse_dialect=args.sse_dialect,
         voice_aliases=dict(args.voice_alias), device=args.device, trace_frames=args.trace_frames,
-        engine_silence_s=args.engine_silence_seconds,
+        engine_silence_s=args.engine_silence_seconds, engine_restart=args.engine_restart,
+        engine_hang_s=args.engine_hang_seconds,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.drain_seconds)

@@ -49,6 +49,7 @@ class Engine:
         self._encode_waiters: dict[str, asyncio.Future] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.dead: str | None = None
+        self._closed = False
         self.last_heard = time.monotonic()  # any message from the core, heartbeats included
 
     @property
@@ -175,11 +176,19 @@ class Engine:
             raise IntoneError(f"cannot encode the reference audio: {error}")
         return features
 
+    def kill(self) -> None:
+        """Stop a hung core at once: the reader then sees it exit and ends every stream with EngineDead."""
+        if self._process.poll() is None:
+            self._process.kill()
+
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
     async def shutdown(self, timeout: float = 30) -> None:
-        """Abort what is in flight, stop the core process, release the sockets."""
+        """Abort what is in flight, stop the core process, release the sockets (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         if self._process.poll() is None:
             self._post(("shutdown",))
             try:
