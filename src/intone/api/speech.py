@@ -176,20 +176,30 @@ def _encode_whole(parts: list[np.ndarray], sr: int, fmt: str) -> bytes:
     return wav_bytes(audio, sr) if fmt == "wav" else encode_file(audio, sr, fmt)
 
 
-async def _first_unless_gone(stream, request: Request):
-    """The stream's next chunk, or None (and the request aborted) if the client disconnects first.
-    If the server cancels this handler (its drain deadline passed), the answer is a 503 chunk."""
-    task = asyncio.ensure_future(stream.__anext__())
+_GONE, _SHUT = object(), object()  # what _unless_gone returns when the client left / the drain deadline passed
+
+
+async def _unless_gone(awaitable, request: Request):
+    """awaitable's result, while watching the client: _GONE (and the work cancelled, so the engine
+    stream aborts its request) if the client disconnects first; _SHUT if the server cancels this
+    handler meanwhile (its drain deadline passed)."""
+    task = asyncio.ensure_future(awaitable)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 await _stop(task)
-                return None
+                return _GONE
     except asyncio.CancelledError:
         await _stop(task)
-        return _shutdown_chunk()
+        return _SHUT
     return task.result()
+
+
+async def _first_unless_gone(stream, request: Request):
+    """The stream's next chunk; None if the client disconnects first; a 503 chunk at shutdown."""
+    first = await _unless_gone(stream.__anext__(), request)
+    return None if first is _GONE else _shutdown_chunk() if first is _SHUT else first
 
 
 async def _stop(task) -> None:
@@ -213,19 +223,13 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
             outcome.see(chunk)
             chunks.append(_cut_if_aborted(chunk))
 
-    task = asyncio.ensure_future(collect()) if not first.finished else None
-    try:
-        while task is not None and not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                await _stop(task)
-                outcome.reason = "disconnect"
-                return Response(status_code=499)
-    except asyncio.CancelledError:  # the server's drain deadline passed
-        await _stop(task)
-        return refuse(_shutdown_chunk())
-    if task is not None:
-        task.result()
+    if not first.finished:
+        done = await _unless_gone(collect(), request)
+        if done is _GONE:
+            outcome.reason = "disconnect"
+            return Response(status_code=499)
+        if done is _SHUT:
+            return refuse(_shutdown_chunk())
     last = chunks[-1]
     if last.error:
         return refuse(last)
