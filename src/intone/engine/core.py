@@ -20,7 +20,7 @@ from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
-from intone.engine.frontend_stage import FrontendStage, Prepared
+from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
@@ -212,8 +212,7 @@ class EngineCore:
     def encode_reference(self, audio, sample_rate: int) -> dict:
         """Reference audio -> the model's reference features (numpy), so a stored voice is encoded
         once (through the reference cache, which requests share)."""
-        features = self.frontend.features(audio, sample_rate)
-        return {name: value.cpu().numpy() for name, value in features.items()}
+        return features_as_numpy(self.frontend.features(audio, sample_rate))
 
     def submit_encode(self, token: str, audio, sample_rate: int) -> None:
         """A voice upload, encoded by the frontend stage beside the running streams; the result

@@ -252,7 +252,12 @@ class FrontendStage:
             return Prepared(request, None, e, time.perf_counter() - job.submitted)
 
 
+def features_as_numpy(features: dict) -> dict:
+    """Reference features as numpy arrays by name (what the API stores for a voice)."""
+    return {name: value.cpu().numpy() for name, value in features.items()}
+
+
 def _encoded(token: str, result) -> tuple:
     if isinstance(result, Exception):
         return token, None, str(result)
-    return token, {name: value.cpu().numpy() for name, value in result.items()}, None
+    return token, features_as_numpy(result), None
