@@ -81,7 +81,9 @@ class ChunkPlanner:
         initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
         initial = max(0, min(initial, p.steady_chunk_frames))
         if p.align_first_chunk:
-            initial = p.steady_chunk_frames + (-prompt_frames) % p.align_first_chunk
+            # the official pad is (-prompt) % hop with align == hop; this equals it then, and keeps
+            # prompt + hop on a multiple of align for any other pair too
+            initial = p.steady_chunk_frames + (-(prompt_frames + p.steady_chunk_frames)) % p.align_first_chunk
         self._frontiers.setdefault(request_id, _Frontier(initial, whole))
 
     def remove(self, request_id: str) -> None:
