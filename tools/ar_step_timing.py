@@ -15,18 +15,7 @@ from intone.engine.cuda_graphs import StepGraphs
 from intone.engine.kv_cache import KVCache
 from intone.models import load_model
 from intone.ops import fused as fused_ops
-
-
-def timed(fn, reps=30):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from kernel_timing import timed  # tools/ is the script's directory
 
 
 def fill(graphs: StepGraphs, kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, seed=0):

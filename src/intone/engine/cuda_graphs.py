@@ -48,6 +48,19 @@ def pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
 
 
+def capture_graph(run: Callable, pool):
+    """run() once on a side stream (allocator, lazy init, plans), then captured: (graph, its output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 class _Capturable:
     """Static input buffers, a `run()` over them, and optionally a captured graph of `run()`."""
 
@@ -58,15 +71,7 @@ class _Capturable:
         raise NotImplementedError
 
     def capture(self, pool) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the capture (allocator, lazy init)
-            self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.out = self.run()
-        self.graph = graph
+        self.graph, self.out = capture_graph(self.run, pool)
 
     def execute(self):
         if self.graph is None:
@@ -270,16 +275,9 @@ class FunctionGraphs:
         start = time.perf_counter()
         static = [t.clone() for t in inputs]
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn(*static)  # warm-up outside the capture (allocator, lazy init, plans)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = _tensors(fn(*static))
+            graph, out = capture_graph(lambda: fn(*static), self._pool)
             self._pool = graph.pool()
-            self._graphs[key] = (graph, static, out)
+            self._graphs[key] = (graph, static, _tensors(out))
             self.report.graphs += 1
         except Exception:  # this shape runs eagerly instead
             log.exception("cannot capture a CUDA graph for %s; it will run eagerly", key)
