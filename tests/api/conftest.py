@@ -25,7 +25,8 @@ class Server:
         return self.base + path
 
 
-def start_server(tmp: Path, cache: Path, *extra: str) -> Server:
+def launch_server(tmp: Path, cache: Path, *extra: str) -> Server:
+    """Start `intone serve` and return at once; `wait_ready` waits for its /health."""
     port = free_port()
     media = tmp / "media"
     media.mkdir(exist_ok=True)
@@ -35,19 +36,26 @@ def start_server(tmp: Path, cache: Path, *extra: str) -> Server:
            "--max-input-chars", "300", "--max-reference-seconds", "10", *extra]
     process = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "INTONE_CACHE": str(cache)})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
+    return Server(f"http://127.0.0.1:{port}", process, log, media)
+
+
+def wait_ready(server: Server, timeout: float = 120) -> Server:
+    deadline = time.time() + timeout
     while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-3000:]}")
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited: {server.log.read_text()[-3000:]}")
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return Server(base, process, log, media)
+            if httpx.get(server.url("/health"), timeout=1).status_code == 200:
+                return server
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    process.kill()
+    server.process.kill()
     raise RuntimeError("server did not come up")
+
+
+def start_server(tmp: Path, cache: Path, *extra: str) -> Server:
+    return wait_ready(launch_server(tmp, cache, *extra))
 
 
 def stop_server(server: Server) -> None:
@@ -58,9 +66,82 @@ def stop_server(server: Server) -> None:
         server.process.kill()
 
 
+class BootAhead:
+    """Servers for tests that each end their own, in the order the tests take them: taking one
+    launches the next, so it boots while this test runs (a boot is mostly imports, one core at a time)."""
+
+    def __init__(self, tmp_path_factory, cache: Path, plans: dict[str, tuple[str, ...]]):
+        self.tmp_path_factory, self.cache, self.plans = tmp_path_factory, cache, plans
+        self.launched: dict[str, Server] = {}
+
+    def _launch(self, name: str) -> None:
+        if name not in self.launched:
+            self.launched[name] = launch_server(self.tmp_path_factory.mktemp(name), self.cache, *self.plans[name])
+
+    def take(self, name: str) -> Server:
+        self._launch(name)
+        names = list(self.plans)
+        for following in names[names.index(name) + 1:][:1]:
+            self._launch(following)
+        return wait_ready(self.launched[name])
+
+    def close(self) -> None:
+        for s in self.launched.values():
+            if s.process.poll() is None:
+                stop_server(s)
+
+
+def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
+    """`intone serve` flags of the servers that tests share, by fixture name."""
+    if name == "server":
+        # A short --engine-silence-seconds, for the hung-engine test (/health is all it changes); the
+        # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores).
+        return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody")
+    if name == "strict_server":
+        # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue.
+        profile = tmp / "tight.yaml"
+        profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n")
+        return ("--api-key", "sekret", "--sse-dialect", "sglang", "--profile", str(profile))
+    if name == "cosy_server":
+        return ("--model", "tiny:cosyvoice3")
+    raise KeyError(name)
+
+
+SHARED = ("cosy_server", "server", "strict_server")
+
+
+class SharedBoots:
+    """The shared servers the collected tests use, all launched when the first is needed: each boots
+    while the others do, or while tests run. Whoever takes one stops it."""
+
+    def __init__(self, session, tmp_path_factory, cache: Path):
+        wanted = {name for item in session.items for name in item.fixturenames if name in SHARED}
+        self.launched: dict[str, Server] = {}
+        for name in SHARED:
+            if name in wanted:
+                tmp = tmp_path_factory.mktemp(name.replace("_", "-"))
+                self.launched[name] = launch_server(tmp, cache, *shared_flags(name, tmp))
+
+    def take(self, name: str) -> Server:
+        return wait_ready(self.launched[name])
+
+    def close(self) -> None:
+        for s in self.launched.values():
+            if s.process.poll() is None:
+                stop_server(s)
+
+
 @pytest.fixture(scope="session")
-def server(tiny_cache, tiny_fish_dir, tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("server"), tiny_cache)
+def shared_boots(request, tiny_cache, tiny_fish_dir, tmp_path_factory):
+    boots = SharedBoots(request.session, tmp_path_factory, tiny_cache)
+    yield boots
+    boots.close()
+
+
+@pytest.fixture(scope="session")
+def server(shared_boots):
+    """The server every test shares that leaves it whole."""
+    s = shared_boots.take("server")
     yield s
     stop_server(s)
 

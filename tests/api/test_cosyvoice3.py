@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from .conftest import start_server, stop_server
+from .conftest import stop_server
 
 
 @pytest.fixture(scope="module")
-def cosy_server(tiny_cache, tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("cosy-server"), tiny_cache, "--model", "tiny:cosyvoice3")
+def cosy_server(shared_boots):
+    s = shared_boots.take("cosy_server")  # --model tiny:cosyvoice3
     t = np.arange(40000) / 16000
     sf.write(s.media / "ref.wav", 0.3 * np.sin(2 * np.pi * 150 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)), 16000)
     yield s

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.api.conftest import start_server, stop_server
+from tests.api.conftest import stop_server
 
 GOOD = {"input": "A good request running alongside.", "seed": 9, "max_new_tokens": 40}
 
@@ -94,12 +94,9 @@ def test_voice_upload_errors(server):
 
 
 @pytest.fixture(scope="module")
-def strict_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
-    """API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue."""
-    tmp = tmp_path_factory.mktemp("strict")
-    profile = tmp / "tight.yaml"
-    profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n")
-    s = start_server(tmp, tiny_cache, "--api-key", "sekret", "--sse-dialect", "sglang", "--profile", str(profile))
+def strict_server(shared_boots):
+    """API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue (see shared_flags)."""
+    s = shared_boots.take("strict_server")
     yield s
     stop_server(s)
 
@@ -209,24 +206,20 @@ def test_a_damaged_stored_voice_is_skipped_in_the_list_and_refused_by_name(serve
     shutil.rmtree(meta.parent)  # the session's server is shared: leave no damaged voice behind
 
 
-def test_a_chunked_body_over_the_limit_is_a_413_before_it_is_read_whole(tiny_cache, tmp_path):
-    s = start_server(tmp_path, tiny_cache)
-    try:
-        def body(size: int):
-            sent = 0
-            while sent < size:  # a generator body: httpx sends it chunked, with no content-length
-                part = b" " * min(1 << 20, size - sent)
-                sent += len(part)
-                yield part
+def test_a_chunked_body_over_the_limit_is_a_413_before_it_is_read_whole(server):
+    def body(size: int):
+        sent = 0
+        while sent < size:  # a generator body: httpx sends it chunked, with no content-length
+            part = b" " * min(1 << 20, size - sent)
+            sent += len(part)
+            yield part
 
-        big = httpx.post(s.url("/v1/audio/speech"), content=body(64 << 20), timeout=60,
-                         headers={"content-type": "application/json"})
-        assert big.status_code == 413
-        small = httpx.post(s.url("/v1/audio/speech"), timeout=60, headers={"content-type": "application/json"},
-                           content=iter([b'{"input": "Chunked', b' but small.", "max_new_tokens": 5}']))
-        assert small.status_code == 200 and small.content[:4] == b"RIFF"
-    finally:
-        stop_server(s)
+    big = httpx.post(server.url("/v1/audio/speech"), content=body(64 << 20), timeout=60,
+                     headers={"content-type": "application/json"})
+    assert big.status_code == 413
+    small = httpx.post(server.url("/v1/audio/speech"), timeout=60, headers={"content-type": "application/json"},
+                       content=iter([b'{"input": "Chunked', b' but small.", "max_new_tokens": 5}']))
+    assert small.status_code == 200 and small.content[:4] == b"RIFF"
 
 
 def test_vllm_omni_voice_upload_form_is_accepted(server, reference_wav):

@@ -4,6 +4,19 @@ import asyncio
 import re
 
 import httpx
+import pytest
+
+from tests.api.conftest import BootAhead, stop_server
+
+# The tests that end their server, each on its own, in file order (the next one boots meanwhile).
+OWN = {"death": (), "drain_stream": ("--drain-seconds", "1"), "death_open": (), "drain_whole": ("--drain-seconds", "1")}
+
+
+@pytest.fixture(scope="module")
+def own_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
+    boots = BootAhead(tmp_path_factory, tiny_cache, OWN)
+    yield boots.take
+    boots.close()
 
 
 def metric(text: str, name: str) -> float:
@@ -68,14 +81,12 @@ def _engine_pid(server_pid: int) -> int:
     raise AssertionError("engine core process not found")
 
 
-def test_engine_death_gives_503_and_a_log_line(tiny_cache, tiny_fish_dir, tmp_path):
+def test_engine_death_gives_503_and_a_log_line(own_server):
     import os
     import signal
     import time
 
-    from tests.api.conftest import start_server, stop_server
-
-    s = start_server(tmp_path, tiny_cache)
+    s = own_server("death")
     try:
         os.kill(_engine_pid(s.process.pid), signal.SIGKILL)
         for _ in range(100):
@@ -90,14 +101,12 @@ def test_engine_death_gives_503_and_a_log_line(tiny_cache, tiny_fish_dir, tmp_pa
         stop_server(s)
 
 
-def test_shutdown_ends_in_flight_streams_cleanly(tiny_cache, tiny_fish_dir, tmp_path):
+def test_shutdown_ends_in_flight_streams_cleanly(own_server):
     import signal
     import threading
 
-    from tests.api.conftest import start_server
-
-    s = start_server(tmp_path, tiny_cache, "--drain-seconds", "2")
-    got = {}
+    s = own_server("drain_stream")  # --drain-seconds 1
+    got, streaming = {}, threading.Event()
 
     def listen():
         body = {"input": "A long stream.", "seed": 1, "max_new_tokens": 2000, "stream": True, "ignore_eos": True,
@@ -105,15 +114,18 @@ def test_shutdown_ends_in_flight_streams_cleanly(tiny_cache, tiny_fish_dir, tmp_
         try:
             with httpx.stream("POST", s.url("/v1/audio/speech"), json=body, timeout=60) as r:
                 got["status"] = r.status_code
-                got["bytes"] = sum(len(p) for p in r.iter_bytes())
+                got["bytes"] = 0
+                for p in r.iter_bytes():
+                    got["bytes"] += len(p)
+                    streaming.set()
         except httpx.HTTPError as e:
             got["error"] = type(e).__name__
+        finally:
+            streaming.set()
 
     t = threading.Thread(target=listen)
     t.start()
-    import time
-
-    time.sleep(3)
+    assert streaming.wait(30)  # audio is arriving: the stream is in flight (2000 frames take far longer)
     s.process.send_signal(signal.SIGTERM)
     # uvicorn re-raises the signal once its shutdown is complete
     assert s.process.wait(40) in (0, -signal.SIGTERM)
@@ -139,16 +151,14 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     assert 'intone_requests_total{outcome="disconnect"}' in text
 
 
-def test_engine_death_reaches_every_open_request_as_an_error(tiny_cache, tiny_fish_dir, tmp_path):
+def test_engine_death_reaches_every_open_request_as_an_error(own_server):
     """SSE gets speech.audio.error, a raw stream is cut (no clean end of body), a whole response gets 503."""
     import json
     import os
     import signal
     import threading
 
-    from tests.api.conftest import start_server, stop_server
-
-    s = start_server(tmp_path, tiny_cache)
+    s = own_server("death_open")
     body = {"input": "Keep going for a long while.", "seed": 2, "max_new_tokens": 2000, "ignore_eos": True}
     started, results = threading.Barrier(3), {}
 
@@ -193,14 +203,13 @@ def test_engine_death_reaches_every_open_request_as_an_error(tiny_cache, tiny_fi
         stop_server(s)
 
 
-def test_a_hung_engine_turns_health_to_503_and_metrics_still_answer(tiny_cache, tiny_fish_dir, tmp_path):
+def test_a_hung_engine_turns_health_to_503_and_metrics_still_answer(server):
+    """The session's server (--engine-silence-seconds 2): stopped, then resumed, it is whole again."""
     import os
     import signal
     import time
 
-    from tests.api.conftest import start_server, stop_server
-
-    s = start_server(tmp_path, tiny_cache, "--engine-silence-seconds", "2")
+    s = server
     engine = _engine_pid(s.process.pid)
     try:
         assert httpx.get(s.url("/health")).status_code == 200
@@ -220,17 +229,14 @@ def test_a_hung_engine_turns_health_to_503_and_metrics_still_answer(tiny_cache, 
         assert httpx.get(s.url("/health")).status_code == 200  # it recovered, and /health says so
     finally:
         os.kill(engine, signal.SIGCONT)
-        stop_server(s)
 
 
-def test_a_whole_response_cut_by_shutdown_is_a_503_to_retry(tiny_cache, tiny_fish_dir, tmp_path):
+def test_a_whole_response_cut_by_shutdown_is_a_503_to_retry(own_server):
     import signal
     import threading
     import time
 
-    from tests.api.conftest import start_server
-
-    s = start_server(tmp_path, tiny_cache, "--drain-seconds", "1")
+    s = own_server("drain_whole")  # --drain-seconds 1
     got = {}
 
     def ask():
@@ -239,7 +245,9 @@ def test_a_whole_response_cut_by_shutdown_is_a_503_to_retry(tiny_cache, tiny_fis
 
     t = threading.Thread(target=ask)
     t.start()
-    time.sleep(2)
+    deadline = time.time() + 30  # until the engine runs it (2000 frames take far longer than the drain)
+    while time.time() < deadline and metric(httpx.get(s.url("/metrics")).text, "intone_requests_running") < 1:
+        time.sleep(0.1)
     s.process.send_signal(signal.SIGTERM)
     t.join(40)
     assert s.process.wait(40) in (0, -signal.SIGTERM)

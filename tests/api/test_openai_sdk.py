@@ -12,8 +12,6 @@ import openai
 import pytest
 import soundfile as sf
 
-from .conftest import start_server, stop_server
-
 RATE = 44100
 EXTRA = {"seed": 5, "max_new_tokens": 16}
 FORMATS = ["wav", "pcm", "flac", "mp3", "opus", "aac"]
@@ -21,21 +19,26 @@ CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "
                  "opus": "audio/ogg", "aac": "audio/aac"}
 
 
+VOICES = ("house", "nova")  # 'nova' is also an OpenAI voice name: the stored voice wins
+
+
 @pytest.fixture(scope="module")
-def sdk_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
-    """Aliases: 'narrator' names a stored voice, 'ghost' a voice nobody stored."""
-    tmp = tmp_path_factory.mktemp("sdk-server")
-    s = start_server(tmp, tiny_cache, "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody")
+def sdk_server(server):
+    """The session's server (its aliases: 'narrator' names a stored voice, 'ghost' a voice nobody
+    stored), with this module's stored voices, removed again afterwards."""
     t = np.arange(24000) / 16000
     ref = 0.3 * np.sin(2 * np.pi * 200 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
     buf = io.BytesIO()
     sf.write(buf, ref, 16000, format="WAV")
-    for name in ("house", "nova"):  # 'nova' is also an OpenAI voice name: the stored voice wins
-        r = httpx.post(s.url("/v1/audio/voices"), data={"name": name, "transcript": "A reference."},
-                       files={"audio": ("ref.wav", buf.getvalue(), "audio/wav")}, timeout=60)
-        assert r.status_code == 201, r.text
-    yield s
-    stop_server(s)
+    try:
+        for name in VOICES:
+            r = httpx.post(server.url("/v1/audio/voices"), data={"name": name, "transcript": "A reference."},
+                           files={"audio": ("ref.wav", buf.getvalue(), "audio/wav")}, timeout=60)
+            assert r.status_code == 201, r.text
+        yield server
+    finally:
+        for name in VOICES:  # the session's server is shared: leave no voice behind
+            httpx.delete(server.url(f"/v1/audio/voices/{name}"))
 
 
 @pytest.fixture(scope="module")

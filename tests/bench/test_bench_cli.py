@@ -2,20 +2,44 @@
 
 import json
 import os
-import subprocess
 import sys
 
+import pytest
 
-def bench(*args, cache):
-    return subprocess.run([sys.executable, "-m", "intone.cli.main", "bench", *args], capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "INTONE_CACHE": str(cache)})
+from tests.procs import Background
 
 
-def test_sweep_writes_results_report_and_plots(tiny_cache, tiny_fish_dir, tmp_path):
+def bench_args(name: str, tmp_path) -> list[str]:
+    """Each test's `intone bench` command line: its own server(s), its own output directory."""
+    if name == "sweep":
+        return ["--model", "tiny:fish-s2", "--device", "cpu", "--dataset", "synthetic", "--num-requests", "6",
+                "--concurrency", "1,3", "--stream", "--warmup", "1", "--max-new-tokens", "24",
+                "--output-dir", str(tmp_path / "out"), "--save-audio", str(tmp_path / "wavs")]
+    if name == "forced":
+        return ["--model", "tiny:fish-s2", "--device", "cpu", "--num-requests", "3", "--concurrency", "3",
+                "--force-output-frames", "7", "--warmup", "0", "--output-dir", str(tmp_path / "out")]
+    arm = "--model tiny:fish-s2 --device cpu"
+    return ["abba", "--a", arm, "--b", arm + " --profile fish-s2-default", "--num-requests", "2",
+            "--concurrency", "2", "--warmup", "0", "--max-new-tokens", "8", "--output-dir", str(tmp_path / "abba")]
+
+
+@pytest.fixture(scope="module")
+def benches(tiny_cache, tiny_fish_dir, tmp_path_factory):
+    """The module's three independent `intone bench` runs, started at once, two at a time (mostly
+    server start-ups: one alone leaves a core idle); each test waits for its own. -> name: (result, dir)"""
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("abba", "sweep", "forced")}  # the longest first
+    runs = Background({name: [sys.executable, "-m", "intone.cli.main", "bench", *bench_args(name, d)]
+                       for name, d in dirs.items()}, workers=2, timeout=600,
+                      env={**os.environ, "INTONE_CACHE": str(tiny_cache)})
+    try:
+        yield lambda name: (runs.result(name), dirs[name])
+    finally:
+        runs.close()
+
+
+def test_sweep_writes_results_report_and_plots(benches):
+    r, tmp_path = benches("sweep")
     out = tmp_path / "out"
-    r = bench("--model", "tiny:fish-s2", "--device", "cpu", "--dataset", "synthetic", "--num-requests", "6",
-              "--concurrency", "1,3", "--stream", "--warmup", "1", "--max-new-tokens", "24",
-              "--output-dir", str(out), "--save-audio", str(tmp_path / "wavs"), cache=tiny_cache)
     assert r.returncode == 0, r.stdout + r.stderr
     results = json.loads((out / "results.json").read_text())
     assert [lvl["concurrency"] for lvl in results["levels"]] == [1, 3]
@@ -32,21 +56,18 @@ def test_sweep_writes_results_report_and_plots(tiny_cache, tiny_fish_dir, tmp_pa
     assert len(list((tmp_path / "wavs" / "c3").glob("*.wav"))) == 6
 
 
-def test_forced_lengths_and_failures_are_counted(tiny_cache, tiny_fish_dir, tmp_path):
+def test_forced_lengths_and_failures_are_counted(benches):
+    r, tmp_path = benches("forced")
     out = tmp_path / "out"
-    r = bench("--model", "tiny:fish-s2", "--device", "cpu", "--num-requests", "3", "--concurrency", "3",
-              "--force-output-frames", "7", "--warmup", "0", "--output-dir", str(out), cache=tiny_cache)
     assert r.returncode == 0, r.stdout + r.stderr
     level = json.loads((out / "results.json").read_text())["levels"][0]
     assert all(rec["completion_tokens"] == 7 for rec in level["records"])
     assert level["summary"]["mean_audio_s"] == 7 * 2048 / 44100
 
 
-def test_abba(tiny_cache, tiny_fish_dir, tmp_path):
+def test_abba(benches):
+    r, tmp_path = benches("abba")
     out = tmp_path / "abba"
-    arm = "--model tiny:fish-s2 --device cpu"
-    r = bench("abba", "--a", arm, "--b", arm + " --profile fish-s2-default", "--num-requests", "2",
-              "--concurrency", "2", "--warmup", "0", "--max-new-tokens", "8", "--output-dir", str(out), cache=tiny_cache)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((out / "abba.json").read_text())
     assert [a["label"] for a in report["arms"]] == list("ABBA")

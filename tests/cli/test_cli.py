@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.procs import run_all
+
 
 def intone(*args, env_cache, timeout=120):
     env = {**os.environ, "INTONE_CACHE": str(env_cache)}
@@ -17,10 +19,17 @@ def intone(*args, env_cache, timeout=120):
                           timeout=timeout, env=env)
 
 
+def intones(*commands, env_cache, timeout=120) -> list[subprocess.CompletedProcess]:
+    """Several independent `intone` runs side by side (each its own process), in the order given."""
+    env = {**os.environ, "INTONE_CACHE": str(env_cache)}
+    return run_all([[sys.executable, "-m", "intone.cli.main", *args] for args in commands], timeout=timeout, env=env)
+
+
 def test_speak_writes_a_valid_wav_quickly(tiny_cache, tiny_fish_dir, tmp_path):
     out = tmp_path / "o.wav"
     start = time.perf_counter()
-    r = intone("speak", "--model", "tiny:fish-s2", "Hello world", "-o", str(out), "--seed", "1", env_cache=tiny_cache)
+    # Seed 12 ends by itself (EOS) after ~48 frames; seed 1 happened to talk for ~420 of the 2048 allowed.
+    r = intone("speak", "--model", "tiny:fish-s2", "Hello world", "-o", str(out), "--seed", "12", env_cache=tiny_cache)
     elapsed = time.perf_counter() - start
     assert r.returncode == 0, r.stderr
     audio, rate = sf.read(out)
@@ -32,9 +41,9 @@ def test_speak_writes_a_valid_wav_quickly(tiny_cache, tiny_fish_dir, tmp_path):
 
 def test_speak_is_reproducible_with_a_seed(tiny_cache, tiny_fish_dir, tmp_path):
     outs = []
-    for name in ("a.wav", "b.wav"):
-        r = intone("speak", "Same seed", "-o", str(tmp_path / name), "--seed", "4", "--max-new-tokens", "30",
-                   env_cache=tiny_cache)
+    runs = intones(*[("speak", "Same seed", "-o", str(tmp_path / name), "--seed", "4", "--max-new-tokens", "30")
+                     for name in ("a.wav", "b.wav")], env_cache=tiny_cache)
+    for name, r in zip(("a.wav", "b.wav"), runs):
         assert r.returncode == 0, r.stderr
         outs.append(sf.read(tmp_path / name)[0])
     assert np.array_equal(*outs)
@@ -55,7 +64,7 @@ def test_make_tiny_writes_the_layout(tiny_cache, tmp_path):
     assert json.loads((tmp_path / "t" / "config.json").read_text())["model_type"] == "fish_qwen3_omni"
 
 
-@pytest.mark.parametrize("case, message", [
+ERROR_CASES = [
     ("missing_model", "model directory not found"),
     ("malformed_model", "config.json: not valid JSON"),
     ("unreadable_ref", "no such file"),
@@ -65,8 +74,10 @@ def test_make_tiny_writes_the_layout(tiny_cache, tmp_path):
     ("ref_without_text", "--ref-text"),
     ("text_without_ref", "--ref-audio"),
     ("empty_text", "must not be empty"),
-])
-def test_speak_errors_are_clear(tiny_cache, tiny_fish_dir, tmp_path, case, message):
+]
+
+
+def error_case_args(case, tmp_path) -> list[str]:
     args = ["speak", "Hello", "-o", str(tmp_path / "o.wav")]
     if case == "missing_model":
         args += ["--model", str(tmp_path / "nope")]
@@ -92,7 +103,20 @@ def test_speak_errors_are_clear(tiny_cache, tiny_fish_dir, tmp_path, case, messa
         args += ["--ref-text", "orphan transcript"]
     elif case == "empty_text":
         args[1] = " "
-    r = intone(*args, env_cache=tiny_cache)
+    return args
+
+
+@pytest.fixture(scope="module")
+def speak_errors(tiny_cache, tiny_fish_dir, tmp_path_factory) -> dict:
+    """Every error case's `intone speak` (a fresh process each, in its own directory), run side by side."""
+    cases = [case for case, _ in ERROR_CASES]
+    runs = intones(*[error_case_args(case, tmp_path_factory.mktemp(case)) for case in cases], env_cache=tiny_cache)
+    return dict(zip(cases, runs))
+
+
+@pytest.mark.parametrize("case, message", ERROR_CASES)
+def test_speak_errors_are_clear(speak_errors, case, message):
+    r = speak_errors[case]
     assert r.returncode != 0
     assert message in r.stderr
     assert "Traceback" not in r.stderr

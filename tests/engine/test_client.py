@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from functools import partial
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from intone.engine.client import Engine, EngineDead
 from intone.engine.request import SynthesisRequest
 from intone.engine.trace import audit_file
 from intone.models.base import SamplingParams
+from tests.procs import Background
 
 
 def run(coro):
@@ -90,32 +92,57 @@ def cli(*args, cache):
                           timeout=300, env={**os.environ, "INTONE_CACHE": str(cache)})
 
 
-def test_speak_stream_writes_the_wav_and_a_clean_trace(tiny_cache, tiny_fish_dir, tmp_path):
+BAD_TRACE = [
+    dict(request_id="gap", start=0, end=4, context=0, finished=False),
+    dict(request_id="gap", start=29, end=40, context=25, finished=True),
+    dict(request_id="replay", start=0, end=29, context=0, finished=False),
+    dict(request_id="replay", start=4, end=54, context=0, finished=True),
+    dict(request_id="twice", start=0, end=3, context=0, finished=True),
+    dict(request_id="twice", start=3, end=3, context=0, finished=True),
+    dict(request_id="fine", start=0, end=3, context=0, finished=True),
+]
+
+
+def speak_stream_then_audit(tmp_path, cache):
     out, trace = tmp_path / "s.wav", tmp_path / "t.jsonl"
     r = cli("speak", "Hello world", "-o", str(out), "--seed", "3", "--stream", "--max-new-tokens", "60",
-            "--trace-frames", str(trace), "--device", "cpu", cache=tiny_cache)
+            "--trace-frames", str(trace), "--device", "cpu", cache=cache)
+    return r, (cli("audit-frames", str(trace), cache=cache) if r.returncode == 0 else None), out, trace
+
+
+def audit_bad_trace(tmp_path, cache):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in BAD_TRACE))
+    return cli("audit-frames", str(trace), cache=cache)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_runs(request, tiny_cache, tiny_fish_dir, tmp_path_factory):
+    """The module's `intone` CLI runs (the tests selected), started in the background as the module
+    begins: their process start-ups overlap the engine tests above; each CLI test waits for its own."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    jobs = {}
+    if "test_speak_stream_writes_the_wav_and_a_clean_trace" in selected:
+        jobs["speak_stream"] = partial(speak_stream_then_audit, tmp_path_factory.mktemp("speak-stream"), tiny_cache)
+    if "test_audit_flags_gaps_repeats_and_missing_terminals" in selected:
+        jobs["audit_bad"] = partial(audit_bad_trace, tmp_path_factory.mktemp("audit-bad"), tiny_cache)
+    runs = Background(jobs, workers=1)
+    yield runs
+    runs.close()
+
+
+def test_speak_stream_writes_the_wav_and_a_clean_trace(cli_runs):
+    r, audit, out, trace = cli_runs.result("speak_stream")
     assert r.returncode == 0, r.stderr
     audio, rate = sf.read(out)
     assert rate == 44100 and len(audio) % 2048 == 0 and len(audio) > 0
-    audit = cli("audit-frames", str(trace), cache=tiny_cache)
     assert audit.returncode == 0 and "1 exact, 0 not exact" in audit.stdout
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert rows[-1]["finished"] and rows[-1]["end"] * 2048 == len(audio)
 
 
-def test_audit_flags_gaps_repeats_and_missing_terminals(tiny_cache, tmp_path):
-    trace = tmp_path / "bad.jsonl"
-    rows = [
-        dict(request_id="gap", start=0, end=4, context=0, finished=False),
-        dict(request_id="gap", start=29, end=40, context=25, finished=True),
-        dict(request_id="replay", start=0, end=29, context=0, finished=False),
-        dict(request_id="replay", start=4, end=54, context=0, finished=True),
-        dict(request_id="twice", start=0, end=3, context=0, finished=True),
-        dict(request_id="twice", start=3, end=3, context=0, finished=True),
-        dict(request_id="fine", start=0, end=3, context=0, finished=True),
-    ]
-    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = cli("audit-frames", str(trace), cache=tiny_cache)
+def test_audit_flags_gaps_repeats_and_missing_terminals(cli_runs):
+    r = cli_runs.result("audit_bad")
     assert r.returncode == 1
     assert "gap: 40 frames, missing 25" in r.stdout
     assert "replay: 54 frames, missing 0, repeated 25" in r.stdout

@@ -1,12 +1,13 @@
 """The engine core end to end on the tiny model, in process: exactness, batch independence, leaks."""
 
+import multiprocessing
 import random
-import subprocess
-import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 
+from tests.procs import frame_audit_alongside
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.engine.offline import OfflineRequest, run_to_completion
@@ -20,6 +21,22 @@ from intone.models.base import SamplingParams
 def fish64(tiny_fish_dir):
     """float64 everywhere, so batching can never flip a sample and audio compares exactly."""
     return load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+
+
+_ALONE = {}
+
+
+def _alone_start(model_dir: str) -> None:
+    """A worker of the pool that runs requests alone: its own float64 model, one thread per worker."""
+    torch.set_num_threads(1)
+    _ALONE["model"] = load_model(model_dir, dtype=torch.float64, codec_dtype=torch.float64)
+
+
+def _alone(text: str, params: SamplingParams):
+    """One request run to completion alone (the offline loop, batch of one): its tokens and codes."""
+    model = _ALONE["model"]
+    alone = run_to_completion(model, [OfflineRequest(model.build_prompt(text, []), params)])[0]
+    return alone.tokens, alone.codes
 
 
 def hc_profile(**overrides):
@@ -39,41 +56,47 @@ def drain(core: EngineCore, cancel=None) -> dict[str, list]:
     return chunks
 
 
-def test_32_streams_exact_backlog_and_batch_independent(fish64, tmp_path):
+def test_32_streams_exact_backlog_and_batch_independent(fish64, tiny_fish_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    core = EngineCore(fish64, hc_profile(), FrameTracer(trace))
     texts = ["Hello world", "A longer sentence to say.", "Hi", "Numbers 1, 2, 3."]
     params = [SamplingParams(seed=100 + i, max_new_tokens=56 + (i % 3) * 6) for i in range(32)]
-    for i in range(32):
-        core.add_request(SynthesisRequest(f"r{i}", texts[i % 4], params=params[i]))
-    chunks = drain(core)
-    core.tracer.close()
+    # Each request alone, in worker processes, while this one runs the 32 together: the same
+    # work as running them here one after another, spread over the cores.
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=_alone_start,
+                             initargs=(str(tiny_fish_dir),)) as pool:
+        alone_runs = [pool.submit(_alone, texts[i % 4], params[i]) for i in range(32)]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # three processes on the cores, one thread each: no oversubscription
+        try:
+            core = EngineCore(fish64, hc_profile(), FrameTracer(trace))
+            for i in range(32):
+                core.add_request(SynthesisRequest(f"r{i}", texts[i % 4], params=params[i]))
+            chunks = drain(core)
+            core.tracer.close()
+        finally:
+            torch.set_num_threads(threads)
+        alone_runs = [f.result() for f in alone_runs]
 
     assert core.stats.backlog_steps > 0 and core.stats.chunk_sizes[50] > 0  # the switch really happened
-    audit = subprocess.run([sys.executable, "-m", "intone.cli.main", "audit-frames", str(trace)],
-                           capture_output=True, text=True)
-    assert audit.returncode == 0, audit.stdout
-    assert "0 missing and 0 repeated frames" in audit.stdout
-
-    rows = {}
-    for r in audit_file(trace).values():
-        rows[r.request_id] = r
-    for i in range(32):
-        rid = f"r{i}"
-        got = chunks[rid]
-        assert sum(c.finished for c in got) == 1 and got[-1].finished
-        alone = run_to_completion(fish64, [OfflineRequest(fish64.build_prompt(texts[i % 4], []), params[i])])[0]
-        assert len(alone.tokens) == got[-1].end_frame == rows[rid].frames
-        # Each streamed chunk is the decode of its window alone, trimmed to its new frames.
-        codes = alone.codes
-        for c, (start, end, ctx) in zip(got, _spans(trace, rid)):
-            assert (c.start_frame, c.end_frame) == (start, end)
-            if end == start:
-                continue
-            window = fish64.decode(codes[:, start - ctx : end][None], start - ctx)[0, ctx * 2048 :]
-            # float64 decodes, batched or alone, agree to ~1e-15; the float32 chunk to its last bit.
-            diff = (torch.from_numpy(c.audio).double() - window).abs().max()
-            assert diff < 1e-7, (rid, start, end, float(diff))
+    with frame_audit_alongside(trace):  # the CLI's audit runs beside the checks below
+        rows = {}
+        for r in audit_file(trace).values():
+            rows[r.request_id] = r
+        for i in range(32):
+            rid = f"r{i}"
+            got = chunks[rid]
+            assert sum(c.finished for c in got) == 1 and got[-1].finished
+            tokens, codes = alone_runs[i]
+            assert len(tokens) == got[-1].end_frame == rows[rid].frames
+            # Each streamed chunk is the decode of its window alone, trimmed to its new frames.
+            for c, (start, end, ctx) in zip(got, _spans(trace, rid)):
+                assert (c.start_frame, c.end_frame) == (start, end)
+                if end == start:
+                    continue
+                window = fish64.decode(codes[:, start - ctx : end][None], start - ctx)[0, ctx * 2048 :]
+                # float64 decodes, batched or alone, agree to ~1e-15; the float32 chunk to its last bit.
+                diff = (torch.from_numpy(c.audio).double() - window).abs().max()
+                assert diff < 1e-7, (rid, start, end, float(diff))
 
 
 def _spans(trace, rid):

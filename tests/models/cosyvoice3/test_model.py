@@ -1,7 +1,6 @@
 """CosyVoice3 checkpoint layout, loading, prompts and request errors on the tiny model."""
 
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,8 @@ from intone.models import load_model
 from intone.models.base import VoiceReference
 from intone.models.cosyvoice3.config import read_model_yaml
 from intone.models.cosyvoice3.prompt import SOS, SYSTEM_PROMPT, TASK_ID
+
+from tests.procs import run_all
 
 from .conftest import voice_audio
 
@@ -158,12 +159,10 @@ def test_speak_writes_24khz_audio_and_refuses_a_request_without_reference(tiny_c
     cmd = [sys.executable, "-m", "intone.cli.main", "speak", "--model", str(tiny_cosy_dir), "--device", "cpu",
            "--seed", "3", "--max-new-tokens", "80", "--ref-audio", str(ref), "--ref-text", "A short reference.",
            "Hello there.", "-o", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done, bare = run_all([cmd, cmd[:10] + ["Hello there.", "-o", str(tmp_path / "x.wav")]])  # side by side
     assert done.returncode == 0, done.stderr
     audio, rate = sf.read(out)
     assert rate == 24000 and len(audio) > 0 and len(audio) % 960 == 0
-    bare = subprocess.run(cmd[:10] + ["Hello there.", "-o", str(tmp_path / "x.wav")], capture_output=True, text=True,
-                          timeout=300)
     assert bare.returncode == 2 and "reference" in bare.stderr and "Traceback" not in bare.stderr
 
 
@@ -186,13 +185,12 @@ def test_speak_speed_stretches_the_same_tokens_and_fish_refuses_it(tiny_cosy_dir
             "--max-new-tokens", "60", "Hello there."]
     cosy = base + ["--model", str(tiny_cosy_dir), "--ref-audio", str(ref), "--ref-text", "A short reference."]
     lengths = {}
-    for speed in ("1.0", "1.5"):
-        out = tmp_path / f"s{speed}.wav"
-        done = subprocess.run(cosy + ["--speed", speed, "-o", str(out)], capture_output=True, text=True, timeout=300)
+    speeds = ("1.0", "1.5")
+    *runs, fish = run_all([*(cosy + ["--speed", speed, "-o", str(tmp_path / f"s{speed}.wav")] for speed in speeds),
+                           base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")]])
+    for speed, done in zip(speeds, runs):
         assert done.returncode == 0, done.stderr
-        lengths[speed] = len(sf.read(out)[0])
+        lengths[speed] = len(sf.read(tmp_path / f"s{speed}.wav")[0])
     frames = lengths["1.0"] // 960
     assert lengths["1.5"] == int(2 * frames / 1.5) * 480
-    fish = subprocess.run(base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")],
-                          capture_output=True, text=True, timeout=300)
     assert fish.returncode == 2 and "--speed" in fish.stderr
