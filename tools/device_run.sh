@@ -9,6 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 INTONE_CACHE=/tmp/intone-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-320}
+TAG=${TAG:-}  # suffix of the bench output folders (e.g. -process), with SERVE_ARGS for `intone serve`
 INTONE="python3 -m intone.cli.main"
 summary=()
 for stage in "$@"; do
@@ -20,23 +21,23 @@ for stage in "$@"; do
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
     ar-timing) timeout 400 python3 tools/ar_step_timing.py 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
     probe) timeout 300 python3 tools/engine_probe.py ${PROBE:---model random:cosyvoice3 --set frontend.cuda_graphs=true} 2>&1 \
-        | tee "$OUT/probe.txt" | grep -v Warning | tail -60 ;;
+        | tee "$OUT/probe-${PROBE_TAG:-0}.txt" | grep -v Warning | tail -${PROBE_TAIL:-60} ;;
     cosy-frontend) timeout 200 python3 tools/cosy_frontend_timing.py 2>&1 | tee "$OUT/cosy-frontend.txt" | tail -20 ;;
     fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
-        --num-requests "$N" --output-dir "$OUT/fish-http" 2>&1 | grep -v "it/s\]" | tail -20
-      tail -5 "$OUT/fish-http/server.log"; grep -A12 "Where the time" "$OUT/fish-http/report.md" ;;
+        --num-requests "$N" --output-dir "$OUT/fish-http$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
+      tail -5 "$OUT/fish-http$TAG/server.log"; grep -A12 "Where the time" "$OUT/fish-http$TAG/report.md" ;;
     fish-stream) timeout 420 $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
-        --num-requests "$N" --stream --output-dir "$OUT/fish-stream" 2>&1 | grep -v "it/s\]" | tail -20
-      grep -A12 "Where the time" "$OUT/fish-stream/report.md" ;;
+        --num-requests "$N" --stream --output-dir "$OUT/fish-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
+      grep -A12 "Where the time" "$OUT/fish-stream$TAG/report.md" ;;
     fish-engine) timeout 420 python3 -m intone.bench.engine_throughput --model random:fish-s2 \
         --profile fish-s2-high-concurrency --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:86:30 --out "$OUT/fish-engine.json" 2>&1 | tail -20 ;;
     cosy-http) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-full-response \
-        --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http" 2>&1 | grep -v "it/s\]" | tail -20
-      tail -5 "$OUT/cosy-http/server.log"; grep -A12 "Where the time" "$OUT/cosy-http/report.md" ;;
+        --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
+      tail -5 "$OUT/cosy-http$TAG/server.log"; grep -A12 "Where the time" "$OUT/cosy-http$TAG/report.md" ;;
     cosy-stream) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
-        --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream" 2>&1 | grep -v "it/s\]" | tail -20
-      grep -A12 "Where the time" "$OUT/cosy-stream/report.md" ;;
+        --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
+      grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile cosyvoice3-full-response --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;

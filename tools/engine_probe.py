@@ -8,6 +8,8 @@ finished by --dump-after seconds, every thread's stack (faulthandler), so a stal
 
 import argparse
 import faulthandler
+import os
+import threading
 import time
 
 import numpy as np
@@ -26,6 +28,19 @@ def value(text: str):
         except ValueError:
             pass
     return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each of this process's threads, by Python thread name."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        name = names.get(int(tid), "other")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def main():
@@ -50,6 +65,7 @@ def main():
         params = SamplingParams(seed=i, max_new_tokens=args.tokens, min_new_tokens=args.tokens)
         core.add_request(SynthesisRequest(f"r{i}", f"Request number {i} speaks a sentence.", references=[ref],
                                           params=params, stream=bool(i % 2)))
+    cpu0 = thread_cpu()
     start, last, done = time.perf_counter(), time.perf_counter(), 0
     while core.has_work():
         for chunk in core.step():
@@ -65,6 +81,10 @@ def main():
     faulthandler.cancel_dump_traceback_later()
     elapsed = time.perf_counter() - start
     print(f"all {done} finished in {elapsed:.1f} s; {core.snapshot()}", flush=True)
+    # If the threads' CPU seconds add up to about the wall time, they take turns on the GIL.
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in thread_cpu().items()}
+    print(f"CPU seconds per thread over {elapsed:.1f} s of wall time (sum {sum(cpu.values()):.1f}): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])), flush=True)
     core.close()
 
 

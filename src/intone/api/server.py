@@ -43,6 +43,7 @@ class Settings:
     sse_dialect: str = "openai"  # what a bare `stream: true` answers: "openai" (SSE), "sglang" or "audio"
     voice_aliases: dict[str, str] = field(default_factory=dict)  # request voice name -> stored voice or "default"
     device: str | None = None
+    profile_overrides: dict = field(default_factory=dict)  # dotted profile keys -> values (`serve --set`)
     trace_frames: str | None = None
     engine_silence_s: float = 10.0  # /health turns 503 when the core's loop has been silent this long
     engine_restart: str = "restart"  # a dead core: "restart" it (with back-off) or "exit" the server
@@ -52,7 +53,7 @@ class Settings:
 def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        overrides = {"device": settings.device} if settings.device else {}
+        overrides = {**settings.profile_overrides, **({"device": settings.device} if settings.device else {})}
         app.state.profile = load_profile(settings.profile or default_profile(settings.model), **overrides)
         def start() -> Awaitable[Engine]:
             return Engine.from_profile(app.state.profile, model=settings.model, trace_frames=settings.trace_frames)

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--voice-alias", action="append", default=[], type=voice_alias, metavar="NAME=VOICE",
                    help="a request's voice NAME means the stored VOICE (or 'default'); repeatable")
     p.add_argument("--device", default=None, help="overrides the profile's device")
+    p.add_argument("--set", action="append", default=[], type=profile_override, metavar="KEY=VALUE", dest="overrides",
+                   help="override one profile value, e.g. codec.process=true or ar.max_num_seqs=32 (YAML value); "
+                        "repeatable")
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
     p.add_argument("--engine-silence-seconds", type=float, default=10.0,
                    help="/health answers 503 once the engine core has been silent this long (hung)")
@@ -49,6 +52,15 @@ def voice_alias(text: str) -> tuple[str, str]:
     return name.strip(), voice.strip()
 
 
+def profile_override(text: str) -> tuple[str, object]:
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: use KEY=VALUE, e.g. codec.process=true")
+    return key.strip(), yaml.safe_load(value)
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -66,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             max_seconds=args.max_reference_seconds,
         ),
         voices_dir=Path(args.voices_dir), max_input_chars=args.max_input_chars, sse_dialect=args.sse_dialect,
-        voice_aliases=dict(args.voice_alias), device=args.device, trace_frames=args.trace_frames,
+        voice_aliases=dict(args.voice_alias), device=args.device, profile_overrides=dict(args.overrides),
+        trace_frames=args.trace_frames,
         engine_silence_s=args.engine_silence_seconds, engine_restart=args.engine_restart,
         engine_hang_s=args.engine_hang_seconds,
     )

@@ -50,12 +50,39 @@ def decode_batch(stage, items: list) -> list:
     return out
 
 
+class ChunkQueue:
+    """Chunks waiting for the codec, earliest deadline first (ties: as handed over); `take` hands
+    out one decode call's worth: up to max_call (None: all that wait). Not thread-safe."""
+
+    def __init__(self, max_call: int | None = None):
+        self.max_call = max_call
+        self._heap: list = []  # (deadline, order, item, tokens)
+        self._order = itertools.count()
+
+    def push(self, item, tokens: int, deadline: float) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._order), item, tokens))
+
+    def take(self) -> tuple[list, list[int]]:
+        n = len(self._heap) if self.max_call is None else min(self.max_call, len(self._heap))
+        taken = [heapq.heappop(self._heap) for _ in range(n)]
+        return [t[2] for t in taken], [t[3] for t in taken]
+
+    def drop(self, keep) -> list:
+        """Remove the items for which keep(item) is false; returns them."""
+        dropped = [t[2] for t in self._heap if not keep(t[2])]
+        if dropped:
+            self._heap = [t for t in self._heap if keep(t[2])]
+            heapq.heapify(self._heap)
+        return dropped
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None):
         self.stage = stage
-        self.max_call = max_call  # chunks per decode call (None: all that wait)
-        self._waiting: list = []  # heap of (deadline, order, item, tokens)
-        self._order = itertools.count()
+        self._waiting = ChunkQueue(max_call)
         self._done: list[DecodedBatch] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -73,8 +100,15 @@ class CodecWorker:
             deadlines = [time.perf_counter()] * len(items)
         with self._wake:
             for item, n, deadline in zip(items, tokens, deadlines):
-                heapq.heappush(self._waiting, (deadline, next(self._order), item, n))
+                self._waiting.push(item, n, deadline)
             self._wake.notify()
+
+    @property
+    def calls(self) -> int:
+        return self.stage.calls
+
+    def release(self, request_id: str) -> None:
+        """A request ended: its state lives on the request object here, so nothing to do."""
 
     @property
     def queued(self) -> int:
@@ -104,9 +138,8 @@ class CodecWorker:
                     self._wake.wait()
                 if self._stop:
                     return
-                n = len(self._waiting) if self.max_call is None else min(self.max_call, len(self._waiting))
-                taken = [heapq.heappop(self._waiting) for _ in range(n)]
-            self._decode([t[2] for t in taken], [t[3] for t in taken])
+                items, tokens = self._waiting.take()
+            self._decode(items, tokens)
 
     def _decode(self, items: list, tokens: list[int]) -> None:
         start = time.perf_counter()

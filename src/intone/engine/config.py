@@ -45,6 +45,9 @@ class CodecStageConfig(_Strict):
     compile: bool = Field(False, description="torch.compile the codec's heavy part at start-up (GPU only; minutes)")
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")
+    process: bool = Field(False, description="decode in a child process of the engine core, with its own copy of "
+                                             "the model and its own interpreter (so no GIL shared with the AR "
+                                             "loop); overrides overlap")
     warm_up_frames: int = Field(512, ge=0, description="start-up decodes every bucketed window shape up to this "
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "

@@ -17,11 +17,13 @@ import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_stage import CodecStage
+from intone.engine.codec_process import CodecProcess
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.kv_cache import BlockManager, KVCache
+from intone.engine.loading import load_for_profile, warm_up_codec
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
@@ -57,7 +59,10 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None):
+    def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None,
+                 codec_process: CodecProcess | None = None):
+        """codec_process: the codec stage in a process of its own (started by `build`), else a
+        stage here, on a worker thread (`codec.overlap`) or in the loop."""
         self.model, self.profile, self.tracer = model, profile, tracer
         ar = profile.ar
         fused.use_compiled(ar.fuse_elementwise and model.device.type == "cuda")  # before any AR forward
@@ -72,8 +77,9 @@ class EngineCore:
         self.policy = dataclasses.replace(
             policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
-        self.codec = model.make_codec_stage(profile.codec) or CodecStage(
+        self.codec = None if codec_process else model.make_codec_stage(profile.codec) or CodecStage(
             model, profile.codec.max_batch, profile.codec.max_padded_frames)
+        self.codec_worker: CodecWorker | CodecProcess | None = codec_process
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20)
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
@@ -81,9 +87,9 @@ class EngineCore:
         self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
         self.stats = EngineStats()
         self._start_up()
-        deadline = profile.codec.schedule == "deadline"
-        self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.max_batch if deadline else None) \
-            if profile.codec.overlap else None
+        if codec_process is None and profile.codec.overlap:
+            deadline = profile.codec.schedule == "deadline"
+            self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.max_batch if deadline else None)
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
@@ -98,12 +104,12 @@ class EngineCore:
             # per clip) would hold the GIL the engine loop needs.
             self.frontend_graphs = FunctionGraphs() if self.profile.frontend.cuda_graphs else None
             self.model.warm_up_frontend(self.frontend_graphs)
-            if hasattr(self.codec, "warm_up"):
-                c = self.profile.chunking
+            if self.codec is not None:
                 log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)
-                chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
-                self.codec.warm_up(min(max(chunk, self.profile.codec.warm_up_frames), self.model.max_seq_len))
+                warm_up_codec(self.codec, self.profile, self.model.max_seq_len)
             log.info("start-up: capturing CUDA graphs (%.1f s so far)", time.perf_counter() - start)
+        if isinstance(self.codec_worker, CodecProcess):  # its warm-up is GPU work too: done before the captures
+            self.codec_worker.wait_ready()
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
         report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv, self.profile.ar.max_num_batched_tokens)
@@ -244,7 +250,7 @@ class EngineCore:
             kv_tables=len(self.blocks.owners()), steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
-            finished=dict(self.stats.finished), codec_calls=self.codec.calls,
+            finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,
             reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
             reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,
@@ -410,6 +416,8 @@ class EngineCore:
         self.planner.remove(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.stats.finished[reason or "unknown"] += 1
+        if self.codec_worker is not None:
+            self.codec_worker.release(req.request_id)
         if not req.codec_in_flight:  # else the codec worker still reads them; they go with the request
             req.codes = req.codec_state = req.token_buffer = None
 
@@ -432,22 +440,15 @@ class EngineCore:
 
     @classmethod
     def build(cls, model_spec: str, profile: Profile, trace_frames: str | None = None) -> "EngineCore":
-        from intone.models import load_model
-
-        device = profile.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = None if profile.ar.dtype == "auto" else getattr(torch, profile.ar.dtype)
-        codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
-        if device == "cpu" and {dtype, codec_dtype} & {torch.float16, torch.bfloat16}:
-            dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
-        if device.startswith("cuda"):
-            torch.backends.cuda.matmul.allow_tf32 = profile.tf32
-            # The loop runs on a stream of its own, so the frontend's stream can overlap it (the
-            # legacy default stream would serialise the two).
-            torch.cuda.set_stream(torch.cuda.Stream(torch.device(device)))
-        model = load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
-        return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None)
+        # The codec process loads its own copy of the model meanwhile.
+        codec_process = CodecProcess(model_spec, profile) if profile.codec.process else None
+        try:
+            model = load_for_profile(model_spec, profile)
+            return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None, codec_process)
+        except BaseException:
+            if codec_process is not None:
+                codec_process.close()
+            raise
 
 
 def default_params(profile: Profile, **overrides) -> SamplingParams:

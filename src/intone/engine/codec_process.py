@@ -1,0 +1,260 @@
+"""The codec stage in a process of its own (`codec.process: true`).
+
+Why: the engine loop, the codec worker and the reference frontend are Python threads of one
+process, and they take turns on one GIL; the codec's eager launches (CosyVoice3: ten DiT passes
+per call) then delay the AR steps, and the other way round. Here the codec runs in a child
+process of the engine core with its own interpreter, its own copy of the model and its own CUDA
+context; it keeps each request's codec state (invariant 4: dropped on the request's last chunk,
+or when the engine says the request ended) and gets, per chunk, the chunk, the request's codes so
+far and, once, the codec part of its prompt. The engine side (`CodecProcess`) has the
+`CodecWorker` interface, so the core drives either the same way.
+
+Engine -> codec: ("chunks", [Job, ...]) | ("release", request_id) | ("shutdown",)
+Codec -> engine: ("ready", None) once its warm-up is done | ("decoded", [(job, audio | error)], seconds,
+                 calls, live requests) | ("fatal", traceback)
+Deadlines are perf_counter instants: CLOCK_MONOTONIC, the same clock in both processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
+from intone.engine.config import Profile
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900
+
+
+@dataclass
+class Job:
+    id: int
+    chunk: object  # chunk_planner.Chunk
+    codes: object  # Tensor [K, n]: the request's codes so far (CPU)
+    prompt: object  # the codec part of the request's Prompt on its first chunk, else None
+    speed: float
+    deadline: float
+
+
+@dataclass
+class CodecRequest:
+    """A request as the codec stage reads it (the fields it shares with EngineRequest)."""
+
+    request_id: str
+    prompt: object
+    speed: float
+    codes: object = None
+    codec_state: object = None
+
+
+class CodecProcess:
+    """Engine side: spawns the codec process and hands it chunks, with CodecWorker's interface."""
+
+    def __init__(self, model_spec: str, profile: Profile):
+        self.max_batch = profile.codec.max_batch
+        self._folder = tempfile.mkdtemp(prefix="intone-codec-")
+        jobs, results = (f"ipc://{Path(self._folder) / name}" for name in ("jobs", "results"))
+        self._ctx = zmq.Context()
+        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._push.bind(jobs)
+        self._pull.bind(results)
+        self._process = subprocess.Popen([
+            sys.executable, "-m", "intone.engine.codec_process", "--model", model_spec,
+            "--profile-json", json.dumps(profile.model_dump()), "--jobs", jobs, "--results", results])
+        self._deadline_order = profile.codec.schedule == "deadline"
+        self._pending: dict[int, tuple] = {}  # job id -> (EngineRequest, Chunk, tokens)
+        self._prompted: set[str] = set()  # requests whose prompt the codec process has
+        self._next_id = 0
+        self._done: list[DecodedBatch] = []
+        self.in_flight = 0
+        self.calls = 0
+        self.live_requests = 0  # requests with state in the codec process (as last reported)
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the codec process has loaded and warmed up (before the AR graphs are captured)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._ready:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the codec process did not start within {READY_TIMEOUT_S} s")
+            if self._pull.poll(500):
+                self._receive(self._pull.recv())
+
+    def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
+        now = time.perf_counter()
+        jobs = []
+        for (req, chunk), n, deadline in zip(items, tokens, deadlines or [now] * len(items)):
+            job = Job(self._next_id, chunk, req.codes[:, : req.num_frames].clone(), None, req.speed, deadline)
+            if req.request_id not in self._prompted:
+                self._prompted.add(req.request_id)
+                p = req.prompt
+                job.prompt = dataclasses.replace(p, tokens=p.tokens[:0], codes=p.codes[:0])
+            self._pending[job.id] = (req, chunk, n)
+            self._next_id += 1
+            jobs.append(job)
+        self.in_flight += len(jobs)
+        self._push.send(pickle.dumps(("chunks", jobs), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def release(self, request_id: str) -> None:
+        """A request ended: the codec process drops its state and any of its chunks still waiting."""
+        self._prompted.discard(request_id)
+        self._push.send(pickle.dumps(("release", request_id)))
+
+    @property
+    def queued(self) -> int:
+        """Chunks beyond the one call's worth the codec process may be decoding (an estimate from
+        here: the process takes what waits when it starts a call)."""
+        return max(0, self.in_flight - self.max_batch)
+
+    def collect(self) -> list[DecodedBatch]:
+        self._check_alive()
+        while True:
+            try:
+                self._receive(self._pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        done, self._done = self._done, []
+        self.in_flight -= sum(len(d.items) for d in done)
+        return done
+
+    def wait(self, timeout: float) -> None:
+        if not self._done:
+            self._pull.poll(int(timeout * 1000))
+
+    def close(self) -> None:
+        try:
+            self._push.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
+            self._process.wait(10)
+        except (zmq.ZMQError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _check_alive(self) -> None:
+        if self._process.poll() is not None:
+            raise RuntimeError(f"the codec process exited with code {self._process.returncode}")
+
+    def _receive(self, data: bytes) -> None:
+        msg = pickle.loads(data)
+        if msg[0] == "ready":
+            self._ready = True
+        elif msg[0] == "fatal":
+            raise RuntimeError(f"the codec process failed:\n{msg[1]}")
+        elif msg[0] == "decoded":
+            _, results, seconds, self.calls, self.live_requests = msg
+            entries = [self._pending.pop(job_id) for job_id, _ in results]
+            audio = [a if isinstance(a, np.ndarray) else RuntimeError(a) for _, a in results]
+            self._done.append(DecodedBatch([(r, c) for r, c, _ in entries], audio, seconds, [n for _, _, n in entries]))
+
+
+# ---- the codec process ----------------------------------------------------------------------
+
+
+def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket) -> None:
+    import torch
+
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.loading import load_for_profile, warm_up_codec
+
+    model = load_for_profile(model_spec, profile)
+    c = profile.codec
+    stage = model.make_codec_stage(c) or CodecStage(model, c.max_batch, c.max_padded_frames)
+    with torch.inference_mode():
+        if model.device.type == "cuda":
+            torch.backends.cudnn.benchmark = c.cudnn_benchmark
+            warm_up_codec(stage, profile, model.max_seq_len)
+        push.send(pickle.dumps(("ready", None)))
+        _loop(stage, ChunkQueue(c.max_batch if c.schedule == "deadline" else None), pull, push)
+
+
+def _loop(stage, queue: ChunkQueue, pull: zmq.Socket, push: zmq.Socket) -> None:
+    requests: dict[str, CodecRequest] = {}
+    while True:
+        timeout = 0 if len(queue) else None  # block only with nothing to decode
+        while pull.poll(timeout):
+            msg = pickle.loads(pull.recv())
+            if msg[0] == "shutdown":
+                return
+            if msg[0] == "release":
+                requests.pop(msg[1], None)
+                dropped = queue.drop(lambda item, rid=msg[1]: item[0].request_id != rid)
+                if dropped:
+                    push.send(pickle.dumps(("decoded", [(j.id, "the request ended") for _, j in dropped],
+                                            0.0, stage.calls, len(requests))))
+            else:
+                for job in msg[1]:
+                    rid = job.chunk.request_id
+                    if job.prompt is not None:
+                        requests[rid] = CodecRequest(rid, job.prompt, job.speed)
+                    req = requests[rid]
+                    req.codes = job.codes
+                    queue.push((req, job), 0, job.deadline)
+            timeout = 0
+        if len(queue):
+            _decode(stage, queue, requests, push)
+
+
+def _decode(stage, queue: ChunkQueue, requests: dict, push: zmq.Socket) -> None:
+    taken, _ = queue.take()
+    start = time.perf_counter()
+    audio = decode_batch(stage, [(req, job.chunk) for req, job in taken])
+    seconds = time.perf_counter() - start
+    results = []
+    for (req, job), samples in zip(taken, audio):
+        results.append((job.id, samples if isinstance(samples, np.ndarray) else f"{type(samples).__name__}: {samples}"))
+        if job.chunk.finished:
+            requests.pop(req.request_id, None)
+    push.send(pickle.dumps(("decoded", results, seconds, stage.calls, len(requests)), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m intone.engine.codec_process")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--profile-json", required=True)
+    ap.add_argument("--jobs", required=True)
+    ap.add_argument("--results", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s codec %(levelname)s %(message)s")
+    from intone.engine.process import watch_parent
+
+    watch_parent(os.getppid(), [])
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(args.jobs)
+    push.connect(args.results)
+    push.setsockopt(zmq.LINGER, 2000)
+    try:
+        serve(args.model, Profile.model_validate(json.loads(args.profile_json)), pull, push)
+    except Exception:
+        push.send(pickle.dumps(("fatal", traceback.format_exc())))
+        log.exception("the codec process failed")
+        sys.exit(1)
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    main()

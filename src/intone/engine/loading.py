@@ -1,0 +1,35 @@
+"""A model as a profile asks for it (device, precisions, streams), for each process that needs one."""
+
+from __future__ import annotations
+
+import torch
+
+from intone.engine.config import Profile
+
+
+def load_for_profile(model_spec: str, profile: Profile):
+    """The model on the profile's device, with the profile's AR and codec precisions, this
+    process's CUDA state set up (TF32, a stream of its own for the calling thread)."""
+    from intone.models import load_model
+
+    device = profile.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = None if profile.ar.dtype == "auto" else getattr(torch, profile.ar.dtype)
+    codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
+    if device == "cpu" and {dtype, codec_dtype} & {torch.float16, torch.bfloat16}:
+        dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = profile.tf32
+        # A stream of its own, so the other threads' streams can overlap it (the legacy default
+        # stream would serialise them).
+        torch.cuda.set_stream(torch.cuda.Stream(torch.device(device)))
+    return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
+
+
+def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
+    """Decode every bucketed window shape the profile's chunks can reach (start-up, GPU)."""
+    if hasattr(stage, "warm_up"):
+        c = profile.chunking
+        chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
+        stage.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))

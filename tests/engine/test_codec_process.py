@@ -1,0 +1,80 @@
+"""The codec stage in a process of its own: the same chunks, bit for bit, as on the worker thread;
+aborts and finishes leave no request state in that process; a dead codec process fails the engine
+loudly (the supervisor then restarts it) instead of leaving its requests waiting."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore
+from intone.engine.request import SynthesisRequest
+from intone.models.base import SamplingParams, VoiceReference
+
+
+def reference(i: int) -> VoiceReference:
+    t = torch.arange(int((1.0 + 0.2 * i) * 16000)) / 16000
+    audio = (0.3 * torch.sin(2 * torch.pi * (140 + 15 * i) * t)).float()
+    return VoiceReference("A short reference voice.", audio=audio, sample_rate=16000)
+
+
+def run(spec: str, profile_name: str, process: bool, abort_at: int | None = None, **overrides):
+    profile = load_profile(profile_name, device="cpu", **{"codec.process": process, **overrides})
+    core = EngineCore.build(spec, profile)
+    for i in range(6):
+        core.add_request(SynthesisRequest(f"r{i}", "Hello over there, friend.", [reference(i)],
+                                          SamplingParams(seed=i, max_new_tokens=30, min_new_tokens=30),
+                                          stream=i % 3 != 0))
+    chunks, steps = {}, 0
+    try:
+        while core.has_work():
+            for c in core.step():
+                chunks.setdefault(c.request_id, []).append(c)
+            steps += 1
+            if steps == abort_at:
+                core.abort("r1")
+                core.abort("r4")
+        return chunks, core.snapshot(), core.codec_worker
+    finally:
+        core.close()
+
+
+def spans(chunks):
+    return [(c.start_frame, c.end_frame, c.finished, c.stop_reason) for c in chunks]
+
+
+@pytest.mark.parametrize("spec, profile", [("tiny:fish-s2", "fish-s2-default"),
+                                           ("tiny:cosyvoice3", "cosyvoice3-streaming")])
+def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache, spec, profile):
+    thread, _, _ = run(spec, profile, process=False)
+    process, snap, worker = run(spec, profile, process=True)
+    assert thread.keys() == process.keys() == {f"r{i}" for i in range(6)}
+    for rid in thread:
+        assert spans(thread[rid]) == spans(process[rid])
+        assert all(np.array_equal(a.audio, b.audio) for a, b in zip(thread[rid], process[rid]))
+    assert snap["codec_calls"] > 0 and worker.live_requests == 0 and worker.in_flight == 0
+
+
+def test_aborts_leave_no_state_in_the_codec_process(tiny_cache):
+    chunks, snap, worker = run("tiny:fish-s2", "fish-s2-default", process=True, abort_at=8)
+    for rid in ("r1", "r4"):
+        assert chunks[rid][-1].stop_reason == "abort" and sum(c.finished for c in chunks[rid]) == 1
+    assert all(chunks[f"r{i}"][-1].stop_reason == "length" for i in (0, 2, 3, 5))
+    assert worker.live_requests == 0 and worker.in_flight == 0
+    assert snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
+
+
+def test_a_dead_codec_process_fails_the_engine_loudly(tiny_cache):
+    core = EngineCore.build("tiny:fish-s2", load_profile("fish-s2-default", device="cpu", **{"codec.process": True}))
+    try:
+        core.add_request(SynthesisRequest("r0", "Hello there.", params=SamplingParams(seed=0, max_new_tokens=30)))
+        os.kill(core.codec_worker._process.pid, signal.SIGKILL)
+        core.codec_worker._process.wait()
+        with pytest.raises(RuntimeError, match="codec process exited"):
+            while core.has_work():
+                core.step()
+    finally:
+        core.close()
