@@ -55,9 +55,10 @@ def variant(model, kv, rows, kv_tokens, compiled: bool):
     graphs = StepGraphs(decode_fn, head_fn, kv, width, model.dtype, tuple(probe.shape[1:]), probe.dtype,
                         model.history_width)
     buf, head = fill(graphs, kv, rows, kv_tokens, width, model.dtype)
-    buf.capture(None)  # the first run inside compiles
+    stream = torch.cuda.Stream()
+    buf.capture(None, stream)  # the first run inside compiles
     if head is not None:
-        head.capture(buf.graph.pool())
+        head.capture(buf.graph.pool(), stream)
     setup = time.perf_counter() - start
     out = dict(setup_s=round(setup, 1), decode_ms=timed(lambda: buf.graph.replay()))
     out["decode_out"] = buf.out.float().clone()

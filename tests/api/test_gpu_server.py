@@ -63,6 +63,7 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
         metrics = httpx.get(server.url("/metrics"), timeout=10).text
         assert _metric(metrics, "intone_graph_replays") > 0
         assert _metric(metrics, "intone_eager_decode_steps") == 0
+        assert _metric(metrics, "intone_frontend_graph_replays") > 0  # the shipped profiles replay the frontend
         assert _metric(metrics, "intone_reference_cache_misses") >= len(clips)
         log = server.log.read_text()
         assert "cannot capture" not in log and "Traceback" not in log

@@ -60,7 +60,7 @@ class CodecStageConfig(_Strict):
 class FrontendConfig(_Strict):
     cache_mb: int = Field(256, ge=0, description="reference features kept by clip hash (MiB; 0: no cache)")
     cuda_graphs: bool = Field(False, description="capture the frontend's networks per input shape at start-up and "
-                                                 "replay them (GPU; experimental: not yet seen to work over HTTP)")
+                                                 "replay them (GPU)")
 
 
 class ChunkingConfig(_Strict):

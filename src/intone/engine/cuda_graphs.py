@@ -48,15 +48,21 @@ def pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t[:1].expand(rows - t.shape[0], *t.shape[1:])])
 
 
-def capture_graph(run: Callable, pool):
-    """run() once on a side stream (allocator, lazy init, plans), then captured: (graph, its output)."""
+def capture_graph(run: Callable, pool, capture_stream: torch.cuda.Stream):
+    """run() once on a side stream (allocator, lazy init, plans), then captured: (graph, its output).
+
+    capture_stream: one per set of graphs that are replayed one after another. cuBLAS keeps its
+    workspace per stream, and a graph bakes in the workspace of the stream it was captured on;
+    graphs captured on one stream (torch's default capture stream, if none is given) and replayed
+    concurrently from two streams share that workspace. On Hopper the split GEMM kernels keep
+    semaphores there, and two such replays (the AR step's and the frontend's) hung the GPU."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=capture_stream):
         out = run()
     return graph, out
 
@@ -70,8 +76,8 @@ class _Capturable:
     def run(self):
         raise NotImplementedError
 
-    def capture(self, pool) -> None:
-        self.graph, self.out = capture_graph(self.run, pool)
+    def capture(self, pool, capture_stream) -> None:
+        self.graph, self.out = capture_graph(self.run, pool, capture_stream)
 
     def execute(self):
         if self.graph is None:
@@ -156,6 +162,7 @@ class StepGraphs:
         self._decode: dict[tuple[int, int], _DecodeBuffers] = {}
         self._head: dict[int, _HeadBuffers] = {}
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
         self.replays = 0  # steps whose decode ran from a graph
         self.eager = 0  # steps whose decode had no graph for its key
         self.report = CaptureReport()
@@ -228,7 +235,9 @@ class StepGraphs:
 
     def _capture(self, buffers: _Capturable, key) -> None:
         try:
-            buffers.capture(self._pool)
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream()
+            buffers.capture(self._pool, self._capture_stream)
             self._pool = buffers.graph.pool()
             self.report.graphs += 1
         except Exception:  # e.g. out of memory: this key runs eagerly instead of failing the engine
@@ -260,6 +269,7 @@ class FunctionGraphs:
         self._lock = threading.Lock()
         self._last: torch.cuda.Event | None = None
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
         self.replays = self.eager = 0
         self.report = CaptureReport()
 
@@ -275,7 +285,9 @@ class FunctionGraphs:
         start = time.perf_counter()
         static = [t.clone() for t in inputs]
         try:
-            graph, out = capture_graph(lambda: fn(*static), self._pool)
+            if self._capture_stream is None:
+                self._capture_stream = torch.cuda.Stream()
+            graph, out = capture_graph(lambda: fn(*static), self._pool, self._capture_stream)
             self._pool = graph.pool()
             self._graphs[key] = (graph, static, _tensors(out))
             self.report.graphs += 1
