@@ -120,3 +120,19 @@ def test_speak_errors_are_clear(speak_errors, case, message):
     assert r.returncode != 0
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_set_overrides_profile_values_and_refuses_unknown_keys():
+    import argparse
+
+    from intone.cli.serve import profile_override
+    from intone.engine.config import ProfileError, load_profile
+
+    pairs = dict(profile_override(a) for a in ("codec.process=true", "ar.max_num_seqs=8", "device=cpu"))
+    assert pairs == {"codec.process": True, "ar.max_num_seqs": 8, "device": "cpu"}
+    profile = load_profile("fish-s2-high-concurrency", **pairs)
+    assert profile.codec.process is True and profile.ar.max_num_seqs == 8
+    with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+        profile_override("codec.process")
+    with pytest.raises(ProfileError, match="bogus"):
+        load_profile("fish-s2-high-concurrency", **{"codec.bogus": 1})
