@@ -122,3 +122,38 @@ def test_openai_sdk_with_a_reference(cosy_server):
     with pytest.raises(openai.BadRequestError) as e:  # a preset name is no reference
         client.audio.speech.create(model="tiny", voice="alloy", input="Hello.")
     assert e.value.body["param"] == "ref_audio"
+
+
+LONG = ("The keeper climbed the stairs at dusk, counting each step. He lit the lamp at 7:45 and "
+        "watched 3 ships pass the rocks. When the storm came, the beam swept the water and the boats "
+        "found their way home. In the morning he wrote it all down.")  # under the server's 300 characters
+
+
+def test_a_long_input_is_spoken_segment_by_segment_in_one_response(cosy_server, tiny_cache):
+    """The official text frontend cuts the input (normalised: numbers spoken) into segments; one
+    response carries them in order, each exactly what it gets sent alone (seed + k), streamed or not."""
+    from intone.models import text_frontend
+
+    segments = text_frontend("tiny:cosyvoice3").segments(LONG)
+    assert len(segments) >= 2 and "seven forty five" in "".join(segments).lower()
+    alone = []
+    for k, text in enumerate(segments):
+        reply = speech(cosy_server, input=text, seed=5 + k, max_new_tokens=40, response_format="pcm")
+        assert reply.status_code == 200, reply.text
+        alone.append(np.frombuffer(reply.content, dtype="<i2"))
+    whole = speech(cosy_server, input=LONG, seed=5, max_new_tokens=40, response_format="pcm")
+    assert whole.status_code == 200, whole.text
+    assert np.array_equal(np.frombuffer(whole.content, dtype="<i2"), np.concatenate(alone))
+    with httpx.stream("POST", cosy_server.url("/v1/audio/speech"), timeout=120, json=dict(
+            input=LONG, ref_audio=str(cosy_server.media / "ref.wav"), ref_text="A short reference sentence.",
+            seed=5, max_new_tokens=40, stream=True, stream_format="sse", response_format="pcm")) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+    assert [e["type"] for e in events][-1] == "speech.audio.done"
+    streamed = np.frombuffer(b"".join(deltas), dtype="<i2")
+    assert len(streamed) == sum(len(a) for a in alone)  # the same frames; a stream decodes in hops
+
+
+def test_input_that_is_only_punctuation_is_refused_naming_the_field(cosy_server):
+    reply = speech(cosy_server, input="?!...")
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"

@@ -24,7 +24,7 @@ from intone.audio import read_audio
 from intone.api.supervisor import EngineSupervisor
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
-from intone.models import default_profile
+from intone.models import default_profile, text_frontend
 from intone.errors import IntoneError, InvalidRequestError, MediaTooLarge
 
 log = logging.getLogger("intone.server")
@@ -55,6 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         overrides = {**settings.profile_overrides, **({"device": settings.device} if settings.device else {})}
         app.state.profile = load_profile(settings.profile or default_profile(settings.model), **overrides)
+        app.state.text_frontend = await asyncio.to_thread(text_frontend, settings.model)
         def start() -> Awaitable[Engine]:
             return Engine.from_profile(app.state.profile, model=settings.model, trace_frames=settings.trace_frames)
 
@@ -71,6 +72,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="intone", lifespan=lifespan)
     app.state.settings = settings
+    app.state.text_frontend = None  # the model's (loaded at start-up), or None: text as sent
     app.state.metrics = ServerMetrics()
     app.state.voices = VoiceStore(settings.voices_dir)
     app.state.model_id = settings.served_model_name or settings.model

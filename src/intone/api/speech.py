@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import time
 import uuid
@@ -18,6 +19,7 @@ from starlette.background import BackgroundTask
 from intone.api.encoding import CONTENT_TYPES, encode_file, pcm_headers, stream_encoder, wav_bytes
 from intone.api.media import load_reference
 from intone.api.protocol import SpeechRequest, error_body
+from intone.api.segments import generate_segments
 from intone.api.voices import resolve_voice
 from intone.engine.client import EngineDead
 from intone.engine.core import default_params
@@ -80,8 +82,9 @@ def refuse(chunk: AudioChunk) -> JSONResponse:
     return JSONResponse(error_body(chunk.error, param, kind, code=chunk.error_code), status, headers=headers)
 
 
-async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> SynthesisRequest:
-    """Everything that can be checked before the engine sees the request."""
+async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> tuple[SynthesisRequest, list[str]]:
+    """Everything that can be checked before the engine sees the request: the request, and the
+    input as the segments to speak one after another (the model's text frontend; else as sent)."""
     settings = app_state.settings
     if not body.input.strip():
         raise InvalidRequestError("input", "must not be empty")
@@ -105,17 +108,27 @@ async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> Sy
         repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,
         ignore_eos=body.ignore_eos or None, mode=body.sampling_mode, min_new_tokens=body.min_new_tokens,
     ).validate()
-    return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames,
-                            speed=body.speed, instructions=body.instructions, stream=streaming)
+    segments = [body.input]
+    text = app_state.text_frontend
+    if text is not None:  # CPU work of up to ~1 s for a long input: off the event loop
+        segments = await asyncio.to_thread(text.segments, body.input)
+        if not segments:
+            raise InvalidRequestError("input", "has nothing to speak (only punctuation)")
+        # The official client reads a reference's transcript through the same rules (unsplit).
+        references = [dataclasses.replace(ref, text=await asyncio.to_thread(text.normalize, ref.text))
+                      for ref in references]
+    synth = SynthesisRequest(uuid.uuid4().hex, segments[0], references, params, body.initial_codec_chunk_frames,
+                             speed=body.speed, instructions=body.instructions, stream=streaming)
+    return synth, segments
 
 
 async def answer(body: SpeechRequest, request: Request) -> Response:
     state = request.app.state
     parsed = time.perf_counter()
     kind = answer_kind(body, state.settings.sse_dialect)
-    synth = await build_synthesis(body, state, streaming=kind != "file")
+    synth, segments = await build_synthesis(body, state, streaming=kind != "file")
     outcome = Outcome(start=time.perf_counter(), parsed=parsed)
-    stream = state.engine.generate(synth)
+    stream = state.engine.generate(synth) if len(segments) == 1 else generate_segments(state.engine, synth, segments)
     state.metrics.in_flight.inc()
     handed_over = False
     try:

@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from intone.engine.offline import OfflineRequest, run_to_completion
     from intone.engine.config import load_profile
     from intone.engine.core import default_params
+    from intone.api.segments import segment_params
     from intone.models import default_profile, load_model
     from intone.models.base import VoiceReference
 
@@ -62,33 +63,54 @@ def run(args: argparse.Namespace) -> int:
     for path, text in zip(args.ref_audio, args.ref_text):
         audio, rate = read_audio(path, field="--ref-audio", max_seconds=MAX_REFERENCE_SECONDS)
         references.append(VoiceReference(text=text, audio=audio, sample_rate=rate))
+    segments, references = spoken_segments(args.model, args.text, references)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.stream:
-        return asyncio.run(_stream(args, references, params, device))
+        return asyncio.run(_stream(args, segments, references, params, device))
     model = load_model(args.model, device=device)
     start = time.perf_counter()
     model.check_speed(args.speed, field="--speed")
-    prompt = model.build_prompt(args.text, references, args.instructions)
-    request = run_to_completion(model, [OfflineRequest(prompt, params)])[0]
-    audio = model.vocode(request.codes, prompt, args.speed) if request.frames else torch.zeros(0)
+    prompts = [model.build_prompt(text, references, args.instructions) for text in segments]
+    done = run_to_completion(model, [OfflineRequest(p, segment_params(params, k)) for k, p in enumerate(prompts)])
+    audio = torch.cat([model.vocode(r.codes, p, args.speed) if r.frames else torch.zeros(0)
+                       for r, p in zip(done, prompts)])
+    request = done[-1]
     elapsed = time.perf_counter() - start
     write_wav(args.output, audio, model.sample_rate)
 
     seconds = audio.shape[0] / model.sample_rate
     print(
-        f"wrote {args.output}: {len(request.frames)} frames, {seconds:.2f} s at {model.sample_rate} Hz "
-        f"(seed {request.params.seed}, stop: {request.stop_reason}, {elapsed:.2f} s, "
+        f"wrote {args.output}: {sum(len(r.frames) for r in done)} frames in {len(done)} segment(s), "
+        f"{seconds:.2f} s at {model.sample_rate} Hz "
+        f"(seed {done[0].params.seed}, stop: {request.stop_reason}, {elapsed:.2f} s, "
         f"RTF {elapsed / seconds if seconds else float('nan'):.2f})"
     )
-    if not request.frames:
+    if not any(r.frames for r in done):
         print("warning: the model stopped before the first frame; the wav is empty", file=sys.stderr)
     return 0
 
 
-async def _stream(args, references, params, device: str) -> int:
+def spoken_segments(model: str, text: str, references: list) -> tuple[list[str], list]:
+    """The text as the model's text frontend cuts it (as the server does), and the references
+    with their transcripts read through the same rules."""
+    import dataclasses
+
+    from intone.models import text_frontend
+
+    frontend = text_frontend(model)
+    if frontend is None:
+        return [text], references
+    segments = frontend.segments(text)
+    if not segments:
+        raise InvalidRequestError("text", "has nothing to speak (only punctuation)")
+    return segments, [dataclasses.replace(r, text=frontend.normalize(r.text)) for r in references]
+
+
+async def _stream(args, segments: list[str], references, params, device: str) -> int:
     import soundfile as sf
 
+    from intone.api.segments import generate_segments
     from intone.engine.client import Engine
     from intone.engine.request import SynthesisRequest
 
@@ -98,9 +120,10 @@ async def _stream(args, references, params, device: str) -> int:
     frames = 0
     try:
         with sf.SoundFile(args.output, "w", samplerate=engine.sample_rate, channels=1, subtype="PCM_16") as out:
-            request = SynthesisRequest("speak", args.text, references, params, speed=args.speed,
+            request = SynthesisRequest("speak", segments[0], references, params, speed=args.speed,
                                        instructions=args.instructions)
-            async for chunk in engine.generate(request):
+            chunks = engine.generate(request) if len(segments) == 1 else generate_segments(engine, request, segments)
+            async for chunk in chunks:
                 if chunk.error:
                     raise InvalidRequestError("request", chunk.error)
                 if len(chunk.audio):

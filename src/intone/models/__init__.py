@@ -36,6 +36,21 @@ def family_of(spec: str) -> str:
     return "fish-s2"
 
 
+def text_frontend(spec: str):
+    """The model's text frontend (`normalize`, `segments`; torch-free, for the API process), or None:
+    the text goes to the model as sent (Fish: the official server speaks text without speaker tags
+    as one prompt)."""
+    if family_of(spec) != "cosyvoice3":
+        return None
+    from intone.models.cosyvoice3.loader import BLANK_EN
+    from intone.models.cosyvoice3.prompt import CosyTokenizer
+    from intone.models.cosyvoice3.text import CosyTextFrontend
+
+    # random: borrows the tiny checkpoint's tokenizer, as its model does
+    tokenizer = CosyTokenizer(resolve_model_dir("tiny:cosyvoice3" if spec.startswith("random:") else spec) / BLANK_EN)
+    return CosyTextFrontend(lambda text: len(tokenizer.encode(text)))
+
+
 def default_profile(spec: str) -> str | None:
     return DEFAULT_PROFILES.get(family_of(spec))
 
