@@ -157,3 +157,19 @@ def test_a_long_input_is_spoken_segment_by_segment_in_one_response(cosy_server, 
 def test_input_that_is_only_punctuation_is_refused_naming_the_field(cosy_server):
     reply = speech(cosy_server, input="?!...")
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+
+
+def test_a_websocket_session_speaks_the_official_segments_whatever_the_pieces(cosy_server, tiny_cache):
+    import asyncio
+
+    from intone.models import text_frontend
+
+    from .test_websocket import pieces_of, session
+
+    config = dict(ref_audio=str(cosy_server.media / "ref.wav"), ref_text="A short reference sentence.", seed=5,
+                  max_new_tokens=40)
+    events, audio = asyncio.run(session(cosy_server, pieces_of(LONG, 10), **config))
+    whole_events, whole_audio = asyncio.run(session(cosy_server, [LONG], **config))
+    spoken = [e["sentence_text"] for e in events if e["type"] == "audio.start"]
+    assert spoken == text_frontend("tiny:cosyvoice3").segments(LONG) and events[-1]["type"] == "session.done"
+    assert events == whole_events and audio == whole_audio and all(audio[k] for k in range(len(spoken)))

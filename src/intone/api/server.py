@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable
 
-from fastapi import FastAPI, File, Form, Request, UploadFile
+from fastapi import FastAPI, File, Form, Request, UploadFile, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
@@ -19,6 +19,7 @@ from intone.api.media import MediaPolicy
 from intone.api.metrics import ServerMetrics
 from intone.api.protocol import SpeechRequest, error_body
 from intone.api.speech import answer
+from intone.api.websocket import speech_stream
 from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
 from intone.audio import read_audio
 from intone.api.supervisor import EngineSupervisor
@@ -172,6 +173,10 @@ def _install_routes(app: FastAPI) -> None:
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechRequest, request: Request):
         return await answer(body, request)
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream_route(ws: WebSocket):
+        await speech_stream(ws)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -90,9 +90,21 @@ async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> tu
         raise InvalidRequestError("input", "must not be empty")
     if len(body.input) > settings.max_input_chars:
         raise InvalidRequestError("input", f"is {len(body.input)} characters, over the {settings.max_input_chars} limit")
+    synth = await build_request(body, app_state, streaming)
+    segments = [body.input]
+    if app_state.text_frontend is not None:  # CPU work of up to ~1 s for a long input: off the event loop
+        segments = await asyncio.to_thread(app_state.text_frontend.segments, body.input)
+        if not segments:
+            raise InvalidRequestError("input", "has nothing to speak (only punctuation)")
+    synth.text = segments[0]
+    return synth, segments
+
+
+async def build_request(body: SpeechRequest, app_state, streaming: bool) -> SynthesisRequest:
+    """The request's voice, references and sampling settings (its text: `body.input` as sent)."""
+    settings = app_state.settings
     if body.ref_text and not body.ref_audio:
         raise InvalidRequestError("ref_audio", "ref_text was given without ref_audio")
-
     references = []
     voice = await asyncio.to_thread(resolve_voice, body.voice, app_state.voices, settings.voice_aliases)  # reads files
     if voice is not None:
@@ -102,24 +114,17 @@ async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> tu
     for i, ref in enumerate(body.references or []):
         field = f"references.{i}.{'audio' if ref.audio else 'audio_path'}"
         references.append(await load_reference(ref.audio or ref.audio_path, ref.text, field, settings.media))
-
+    if app_state.text_frontend is not None:
+        # The official client reads a reference's transcript through the same rules (unsplit).
+        references = [dataclasses.replace(ref, text=await asyncio.to_thread(app_state.text_frontend.normalize, ref.text))
+                      for ref in references]
     params = default_params(
         app_state.profile, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,
         ignore_eos=body.ignore_eos or None, mode=body.sampling_mode, min_new_tokens=body.min_new_tokens,
     ).validate()
-    segments = [body.input]
-    text = app_state.text_frontend
-    if text is not None:  # CPU work of up to ~1 s for a long input: off the event loop
-        segments = await asyncio.to_thread(text.segments, body.input)
-        if not segments:
-            raise InvalidRequestError("input", "has nothing to speak (only punctuation)")
-        # The official client reads a reference's transcript through the same rules (unsplit).
-        references = [dataclasses.replace(ref, text=await asyncio.to_thread(text.normalize, ref.text))
-                      for ref in references]
-    synth = SynthesisRequest(uuid.uuid4().hex, segments[0], references, params, body.initial_codec_chunk_frames,
-                             speed=body.speed, instructions=body.instructions, stream=streaming)
-    return synth, segments
+    return SynthesisRequest(uuid.uuid4().hex, body.input, references, params, body.initial_codec_chunk_frames,
+                            speed=body.speed, instructions=body.instructions, stream=streaming)
 
 
 async def answer(body: SpeechRequest, request: Request) -> Response:
