@@ -126,6 +126,7 @@ class CosyTextFrontend:
     def __init__(self, count_tokens: Callable[[str], int]):
         """count_tokens: Qwen2 tokens of a text (the talker's tokenizer), the unit of English segments."""
         self.count_tokens = count_tokens
+        _normalizer()  # now: a missing wetext fails the start-up, not each request
 
     def units(self, segment: str, whole: str) -> int:
         """A segment's length as the packer counts it: characters when the whole text is Chinese, else tokens."""
