@@ -187,12 +187,19 @@ def scheduler(blocks=100, block_size=4, seqs=8, waiting=8, tokens=64):
     return Scheduler(BlockManager(blocks, block_size), seqs, waiting, tokens)
 
 
-def test_max_waiting_refuses_exactly_at_capacity():
-    s = scheduler(waiting=3)
-    for i in range(3):
-        s.add(request(f"r{i}"))  # the third fills the queue: allowed
+def test_max_waiting_refuses_exactly_at_capacity_beyond_the_free_seats():
+    s = scheduler(waiting=3, seqs=2)
+    for i in range(5):
+        s.add(request(f"r{i}"))  # two for the free seats, three waiting: the fifth fills the queue
     with pytest.raises(QueueFull):
-        s.add(request("r3"))
+        s.add(request("r5"))
+    s.schedule()  # both seats taken: three may wait, and three do
+    with pytest.raises(QueueFull):
+        s.add(request("r6"))
+    s.remove(s.running[0])  # a seat frees: one more may wait
+    s.add(request("r7"))
+    with pytest.raises(QueueFull):
+        s.add(request("r8"))
 
 
 @pytest.mark.parametrize("running, seqs, admitted", [(0, 3, 3), (2, 3, 1), (3, 3, 0), (2, 4, 2), (1, 1, 0)])

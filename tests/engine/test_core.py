@@ -150,9 +150,20 @@ def test_full_queue_refuses_with_an_error(tiny_fish):
         core.add_request(SynthesisRequest(f"r{i}", "queue", params=SamplingParams(seed=i, max_new_tokens=3)))
     chunks = drain(core)
     refused = sorted(rid for rid, cs in chunks.items() if cs[0].error)
-    # Nothing is admitted before the next step, so two wait and the other two are refused.
-    assert refused == ["r2", "r3"] and "waiting" in chunks["r3"][0].error
+    # Nothing is admitted before the next step: the idle seat's request and two more wait, the fourth is refused.
+    assert refused == ["r3"] and "waiting" in chunks["r3"][0].error
     assert all(cs[-1].stop_reason in ("stop", "length") for rid, cs in chunks.items() if rid not in refused)
+
+
+def test_a_burst_that_idle_seats_take_is_not_refused(tiny_fish):
+    """max_waiting bounds the requests beyond the free seats: a burst of as many requests as there
+    are seats, arriving before any step, all run (none is refused for having come at once)."""
+    core = EngineCore(tiny_fish, hc_profile(**{"ar.max_num_seqs": 4, "ar.max_waiting": 0}))
+    for i in range(5):
+        core.add_request(SynthesisRequest(f"r{i}", "burst", params=SamplingParams(seed=i, max_new_tokens=3)))
+    chunks = drain(core)
+    assert sorted(rid for rid, cs in chunks.items() if cs[0].error) == ["r4"]
+    assert all(chunks[f"r{i}"][-1].stop_reason in ("stop", "length") for i in range(4))
 
 
 def test_request_too_big_for_the_cache_is_refused(tiny_fish):

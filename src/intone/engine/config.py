@@ -24,7 +24,8 @@ class _Strict(BaseModel):
 
 class ARConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="running requests in the AR stage")
-    max_waiting: int = Field(1024, ge=0, description="queued requests beyond which new ones are refused")
+    max_waiting: int = Field(1024, ge=0, description="requests that may wait beyond the seats free now; more are "
+                                                     "refused (queue_full, 503)")
     max_num_batched_tokens: int = Field(16384, ge=1, description="tokens in one step (prefills + decodes)")
     block_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")

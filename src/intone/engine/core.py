@@ -145,7 +145,7 @@ class EngineCore:
             self._refuse(rid, f"{rid!r} is already in use", "invalid_request", "request_id")
             return
         if any(ref.audio is not None for ref in request.references):
-            if len(self._preparing) + len(self.scheduler.waiting) >= self.scheduler.max_waiting:
+            if len(self._preparing) + len(self.scheduler.waiting) >= self.scheduler.queue_bound():
                 self._refuse(rid, f"{len(self.scheduler.waiting)} requests are already waiting", "queue_full")
                 return
             self._preparing[rid] = arrived

@@ -40,8 +40,13 @@ class Scheduler:
             self.blocks.num_blocks_of(r.request_id) for r in self.running
         )
 
+    def queue_bound(self) -> int:
+        """How many requests may wait: `max_waiting` beyond the seats that are free now (a burst that
+        idle seats will take at the next step is not refused for having arrived at once)."""
+        return self.max_waiting + max(0, self.max_num_seqs - len(self.running))
+
     def add(self, req: EngineRequest) -> None:
-        if len(self.waiting) >= self.max_waiting:
+        if len(self.waiting) >= self.queue_bound():
             raise QueueFull(f"{len(self.waiting)} requests are already waiting")
         req.status = Status.WAITING
         self.waiting.append(req)
