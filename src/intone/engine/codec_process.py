@@ -37,6 +37,7 @@ import zmq
 
 from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
 from intone.engine.config import Profile
+from intone.engine.parent_watch import watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +237,6 @@ def main(argv=None) -> None:
     ap.add_argument("--results", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s codec %(levelname)s %(message)s")
-    from intone.engine.process import watch_parent
-
     watch_parent(os.getppid(), [])
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

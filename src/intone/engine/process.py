@@ -16,38 +16,18 @@ import json
 import logging
 import os
 import pickle
-import shutil
 import sys
-import threading
 import time
 import traceback
-from pathlib import Path
 
 import zmq
+
+from intone.engine.parent_watch import watch_parent
 
 log = logging.getLogger(__name__)
 
 POLL_IDLE_MS = 100
-PARENT_CHECK_S = 0.5
 HEARTBEAT_S = 1.0  # the loop says it is alive at least this often (between steps)
-
-
-def watch_parent(parent: int, sockets: list[str]) -> None:
-    """Exit when the process that started this one is gone (killed API server: no orphaned
-    engine holding GPU memory), removing the IPC socket files and their directory."""
-    def run() -> None:
-        while os.getppid() == parent:
-            time.sleep(PARENT_CHECK_S)
-        log.error("the parent process %d is gone; the engine core exits", parent)
-        folders = set()
-        for address in sockets:
-            path = Path(address.removeprefix("ipc://"))
-            path.unlink(missing_ok=True)
-            folders.add(path.parent)
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
-        os._exit(3)
-    threading.Thread(target=run, name="intone-parent-watch", daemon=True).start()
 
 
 def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_frames: str | None) -> None:
