@@ -134,6 +134,8 @@ def test_shutdown_ends_in_flight_streams_cleanly(own_server):
     assert got.get("error") == "RemoteProtocolError"  # cut, so the client knows the audio is not whole
     log = s.log.read_text()
     assert "aborting in-flight requests" in log and "Application shutdown complete" in log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert not errors, errors  # a clean shutdown is no failure (the core's exit logs at INFO)
 
 
 def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):

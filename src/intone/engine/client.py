@@ -112,7 +112,10 @@ class Engine:
             raise
         except Exception as e:  # the core is gone: every waiting stream ends with an error
             self.dead = str(e) or type(e).__name__
-            log.error("engine core died: %s", self.dead)
+            if self._closed:  # shutdown() asked it to stop: its exit is the expected end, not a failure
+                log.info("engine core stopped: %s", self.dead)
+            else:
+                log.error("engine core died: %s", self.dead)
             for queue in self._queues.values():
                 queue.put_nowait(e)
             for waiter in [*self._stats_waiters, *self._encode_waiters.values()]:
