@@ -236,3 +236,17 @@ def test_vllm_omni_voice_upload_form_is_accepted(server, reference_wav):
 def speech_ok(server, **body) -> bool:
     r = httpx.post(server.url("/v1/audio/speech"), json={"input": "Hi.", "max_new_tokens": 5, **body}, timeout=60)
     return r.status_code == 200 and r.content[:4] == b"RIFF"
+
+
+def test_the_openapi_schema_documents_the_400_the_server_answers(server):
+    from intone.api.protocol import ErrorBody
+
+    spec = httpx.get(server.url("/openapi.json"), timeout=30).json()
+    operations = [op for path in spec["paths"].values() for op in path.values()]
+    assert all("422" not in op["responses"] for op in operations)
+    speech = spec["paths"]["/v1/audio/speech"]["post"]["responses"]["400"]
+    assert speech["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ErrorBody"
+    assert "ErrorBody" in spec["components"]["schemas"] and "HTTPValidationError" not in spec["components"]["schemas"]
+    bad = httpx.post(server.url("/v1/audio/speech"), json={"input": "Hi.", "temperature": "hot"}, timeout=30)
+    assert bad.status_code == 400
+    assert ErrorBody.model_validate(bad.json()).error.param == "temperature"

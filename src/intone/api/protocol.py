@@ -73,6 +73,19 @@ class SpeechRequest(BaseModel):
         return voice
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error, authentication_error or server_error
+    param: str | None = None  # the request field it is about
+    code: str | None = None  # e.g. queue_full, engine_dead
+
+
+class ErrorBody(BaseModel):
+    """What every failure answers (OpenAI's error shape)."""
+
+    error: ErrorDetail
+
+
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -12,12 +12,13 @@ from typing import Awaitable
 
 from fastapi import FastAPI, File, Form, Request, UploadFile, WebSocket
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
 from intone.api.media import MediaPolicy
 from intone.api.metrics import ServerMetrics
-from intone.api.protocol import SpeechRequest, error_body
+from intone.api.protocol import ErrorBody, SpeechRequest, error_body
 from intone.api.speech import answer
 from intone.api.websocket import speech_stream
 from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
@@ -78,9 +79,32 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.voices = VoiceStore(settings.voices_dir)
     app.state.model_id = settings.served_model_name or settings.model
     _install_errors(app)
+    _document_errors(app)
     _install_guards(app, settings)
     _install_routes(app)
     return app
+
+
+def _document_errors(app: FastAPI) -> None:
+    """FastAPI's schema documents a body that fails validation as a 422 with its own body; this
+    server answers 400 with the error body every failure uses, and the schema says so."""
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            error = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(error.pop("$defs", {}))
+            components["ErrorBody"] = error
+            documented = {"description": "Invalid request: `error.param` names the field",
+                          "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+            for operation in (op for path in spec["paths"].values() for op in path.values()):
+                if operation.get("responses", {}).pop("422", None) is not None:
+                    operation["responses"]["400"] = documented
+            app.openapi_schema = spec
+        return app.openapi_schema
+    app.openapi = schema
 
 
 def _install_errors(app: FastAPI) -> None:
