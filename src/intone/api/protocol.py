@@ -35,9 +35,10 @@ class ReferenceIn(BaseModel):
 
 
 class SpeechRequest(BaseModel):
-    """OpenAI's /v1/audio/speech body, plus the fields vLLM-Omni and SGLang-Omni clients send."""
+    """OpenAI's /v1/audio/speech body, plus the fields vLLM-Omni and SGLang-Omni clients send.
+    Strict types: `true` is not a number and "5" not an integer (JSON clients send the real types)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input: str
     model: str | None = None

@@ -15,7 +15,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from intone.api.encoding import CONTENT_TYPES
 from intone.api.media import MediaPolicy
 from intone.api.metrics import ServerMetrics
 from intone.api.protocol import ErrorBody, SpeechRequest, error_body
@@ -111,6 +113,8 @@ def _install_errors(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0]
+        if first.get("type") == "json_invalid":  # loc is the byte offset, not a field
+            return JSONResponse(error_body(f"the body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"), 400)
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
         return JSONResponse(error_body(f"{param}: {first['msg']}" if param else first["msg"], param), 400)
 
@@ -120,6 +124,19 @@ def _install_errors(app: FastAPI) -> None:
         if isinstance(exc, UnknownVoice) and request.method == "DELETE":
             status = 404
         return JSONResponse(error_body(str(exc), exc.field), status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's own refusals (no such route, wrong method, a body that is not JSON or not
+        multipart) in the error body every failure uses, their headers (e.g. Allow) kept."""
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names the first matching route's methods only
+            path = request.url.path
+            methods = {m for r in request.app.routes if getattr(r, "methods", None) and r.path_regex.match(path)
+                       for m in r.methods}
+            headers["Allow"] = ", ".join(sorted(methods))
+        return JSONResponse(error_body(str(exc.detail), None, kind), exc.status_code, headers=headers)
 
     @app.exception_handler(EngineDead)
     async def dead(request: Request, exc: EngineDead):
@@ -194,7 +211,9 @@ def _replay(messages: list, receive):
 
 
 def _install_routes(app: FastAPI) -> None:
-    @app.post("/v1/audio/speech")
+    @app.post("/v1/audio/speech", responses={200: {"description": "The audio (a file, raw bytes as made, or events)",
+                                                   "content": {**{t: {} for t in sorted(set(CONTENT_TYPES.values()))},
+                                                               "text/event-stream": {}}}})
     async def speech(body: SpeechRequest, request: Request):
         return await answer(body, request)
 
