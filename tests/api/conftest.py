@@ -103,7 +103,8 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
         profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n")
         return ("--api-key", "sekret", "--sse-dialect", "sglang", "--profile", str(profile))
     if name == "cosy_server":
-        return ("--model", "tiny:cosyvoice3")
+        # The raw-audio dialect: what older vLLM-Omni `--stream` clients expect of a bare `stream: true`.
+        return ("--model", "tiny:cosyvoice3", "--sse-dialect", "audio")
     raise KeyError(name)
 
 

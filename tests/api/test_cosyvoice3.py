@@ -173,3 +173,42 @@ def test_a_websocket_session_speaks_the_official_segments_whatever_the_pieces(co
     spoken = [e["sentence_text"] for e in events if e["type"] == "audio.start"]
     assert spoken == text_frontend("tiny:cosyvoice3").segments(LONG) and events[-1]["type"] == "session.done"
     assert events == whole_events and audio == whole_audio and all(audio[k] for k in range(len(spoken)))
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus", "aac"])
+def test_the_openai_sdk_gets_every_format_every_way_from_cosyvoice3(cosy_server, fmt):
+    """create, with_streaming_response (raw audio) and stream_format='sse': the same seed, the same
+    duration, in the format asked for, at CosyVoice3's 24 kHz (Opus: 48 kHz)."""
+    import openai
+
+    from .test_openai_sdk import CONTENT_TYPES, seconds
+
+    client = openai.OpenAI(base_url=cosy_server.url("/v1"), api_key="unused", max_retries=0)
+    extra = dict(ref_audio=str(cosy_server.media / "ref.wav"), ref_text="A short reference sentence.", seed=3,
+                 max_new_tokens=30, min_new_tokens=30)
+    common = dict(model="tiny", voice="alloy", input="Hello there.", response_format=fmt, extra_body=extra)
+    whole = client.audio.speech.create(**common)
+    assert whole.response.headers["content-type"] == CONTENT_TYPES[fmt]
+    with client.audio.speech.with_streaming_response.create(**common, stream_format="audio") as response:
+        raw = b"".join(response.iter_bytes())
+    with client.audio.speech.with_streaming_response.create(**common, stream_format="sse") as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    sse = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    durations = [seconds(body, fmt, pcm_rate=24000) for body in (whole.content, raw, sse)]
+    assert all(rate == (48000 if fmt == "opus" else 24000) for _, rate in durations)
+    # mp3 and aac add priming and padding: up to two codec frames (~0.09 s at 24 kHz) beyond the frames' 1.2 s
+    assert all(abs(d - 30 * 960 / 24000) < 0.1 for d, _ in durations), durations
+
+
+def test_a_bare_stream_true_is_raw_pcm_under_the_audio_dialect(cosy_server):
+    """Older vLLM-Omni `--stream` clients send `stream: true` with pcm and save the bytes as audio:
+    with `--sse-dialect audio` they get raw PCM16 that says its rate; an explicit `sse` still wins."""
+    with httpx.stream("POST", cosy_server.url("/v1/audio/speech"), timeout=120, json=dict(
+            input="Hello there.", ref_audio=str(cosy_server.media / "ref.wav"), ref_text="A short reference sentence.",
+            seed=2, max_new_tokens=20, min_new_tokens=20, stream=True, response_format="pcm")) as r:
+        assert r.headers["content-type"].startswith("audio/pcm") and r.headers["x-sample-rate"] == "24000"
+        assert len(b"".join(r.iter_bytes())) == 20 * 960 * 2
+    sse = speech(cosy_server, input="Hello there.", seed=2, max_new_tokens=20, stream=True, stream_format="sse",
+                 response_format="pcm")
+    assert sse.headers["content-type"].startswith("text/event-stream")

@@ -45,9 +45,9 @@ def spans(chunks):
     return [(c.start_frame, c.end_frame, c.finished, c.stop_reason) for c in chunks]
 
 
-@pytest.mark.parametrize("spec, profile", [("tiny:fish-s2", "fish-s2-default"),
-                                           ("tiny:cosyvoice3", "cosyvoice3-streaming")])
-def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache, spec, profile):
+def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache):
+    """CosyVoice3: the stage whose per-request state (mel history, released samples) lives in the process."""
+    spec, profile = "tiny:cosyvoice3", "cosyvoice3-streaming"
     thread, _, _ = run(spec, profile, process=False)
     process, snap, worker = run(spec, profile, process=True)
     assert thread.keys() == process.keys() == {f"r{i}" for i in range(4)}
@@ -61,6 +61,7 @@ def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache, spec, p
 
 
 def test_aborts_leave_no_state_in_the_codec_process(tiny_cache):
+    """Fish (the default stage) in the process: aborts end once, the rest run to their length."""
     chunks, snap, worker = run("tiny:fish-s2", "fish-s2-default", process=True, abort_at=8)
     assert chunks["r1"][-1].stop_reason == "abort" and sum(c.finished for c in chunks["r1"]) == 1
     assert all(chunks[f"r{i}"][-1].stop_reason == "length" for i in (0, 2, 3))
