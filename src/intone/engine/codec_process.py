@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import zmq
 
 from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
 from intone.engine.config import Profile
-from intone.engine.parent_watch import watch_parent
+from intone.engine.child import parent_sockets, watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +102,7 @@ class CodecProcess:
         now = time.perf_counter()
         jobs = []
         for (req, chunk), n, deadline in zip(items, tokens, deadlines or [now] * len(items)):
+            # clone: a pickled view carries its whole buffer (max_new_tokens frames), the copy only these
             job = Job(self._next_id, chunk, req.codes[:, : req.num_frames].clone(), None, req.speed, deadline)
             if req.request_id not in self._prompted:
                 self._prompted.add(req.request_id)
@@ -238,22 +238,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s codec %(levelname)s %(message)s")
     watch_parent(os.getppid(), [])
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(args.jobs)
-    push.connect(args.results)
-    push.setsockopt(zmq.LINGER, 2000)
     try:
-        serve(args.model, Profile.model_validate(json.loads(args.profile_json)), pull, push)
+        with parent_sockets(args.jobs, args.results) as (pull, push):
+            serve(args.model, Profile.model_validate(json.loads(args.profile_json)), pull, push)
     except Exception:
-        push.send(pickle.dumps(("fatal", traceback.format_exc())))
         log.exception("the codec process failed")
         sys.exit(1)
-    finally:
-        pull.close(0)
-        push.close()
-        ctx.term()
-
 
 if __name__ == "__main__":
     main()

@@ -18,11 +18,10 @@ import os
 import pickle
 import sys
 import time
-import traceback
 
 import zmq
 
-from intone.engine.parent_watch import watch_parent
+from intone.engine.child import parent_sockets, watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +36,7 @@ def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_fr
     from intone.engine.config import Profile
     from intone.engine.core import EngineCore
 
-    ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(inbox)
-    push.connect(outbox)
-    push.setsockopt(zmq.LINGER, 2000)
-    try:
+    with parent_sockets(inbox, outbox) as (pull, push):
         core = EngineCore.build(model_spec, Profile.model_validate(profile_data), trace_frames)
         m = core.model
         push.send(pickle.dumps(("ready", dict(
@@ -50,13 +44,6 @@ def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_fr
             device=str(m.device), capacity=core.profile.ar.max_num_seqs, profile=core.profile.name,
         ))))
         _loop(core, pull, push)
-    except Exception:
-        push.send(pickle.dumps(("fatal", traceback.format_exc())))
-        raise
-    finally:
-        pull.close(0)
-        push.close()
-        ctx.term()
 
 
 def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:

@@ -1,13 +1,19 @@
-"""A child process's watch on its parent: when the parent is gone, the child goes too."""
+"""What a spawned child of intone (the engine core, the codec process) needs: a watch on its
+parent (when the parent is gone, the child goes too) and its pair of sockets to the parent."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
 import shutil
 import threading
 import time
+import traceback
 from pathlib import Path
+
+import zmq
 
 log = logging.getLogger(__name__)
 
@@ -30,3 +36,23 @@ def watch_parent(parent: int, sockets: list[str]) -> None:
             shutil.rmtree(folder, ignore_errors=True)
         os._exit(3)
     threading.Thread(target=run, name="intone-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def parent_sockets(inbox: str, outbox: str):
+    """(pull, push) connected to the parent's addresses; an exception inside is told to the parent
+    as ("fatal", traceback) before it propagates; the sockets are closed on the way out."""
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(inbox)
+    push.connect(outbox)
+    push.setsockopt(zmq.LINGER, 2000)
+    try:
+        yield pull, push
+    except Exception:
+        push.send(pickle.dumps(("fatal", traceback.format_exc())))
+        raise
+    finally:
+        pull.close(0)
+        push.close()
+        ctx.term()
