@@ -250,3 +250,20 @@ def test_the_openapi_schema_documents_the_400_the_server_answers(server):
     bad = httpx.post(server.url("/v1/audio/speech"), json={"input": "Hi.", "temperature": "hot"}, timeout=30)
     assert bad.status_code == 400
     assert ErrorBody.model_validate(bad.json()).error.param == "temperature"
+
+
+def test_the_websocket_route_needs_the_api_key_too(strict_server):
+    import websockets
+    from websockets.exceptions import InvalidStatus
+
+    url = strict_server.url("/v1/audio/speech/stream").replace("http://", "ws://")
+
+    async def first_event(headers) -> dict:
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            await ws.send(json.dumps({"type": "input.text", "text": "Hi."}))
+            return json.loads(await ws.recv())
+
+    with pytest.raises(InvalidStatus) as refused:
+        asyncio.run(first_event({}))
+    assert refused.value.response.status_code == 403
+    assert asyncio.run(first_event(AUTH))["param"] == "type"  # let in: the session's own error

@@ -15,8 +15,27 @@ import dataclasses
 from typing import AsyncIterator
 
 from intone.engine.request import AudioChunk, SynthesisRequest
+from intone.errors import InvalidRequestError
 
 SEED_MODULUS = 2**63
+
+
+def cut(frontend, text: str, field: str) -> list[str]:
+    """The text as the segments to speak (the model's text frontend; without one, as sent)."""
+    if frontend is None:
+        return [text]
+    segments = frontend.segments(text)
+    if not segments:
+        raise InvalidRequestError(field, "has nothing to speak (only punctuation)")
+    return segments
+
+
+def read_transcripts(frontend, references: list) -> list:
+    """The references with their transcripts read through the frontend's rules, unsplit (as the
+    official client reads a prompt text); without a frontend, as they are."""
+    if frontend is None:
+        return references
+    return [dataclasses.replace(ref, text=frontend.normalize(ref.text)) for ref in references]
 
 
 def segment_params(params, k: int):

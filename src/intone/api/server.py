@@ -159,6 +159,9 @@ class Guard:
         self.app, self.settings = app, settings
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and not self._key_given(Headers(scope=scope), scope["path"]):
+            await send({"type": "websocket.close", "code": 1008, "reason": "missing or wrong API key"})
+            return
         if scope["type"] == "http":
             refusal = self._refusal(scope)
             if refusal is None and "content-length" not in Headers(scope=scope):
@@ -184,16 +187,21 @@ class Guard:
                 body = {"type": "http.request", "body": b"".join(parts), "more_body": False}
                 return _replay([body], receive), None
 
+    def _key_given(self, headers: Headers, path: str) -> bool:
+        """The API key, when the server has one, guards every /v1/ route (HTTP and WebSocket)."""
+        key = self.settings.api_key
+        if not key or not path.startswith("/v1/"):
+            return True
+        return hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {key}".encode())
+
     def _refusal(self, scope) -> JSONResponse | None:
         settings, path = self.settings, scope["path"]
         headers = Headers(scope=scope)
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > settings.max_body_bytes:
             return JSONResponse(error_body(f"request body over {settings.max_body_bytes} bytes"), 413)
-        if settings.api_key and path.startswith("/v1/"):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
-                return JSONResponse(error_body("missing or wrong API key", None, "authentication_error"), 401)
+        if not self._key_given(headers, path):
+            return JSONResponse(error_body("missing or wrong API key", None, "authentication_error"), 401)
         engine = getattr(scope["app"].state, "engine", None)
         if engine is not None and engine.dead and path.startswith("/v1/audio"):
             return JSONResponse(error_body(f"engine is dead: {engine.dead}", None, "server_error", "engine_dead"), 503,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import dataclasses
 import json
 import time
 import uuid
@@ -19,7 +18,7 @@ from starlette.background import BackgroundTask
 from intone.api.encoding import CONTENT_TYPES, encode_file, pcm_headers, stream_encoder, wav_bytes
 from intone.api.media import load_reference
 from intone.api.protocol import SpeechRequest, error_body
-from intone.api.segments import generate_segments
+from intone.api.segments import cut, generate_segments, read_transcripts
 from intone.api.voices import resolve_voice
 from intone.engine.client import EngineDead
 from intone.engine.core import default_params
@@ -91,11 +90,8 @@ async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> tu
     if len(body.input) > settings.max_input_chars:
         raise InvalidRequestError("input", f"is {len(body.input)} characters, over the {settings.max_input_chars} limit")
     synth = await build_request(body, app_state, streaming)
-    segments = [body.input]
-    if app_state.text_frontend is not None:  # CPU work of up to ~1 s for a long input: off the event loop
-        segments = await asyncio.to_thread(app_state.text_frontend.segments, body.input)
-        if not segments:
-            raise InvalidRequestError("input", "has nothing to speak (only punctuation)")
+    # CPU work of up to ~1 s for a long input: off the event loop
+    segments = await asyncio.to_thread(cut, app_state.text_frontend, body.input, "input")
     synth.text = segments[0]
     return synth, segments
 
@@ -114,10 +110,7 @@ async def build_request(body: SpeechRequest, app_state, streaming: bool) -> Synt
     for i, ref in enumerate(body.references or []):
         field = f"references.{i}.{'audio' if ref.audio else 'audio_path'}"
         references.append(await load_reference(ref.audio or ref.audio_path, ref.text, field, settings.media))
-    if app_state.text_frontend is not None:
-        # The official client reads a reference's transcript through the same rules (unsplit).
-        references = [dataclasses.replace(ref, text=await asyncio.to_thread(app_state.text_frontend.normalize, ref.text))
-                      for ref in references]
+    references = await asyncio.to_thread(read_transcripts, app_state.text_frontend, references)
     params = default_params(
         app_state.profile, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,

@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from intone.engine.offline import OfflineRequest, run_to_completion
     from intone.engine.config import load_profile
     from intone.engine.core import default_params
-    from intone.api.segments import segment_params
-    from intone.models import default_profile, load_model
+    from intone.api.segments import cut, read_transcripts, segment_params
+    from intone.models import default_profile, load_model, text_frontend
     from intone.models.base import VoiceReference
 
     if len(args.ref_audio) != len(args.ref_text):
@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     for path, text in zip(args.ref_audio, args.ref_text):
         audio, rate = read_audio(path, field="--ref-audio", max_seconds=MAX_REFERENCE_SECONDS)
         references.append(VoiceReference(text=text, audio=audio, sample_rate=rate))
-    segments, references = spoken_segments(args.model, args.text, references)
+    frontend = text_frontend(args.model)  # the text cut as the server cuts it
+    segments, references = cut(frontend, args.text, "text"), read_transcripts(frontend, references)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.stream:
@@ -89,22 +90,6 @@ def run(args: argparse.Namespace) -> int:
     if not any(r.frames for r in done):
         print("warning: the model stopped before the first frame; the wav is empty", file=sys.stderr)
     return 0
-
-
-def spoken_segments(model: str, text: str, references: list) -> tuple[list[str], list]:
-    """The text as the model's text frontend cuts it (as the server does), and the references
-    with their transcripts read through the same rules."""
-    import dataclasses
-
-    from intone.models import text_frontend
-
-    frontend = text_frontend(model)
-    if frontend is None:
-        return [text], references
-    segments = frontend.segments(text)
-    if not segments:
-        raise InvalidRequestError("text", "has nothing to speak (only punctuation)")
-    return segments, [dataclasses.replace(r, text=frontend.normalize(r.text)) for r in references]
 
 
 async def _stream(args, segments: list[str], references, params, device: str) -> int:

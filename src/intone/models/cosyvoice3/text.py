@@ -122,6 +122,11 @@ def pack(parts: list[str], units: Callable[[str], int]) -> list[str]:
     return segments
 
 
+def as_sent(text: str) -> bool:
+    """Left exactly as sent: text with a control token, or nothing but blanks."""
+    return "<|" in text and "|>" in text or not text.strip()
+
+
 class CosyTextFrontend:
     def __init__(self, count_tokens: Callable[[str], int]):
         """count_tokens: Qwen2 tokens of a text (the talker's tokenizer), the unit of English segments."""
@@ -134,7 +139,7 @@ class CosyTextFrontend:
 
     def normalize(self, text: str) -> str:
         """The text as the model should read it (one piece; a reference transcript)."""
-        if "<|" in text and "|>" in text or not text.strip():
+        if as_sent(text):
             return text
         text = text.strip()
         return _chinese(text) if CJK.search(text) else spell_digits(text_normalized(text))
@@ -142,7 +147,7 @@ class CosyTextFrontend:
     def segments(self, text: str) -> list[str]:
         """The text to speak, normalised, as the sentences-or-so the model speaks one at a time
         (none when it is only punctuation: nothing to speak)."""
-        if "<|" in text and "|>" in text or not text.strip():
+        if as_sent(text):
             return [text]
         normal = self.normalize(text)
         if not normal:
