@@ -56,7 +56,7 @@ def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache):
         # Which chunks share a decode call depends on timing in both, and a batch of another shape
         # rounds differently: equal to float rounding, not bit for bit (that needs batch-invariant kernels).
         for a, b in zip(thread[rid], process[rid]):
-            np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-4)  # -80 dB
+            np.testing.assert_allclose(a.audio, b.audio, rtol=1e-3, atol=1e-4)  # -60 dB of each sample, -80 dB near 0
     assert snap["codec_calls"] > 0 and worker.live_requests == 0 and worker.in_flight == 0
 
 
