@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, codec-timing, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, cosy-engine, profile-fish, profile-cosy
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
@@ -18,8 +18,9 @@ for stage in "$@"; do
     tests) timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py -p no:cacheprovider 2>&1 | tail -15 ;;
+    codec-timing) timeout 300 python3 tools/codec_timing.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec-timing.txt" | grep -v Warning | tail -40 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
-    ar-timing) timeout 400 python3 tools/ar_step_timing.py 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
+    ar-timing) timeout 400 python3 tools/ar_step_timing.py ${AR_ARGS:-} 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
     probe) timeout 300 python3 tools/engine_probe.py ${PROBE:---model random:cosyvoice3 --set frontend.cuda_graphs=true} 2>&1 \
         | tee "$OUT/probe-${PROBE_TAG:-0}.txt" | grep -v Warning | tail -${PROBE_TAIL:-60} ;;
     cosy-frontend) timeout 200 python3 tools/cosy_frontend_timing.py 2>&1 | tee "$OUT/cosy-frontend.txt" | tail -20 ;;
@@ -41,7 +42,7 @@ for stage in "$@"; do
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile cosyvoice3-full-response --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
-    profile-fish) timeout 300 python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency 2>&1 | tee "$OUT/profile-fish.txt" | tail -45 ;;
+    profile-fish) timeout 300 python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile-fish.txt" | tail -45 ;;
     profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-full-response --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -18,6 +18,7 @@ from intone.bench.runner import forced_frames
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore, default_params
 from intone.engine.request import SynthesisRequest
+from engine_probe import thread_cpu  # tools/ is the script's directory
 
 SPENT = collections.defaultdict(float)
 
@@ -62,7 +63,12 @@ def overlapped(core, run, steps):
         return wrapper
 
     originals = core._run_ar, core._emit, core._deliver, core._admit_prepared
+    runner_originals = core.runner.build, core.runner.execute
     run_ar = wall("AR step (until tokens on host)", core._run_ar)
+    # Within the AR step: host metadata, kernel launches (graph replays return at once), and the
+    # rest = waiting for the GPU to give the tokens back, plus the per-request bookkeeping.
+    core.runner.build = wall("  of which runner.build (host metadata)", core.runner.build)
+    core.runner.execute = wall("  of which execute (launches)", core.runner.execute)
 
     def counted(batch, *a):
         rows[0] += len(batch)
@@ -72,16 +78,23 @@ def overlapped(core, run, steps):
     core._deliver = wall("deliver", core._deliver)
     core._admit_prepared = wall("admit prepared", core._admit_prepared)
     s0, f0 = core.stats.steps, core.stats.frames
+    cpu0 = thread_cpu()
     t = time.perf_counter()
     run(steps)
     elapsed = time.perf_counter() - t
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in thread_cpu().items()}
     n, frames = core.stats.steps - s0, core.stats.frames - f0
     core._run_ar, core._emit, core._deliver, core._admit_prepared = originals
+    core.runner.build, core.runner.execute = runner_originals
     print(f"as served: {n} steps in {elapsed:.2f} s = {1000 * elapsed / n:.1f} ms per step, "
           f"{rows[0] / n:.1f} rows per step, {frames * core.model.samples_per_frame / core.model.sample_rate / elapsed:.1f} audio-s/s of frames")
     for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:40s} {1000 * s / n:7.2f} ms/step")
-    print(f"  {'other (loop, planner, host)':40s} {1000 * (elapsed - sum(spent.values())) / n:7.2f} ms/step")
+    outer = sum(v for k, v in spent.items() if not k.startswith(" "))
+    print(f"  {'other (loop, planner, host)':40s} {1000 * (elapsed - outer) / n:7.2f} ms/step")
+    # Threads whose CPU seconds add up to about the wall time take turns on the GIL.
+    print(f"  CPU ms per step by thread: " + ", ".join(
+        f"{k} {1000 * v / n:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0))
 
 
 def main():

@@ -3,8 +3,9 @@
 By default they run as plain PyTorch in the official op order (several kernels each). With
 `use_compiled(True)` (the profile's `ar.fuse_elementwise`, GPU only) the same functions run through
 torch.compile, which fuses each into one kernel: the runner captures those kernels in its graphs like
-any other, so a decode step launches far fewer of them. The maths is the same; a fused reduction may
-sum in another order, so results can differ in the last bit. Only the AR models call these; codecs
+any other, so a decode step launches far fewer of them. The maths is the same, rounded where the eager
+code casts (inductor would otherwise keep fp32 between ops: `emulate_precision_casts`); a fused
+reduction may sum in another order, so results can differ in the last bit. Only the AR models call these; codecs
 keep the eager functions (they run on other threads, where compiling at run time would race).
 """
 
@@ -54,7 +55,8 @@ _active = dict(_EAGER)
 def use_compiled(on: bool) -> None:
     """Switch every AR model in this process to the compiled (on) or eager (off) functions."""
     for name, fn in _EAGER.items():
-        _active[name] = torch.compile(fn, dynamic=True, fullgraph=True) if on else fn
+        _active[name] = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}) if on else fn
 
 
 def compiled() -> bool:
