@@ -47,6 +47,10 @@ for stage in "$@"; do
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   rm -rf "$OUT"/*/dataset  # the generated clips: too many files to bring back
+  for log in "$OUT"/*/server.log; do  # the first error of a failed run, small enough to bring back
+    [ -f "$log" ] && grep -q -m1 "Traceback\|ERROR" "$log" && grep -m1 -B3 -A40 "Traceback\|ERROR" "$log" > "${log%server.log}first-error.txt" \
+      && echo "first error in $log:" && head -20 "${log%server.log}first-error.txt"
+  done
   summary+=("$stage: $(( $(date +%s) - start )) s")
 done
 printf '%s\n' "${summary[@]}"

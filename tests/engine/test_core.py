@@ -10,6 +10,7 @@ import torch
 from tests.procs import frame_audit_alongside
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
+from intone.engine.device_lost import DeviceLost
 from intone.engine.offline import OfflineRequest, run_to_completion
 from intone.engine.request import SynthesisRequest
 from intone.engine.trace import FrameTracer, audit_file
@@ -142,6 +143,30 @@ def test_a_bad_request_fails_alone(tiny_fish):
     good = chunks["good"]
     assert sum(c.error is not None for c in good) == 1  # the duplicate was refused
     assert any(c.finished and c.stop_reason in ("stop", "length") for c in good)
+
+
+def test_a_lost_gpu_context_stops_the_core_while_other_step_errors_fail_only_their_batch(tiny_fish, monkeypatch):
+    """A CUDA sticky error (the context refuses all later work) must end the core, so its process
+    exits and the supervisor starts a new one, instead of failing every later request one by one;
+    a recoverable error (out of memory, a bug) fails only the batch it hit."""
+    core = EngineCore(tiny_fish, hc_profile())
+    run = core.runner.run
+    failure = [RuntimeError("CUDA error: out of memory")]
+
+    def failing(reqs):
+        if failure:
+            raise failure.pop()
+        return run(reqs)
+    monkeypatch.setattr(core.runner, "run", failing)
+    core.add_request(SynthesisRequest("r0", "First one", params=SamplingParams(seed=1, max_new_tokens=6)))
+    first = drain(core)["r0"]
+    assert first[-1].stop_reason == "error" and "out of memory" in first[-1].error
+    core.add_request(SynthesisRequest("r1", "Second one", params=SamplingParams(seed=2, max_new_tokens=6)))
+    assert drain(core)["r1"][-1].stop_reason == "length"  # the engine went on
+    failure.append(RuntimeError("CUDA error: an illegal memory access was encountered\nCompile with ..."))
+    core.add_request(SynthesisRequest("r2", "Third one", params=SamplingParams(seed=3, max_new_tokens=6)))
+    with pytest.raises(DeviceLost, match="illegal memory access"):
+        drain(core)
 
 
 def test_full_queue_refuses_with_an_error(tiny_fish):

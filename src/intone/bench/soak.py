@@ -38,8 +38,9 @@ def gauge(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else float("nan")
 
 
-async def one_stream(client: httpx.AsyncClient, i: int, leave: float, rng: random.Random, counts: dict) -> None:
-    body = {"input": f"Soak stream number {i} says a few words.", "seed": i, "max_new_tokens": rng.randint(8, 60),
+async def one_stream(client: httpx.AsyncClient, i: int, leave: float, rng: random.Random, counts: dict,
+                     tokens: tuple[int, int]) -> None:
+    body = {"input": f"Soak stream number {i} says a few words.", "seed": i, "max_new_tokens": rng.randint(*tokens),
             "stream": True, "stream_format": "audio", "response_format": "pcm"}
     quit_after = rng.randint(1, 4) if rng.random() < leave else None  # chunks read before leaving
     try:
@@ -58,13 +59,19 @@ async def one_stream(client: httpx.AsyncClient, i: int, leave: float, rng: rando
         counts[type(e).__name__] = counts.get(type(e).__name__, 0) + 1
 
 
-async def soak(base: str, streams: int, concurrency: int, leave: float, seed: int) -> dict:
+async def soak(base: str, streams: int, concurrency: int, leave: float, seed: int, tokens: tuple[int, int],
+               pids: tuple[int, int] | None = None, samples: list | None = None) -> dict:
+    """Run the streams; every `streams // 20` of them, append (streams done, API RSS, engine RSS) to samples."""
     rng, counts = random.Random(seed), {"finished": 0, "left": 0}
     gate = asyncio.Semaphore(concurrency)
+    every, done = max(1, streams // 20), [0]
     async with httpx.AsyncClient(base_url=base, timeout=300) as client:
         async def run(i):
             async with gate:
-                await one_stream(client, i, leave, rng, counts)
+                await one_stream(client, i, leave, rng, counts, tokens)
+            done[0] += 1
+            if pids and samples is not None and done[0] % every == 0:
+                samples.append((done[0], round(rss_mib(pids[0]), 1), round(rss_mib(pids[1]), 1)))
         await asyncio.gather(*(run(i) for i in range(streams)))
     return counts
 
@@ -89,23 +96,26 @@ def main(argv=None) -> int:
     ap.add_argument("--leave", type=float, default=0.5, help="share of clients that leave mid-stream")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", default="8:60", help="MIN:MAX of each stream's max_new_tokens")
     ap.add_argument("--out", default="soak.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
     server = ServerProcess.from_string(args.serve, out.with_suffix(".server.log"))
     try:
         api, engine = server.process.pid, engine_pid(server.process.pid)
-        asyncio.run(soak(server.base_url, args.warmup, args.concurrency, args.leave, args.seed + 1))
+        tokens = tuple(int(v) for v in args.tokens.split(":"))
+        asyncio.run(soak(server.base_url, args.warmup, args.concurrency, args.leave, args.seed + 1, tokens))
         settle(server.base_url)
         baseline = {"api_rss_mib": rss_mib(api), "engine_rss_mib": rss_mib(engine)}
-        start = time.time()
-        counts = asyncio.run(soak(server.base_url, args.streams, args.concurrency, args.leave, args.seed))
+        start, samples = time.time(), []
+        counts = asyncio.run(soak(server.base_url, args.streams, args.concurrency, args.leave, args.seed, tokens,
+                                  (api, engine), samples))
         elapsed = time.time() - start
         gauges = settle(server.base_url)
         after = {"api_rss_mib": rss_mib(api), "engine_rss_mib": rss_mib(engine)}
         report = dict(streams=args.streams, concurrency=args.concurrency, leave=args.leave, seconds=round(elapsed, 1),
-                      outcomes=counts, gauges_after=gauges, rss_baseline=baseline, rss_after=after,
-                      clean=all(v == 0 for v in gauges.values()))
+                      tokens=args.tokens, outcomes=counts, gauges_after=gauges, rss_baseline=baseline,
+                      rss_after=after, rss_by_streams_done=samples, clean=all(v == 0 for v in gauges.values()))
     finally:
         server.stop()
     out.write_text(json.dumps(report, indent=2))

@@ -55,7 +55,8 @@ class CodecStageConfig(_Strict):
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
     schedule: Literal["fifo", "deadline"] = Field(
         "fifo", description="order of the chunks waiting for the codec worker: as handed over (each call takes "
-                            "all of them), or earliest listener deadline first (each call takes up to max_batch)")
+                            "all of them), or earliest listener deadline first (each call takes up to max_batch; "
+                            "experimental: CosyVoice3 streaming hit an illegal memory access with it on the H200)")
 
 
 class FrontendConfig(_Strict):

@@ -21,6 +21,7 @@ from intone.engine.codec_process import CodecProcess
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
+from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.loading import load_for_profile, warm_up_codec
@@ -201,6 +202,7 @@ class EngineCore:
             self._refuse(rid, str(e), "invalid_request")
             return
         except Exception as e:  # a bug in preparing one request must not take the engine down
+            check_device(e)
             log.error("cannot prepare request %s: %r", rid, e)
             self._refuse(rid, f"cannot prepare the request: {e}", "internal")
             return
@@ -281,7 +283,11 @@ class EngineCore:
             if not self.requests and not self._outbox:  # nothing else to do: wait for an encoding
                 self.frontend.wait(IDLE_WAIT_S)
             self._admit_prepared()
-            self._encoded += self.frontend.collect_encoded()
+            encoded = self.frontend.collect_encoded()
+            for _, _, error in encoded:
+                if error:
+                    check_device(error)
+            self._encoded += encoded
         worker = self.codec_worker
         if worker and worker.in_flight and not self.scheduler.running and not self.scheduler.waiting:
             worker.wait(IDLE_WAIT_S)  # only the codec has work: wait for it rather than spin
@@ -291,7 +297,8 @@ class EngineCore:
             start = time.perf_counter()
             try:
                 self._run_ar(batch, finished, start)
-            except Exception as e:  # a failed step fails its batch, never the engine
+            except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
+                check_device(e)
                 log.exception("model step failed")
                 for req in batch:
                     self._fail(req, f"model step failed: {e}")
@@ -382,6 +389,7 @@ class EngineCore:
             if self.requests.get(c.request_id) is not req:  # ended meanwhile (abort, error)
                 continue
             if isinstance(samples, Exception):
+                check_device(samples)
                 self._fail(req, f"codec failed: {samples}")
                 continue
             self.stats.chunk_sizes[c.end - c.start] += 1
