@@ -2,6 +2,7 @@
 
 import asyncio
 import re
+import time
 
 import httpx
 import pytest
@@ -29,7 +30,8 @@ def metrics_once_idle(server, tries: int = 100) -> str:
     text = ""
     for _ in range(tries):
         text = httpx.get(server.url("/metrics")).text
-        if metric(text, "intone_requests_running") == 0 and metric(text, "intone_requests_in_flight") == 0:
+        if all(metric(text, f"intone_{name}") == 0 for name in ("requests_running", "requests_in_flight",
+                                                                 "engine_live_requests")):
             break
         asyncio.run(asyncio.sleep(0.1))
     return text
@@ -48,12 +50,25 @@ def test_64_streams_half_disconnected_leave_nothing(server):
                     return "dropped", received  # leaving the block closes the connection
         return "done", received
 
+    async def scrapes(client, streams):
+        """/metrics while the streams run: a Prometheus scrape times out at 10 s."""
+        waits = []
+        while not streams.done():
+            start = time.perf_counter()
+            assert (await client.get("/metrics")).status_code == 200
+            waits.append(time.perf_counter() - start)
+            await asyncio.sleep(0.2)
+        return waits
+
     async def main():
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.base, timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(64)))
+            streams = asyncio.gather(*(one(client, i) for i in range(64)))
+            waits = await scrapes(client, streams)
+            return await streams, waits
 
-    results = asyncio.run(main())
+    results, waits = asyncio.run(main())
+    assert waits and max(waits) < 3.0, waits  # the engine's stats answer within their 2 s timeout
     assert all(kind == ("dropped" if i % 2 else "done") for i, (kind, _) in enumerate(results))
     assert all(n > 0 and n % 4096 == 0 for kind, n in results if kind == "done")
     text = metrics_once_idle(server)
@@ -62,6 +77,8 @@ def test_64_streams_half_disconnected_leave_nothing(server):
     assert metric(text, "intone_requests_in_flight") == 0
     assert metric(text, "intone_kv_cache_blocks_used") == 0
     assert metric(text, "intone_kv_cache_usage_ratio") == 0
+    for table in ("live_requests", "preparing_requests", "planner_requests", "kv_tables"):
+        assert metric(text, f"intone_engine_{table}") == 0, table
     assert 'intone_requests_total{outcome="disconnect"}' in text
 
 

@@ -43,6 +43,11 @@ ENGINE_GAUGES = {
     "captured_graphs": ("intone_captured_graphs", "CUDA graphs captured"),
     "capture_seconds": ("intone_graph_capture_seconds", "Seconds spent capturing CUDA graphs"),
     "mean_step_ms": ("intone_engine_mean_step_ms", "Mean engine step time since start, ms"),
+    # The engine's per-request tables: all zero when nothing runs (a leak shows here first).
+    "live_requests": ("intone_engine_live_requests", "Requests the engine core holds state for"),
+    "preparing": ("intone_engine_preparing_requests", "Requests whose reference audio is being encoded"),
+    "planner_requests": ("intone_engine_planner_requests", "Requests the chunk planner tracks"),
+    "kv_tables": ("intone_engine_kv_tables", "KV block tables held"),
 }
 
 

@@ -81,8 +81,9 @@ def settle(base: str, seconds: float = 30) -> dict:
     deadline = time.time() + seconds
     while True:
         text = httpx.get(base + "/metrics", timeout=10).text
-        values = {name: gauge(text, f"intone_{name}") for name in ("requests_in_flight", "requests_running",
-                                                                    "requests_waiting", "kv_cache_blocks_used")}
+        values = {name: gauge(text, f"intone_{name}") for name in (
+            "requests_in_flight", "requests_running", "requests_waiting", "kv_cache_blocks_used",
+            "engine_live_requests", "engine_preparing_requests", "engine_planner_requests", "engine_kv_tables")}
         if all(v == 0 for v in values.values()) or time.time() > deadline:
             return values
         time.sleep(0.5)
