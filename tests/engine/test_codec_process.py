@@ -61,8 +61,11 @@ def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache):
 
 
 def test_aborts_leave_no_state_in_the_codec_process(tiny_cache):
-    """Fish (the default stage) in the process: aborts end once, the rest run to their length."""
-    chunks, snap, worker = run("tiny:fish-s2", "fish-s2-default", process=True, abort_at=8)
+    """Fish (the default stage, carrying each request's codec state there) in the process: aborts end
+    once, the rest run to their length, each chunk's audio exactly its frames long."""
+    chunks, snap, worker = run("tiny:fish-s2", "fish-s2-default", process=True, abort_at=8,
+                               **{"codec.carry_state": True})
+    assert all(c.audio.shape[0] == 2048 * (c.end_frame - c.start_frame) for cs in chunks.values() for c in cs)
     assert chunks["r1"][-1].stop_reason == "abort" and sum(c.finished for c in chunks["r1"]) == 1
     assert all(chunks[f"r{i}"][-1].stop_reason == "length" for i in (0, 2, 3))
     assert worker.live_requests == 0 and worker.in_flight == 0

@@ -175,3 +175,37 @@ def test_a_whole_response_is_one_chunk_decoded_in_one_pass(tiny_fish):
 
 def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a == b).all())
+
+
+def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir):
+    """codec.carry_state: chunks of 4, 25 and 50 frames (first, steady, backlog), several requests per
+    codec call, join into the one-pass decode of the request's codes (float64: equal to rounding)."""
+    import torch
+
+    from intone.models import load_model
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
+        "ar.max_num_seqs": 8, "codec.max_batch": 8, "chunking.backlog_min_ready": 4, "codec.carry_state": True})
+    core = EngineCore(model, profile)
+    codes, release = {}, core._release
+
+    def keep_codes(req, reason):
+        codes[req.request_id] = req.codes[:, : req.num_frames].clone()
+        release(req, reason)
+    core._release = keep_codes
+    for i in range(6):
+        params = SamplingParams(seed=i, max_new_tokens=90, min_new_tokens=60 + 5 * i)
+        core.add_request(SynthesisRequest(f"r{i}", "A stream in chunks.", params=params, stream=i > 0))
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    core.close()
+    sizes = {c.end_frame - c.start_frame for cs in chunks.values() for c in cs if c.end_frame > c.start_frame}
+    assert {4, 25, 50} <= sizes, sizes
+    for rid, cs in chunks.items():
+        joined = np.concatenate([c.audio for c in cs])
+        one_pass = model.codec.decode(codes[rid][None])[0].numpy()
+        assert cs[-1].stop_reason in ("stop", "length") and joined.shape == one_pass.shape
+        assert np.abs(joined - one_pass).max() < 1e-6  # float32 samples on the wire

@@ -63,10 +63,13 @@ class CodecStage:
     stage from `TTSModel.make_codec_stage` with the same `run` and `calls`.
     """
 
-    def __init__(self, model: TTSModel, max_batch: int, max_padded_frames: int):
+    def __init__(self, model: TTSModel, max_batch: int, max_padded_frames: int, carry_state: bool = False):
+        """carry_state: decode each chunk's new frames against its request's state (the model's
+        stream decoder, which it must have), not a window with re-decoded context."""
         self.model = model
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
+        self.stream = model.stream_decoder() if carry_state else None
         self.calls = 0  # decode calls made, for tests and metrics
 
     def warm_up(self, max_window_frames: int) -> int:
@@ -77,13 +80,19 @@ class CodecStage:
             rows = 1
             # a group of n windows is padded to bucket_rows(n) rows: warm every bucket a group can reach
             while rows <= bucket_rows(self.max_batch) and (rows // 2 + 1) * t <= max(self.max_padded_frames, t):
-                self.model.decode(torch.zeros(rows, k, t, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
+                codes = torch.zeros(rows, k, t, dtype=torch.long)
+                if self.stream is not None:
+                    self.stream.decode(codes.to(self.model.device), [t] * rows, [None] * rows)
+                else:
+                    self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
                 shapes += 1
                 rows *= 2
         return shapes
 
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
+        if self.stream is not None:
+            return self._run_carried(items)
         jobs = []
         for req, chunk in items:
             lo, hi = chunk.window
@@ -111,3 +120,46 @@ class CodecStage:
                 job = jobs[i]
                 out[i] = np.ascontiguousarray(audio[row, job.context * spf : job.length * spf], dtype=np.float32)
         return out
+
+    def _run_carried(self, items: list) -> list[np.ndarray]:
+        """Each chunk's new frames against its request's state. A request's chunks in one call go in
+        successive rounds (each needs the state the one before leaves); the states are committed to
+        the requests only when the whole call succeeded, so a failed call can be retried chunk by chunk."""
+        spf = self.model.samples_per_frame
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
+        states = {id(req): req.codec_state for req, _ in items}
+        pending = [i for i, (_, c) in enumerate(items) if c.end > c.start]
+        while pending:
+            round_, later, seen = [], [], set()
+            for i in pending:
+                req = items[i][0]
+                (later if id(req) in seen else round_).append(i)
+                seen.add(id(req))
+            lengths = [items[i][1].end - items[i][1].start for i in round_]
+            for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+                idx = [round_[g] for g in group]
+                self._decode_carried([items[i] for i in idx], states, idx, out, spf)
+            pending = later
+        for req, _ in items:
+            req.codec_state = states[id(req)]
+        return out
+
+    def _decode_carried(self, items: list, states: dict, idx: list[int], out: list, spf: int) -> None:
+        lengths = [c.end - c.start for _, c in items]
+        for req, c in items:
+            state = states[id(req)]
+            if (state.frames if state is not None else 0) != c.start:
+                raise RuntimeError(f"{c.request_id}: chunk from frame {c.start}, but the codec state is at "
+                                   f"{state.frames if state is not None else 0}")
+        rows = bucket_rows(len(items))
+        codes = torch.zeros(rows, items[0][0].codes.shape[0], bucket_frames(max(lengths)), dtype=torch.long)
+        for row, (req, c) in enumerate(items):
+            codes[row, :, : c.end - c.start] = req.codes[:, c.start : c.end]
+        pad = rows - len(items)
+        audio, new = self.stream.decode(codes.to(self.model.device), lengths + [0] * pad,
+                                        [states[id(req)] for req, _ in items] + [None] * pad)
+        self.calls += 1
+        audio = audio.float().cpu().numpy()
+        for row, ((req, _), n, i) in enumerate(zip(items, lengths, idx)):
+            out[i] = np.ascontiguousarray(audio[row, : n * spf], dtype=np.float32)
+            states[id(req)] = new[row]

@@ -38,6 +38,9 @@ class ARConfig(_Strict):
 class CodecStageConfig(_Strict):
     max_batch: int = Field(64, ge=1, description="windows decoded together")
     max_padded_frames: int = Field(256, ge=1, description="batch x longest window, per decode call")
+    carry_state: bool = Field(False, description="decode each chunk against the state its request's earlier chunks "
+                                                 "left (models with a stream decoder: Fish), so streamed audio equals "
+                                                 "the one-pass decode and no left context is re-decoded")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     autocast: Literal["none", "bfloat16", "float16"] = Field(
         "none", description="run the codec's heavy part (CosyVoice3: the flow) under autocast, weights unchanged")

@@ -78,8 +78,10 @@ class EngineCore:
         self.policy = dataclasses.replace(
             policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
+        if profile.codec.carry_state and model.stream_decoder() is None:
+            raise ValueError(f"codec.carry_state: {model.name} has no stream decoder")
         self.codec = None if codec_process else model.make_codec_stage(profile.codec) or CodecStage(
-            model, profile.codec.max_batch, profile.codec.max_padded_frames)
+            model, profile.codec.max_batch, profile.codec.max_padded_frames, profile.codec.carry_state)
         self.codec_worker: CodecWorker | CodecProcess | None = codec_process
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20)
         self.requests: dict[str, EngineRequest] = {}

@@ -159,6 +159,12 @@ class TTSModel(abc.ABC):
         """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
         return True
 
+    def stream_decoder(self):
+        """A stateful decoder (`decode(codes, lengths, states) -> (audio, states)`, see
+        fish_s2/codec_stream.py) whose chunks join into the one-pass decode, or None: windows are
+        decoded with re-decoded left context through `decode`."""
+        return None
+
     def make_codec_stage(self, config):
         """A codec stage of the model's own (CosyVoice3: flow + HiFT), or None: the engine's default
         stage, which decodes windows through `decode`. config: the profile's `codec` section."""

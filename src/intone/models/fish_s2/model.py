@@ -15,6 +15,7 @@ from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, samp
 from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.base import Prompt, TTSModel, VoiceReference
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
+from intone.models.fish_s2.codec_stream import StreamingDecoder
 from intone.models.fish_s2.config import FishS2Config
 from intone.models.fish_s2.reference import encode_batch, warm_up_encoder
 from intone.models.checkpoint import load_strict
@@ -233,6 +234,9 @@ class FishS2(TTSModel):
 
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         return self.codec.decode(codes.to(self.device), position_offset).float()
+
+    def stream_decoder(self) -> StreamingDecoder:
+        return StreamingDecoder(self.codec)
 
 
 def _codec_state(path: Path):

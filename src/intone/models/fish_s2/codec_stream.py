@@ -1,0 +1,183 @@
+"""Stateful decode of the Fish codec: a request's frames arrive in chunks, and each chunk is decoded
+against the state its earlier chunks left, so the chunks' audio, joined, is the one-pass decode of
+all the frames (no re-decoded left context, no seams).
+
+Every layer of the decoder path is causal, and each keeps a bounded history:
+- a stride-1 causal convolution: its last (span - 1) input samples (its left padding, zeros at first);
+- a transposed convolution with kernel 2 x stride: its last input sample, whose second half-kernel
+  overlaps the next chunk's first output block (kernel == stride: nothing);
+- each layer of the windowed transformer: the keys (rotated) and values of its last window - 1 frames.
+Everything else (lookups, Snake, norms, pointwise layers, residual adds) is per sample.
+
+Rows of a batch are right-padded to one length; a causal layer's outputs at valid positions never
+see the padding, and each row's new history is taken at its own end (a gather), so requests of
+different chunk lengths and histories decode together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from intone.models.fish_s2.codec import FishCodec
+from intone.models.fish_s2.codec_modules import (
+    CODEC_HEAD_DIM, CODEC_ROPE_BASE, CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, WindowTransformer,
+    _masked_attention,
+)
+from intone.models.fish_s2.layers import apply_rope, rope_table
+
+NO_POSITION = -(2**40)  # the position of a history slot not yet filled: outside every window
+
+
+@dataclass
+class DecoderState:
+    """One request's histories, by layer (tensors [1, C, h] or the transformer's [1, W-1, H, d])."""
+
+    frames: int  # frames decoded so far (the next chunk's first absolute frame)
+    layers: dict
+
+
+class StreamingDecoder:
+    def __init__(self, codec: FishCodec):
+        self.codec = codec
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor, lengths: list[int], states: list[DecoderState | None]) -> tuple[Tensor, list]:
+        """codes [B, K, T] (row i valid up to lengths[i], right-padded), each row's state (None: a
+        request's first chunk) -> (audio [B, T * hop], padded like the codes; the rows' new states)."""
+        q = self.codec.quantizer
+        device = codes.device
+        n = torch.tensor(lengths, device=device)
+        start = torch.tensor([s.frames if s else 0 for s in states], device=device)
+        old = [s.layers if s else {} for s in states]
+        new: list[dict] = [{} for _ in states]
+        ctx = _Context(old, new, n)
+        codes = codes.long()
+        semantic = codes[:, :1].clamp(max=q.semantic_quantizer.codebook_size - 1)
+        residual = codes[:, 1:].clamp(max=q.quantizer.codebook_size - 1)
+        z = q.semantic_quantizer.lookup(semantic) + q.quantizer.lookup(residual)
+        z = _transformer(q.post_module, z, start, ctx, "post")
+        z = _run(q.upsample, z, ctx, "up")
+        z = z.to(self.codec.dtype)
+        audio = _run(self.codec.decoder.model, z, ctx, "dec").squeeze(1)
+        frames = [(s.frames if s else 0) + length for s, length in zip(states, lengths)]
+        return audio, [DecoderState(f, layers) for f, layers in zip(frames, new)]
+
+
+class _Context:
+    """The batch's old histories (per row), where the new ones go, and each row's valid length at
+    the current rate (it grows through the upsampling layers)."""
+
+    def __init__(self, old: list[dict], new: list[dict], lengths: Tensor):
+        self.old, self.new, self.lengths = old, new, lengths
+
+    def history(self, key: str, empty: Tensor) -> Tensor:
+        """The rows' histories for this layer, stacked (empty[0] for a row that has none yet)."""
+        return torch.cat([o.get(key, empty) for o in self.old])
+
+    def keep(self, key: str, rows: Tensor) -> None:
+        for i, row in enumerate(rows.split(1)):
+            self.new[i][key] = row
+
+
+def _tail(x: Tensor, ends: Tensor, h: int) -> Tensor:
+    """x [B, C, L]: each row's h samples ending at ends[i] (exclusive)."""
+    index = (ends.view(-1, 1) - h + torch.arange(h, device=x.device)).view(-1, 1, h).expand(-1, x.shape[1], -1)
+    return torch.gather(x, 2, index)
+
+
+def _run(module: nn.Module, x: Tensor, ctx: _Context, key: str) -> Tensor:
+    """module(x) with carried histories, for the module kinds on the decoder path."""
+    if isinstance(module, nn.Sequential):
+        for i, child in enumerate(module):
+            x = _run(child, x, ctx, f"{key}.{i}")
+        return x
+    if isinstance(module, CausalConv):
+        return _conv(module, x, ctx, key)
+    if isinstance(module, CausalTransConv):
+        return _trans_conv(module, x, ctx, key)
+    if isinstance(module, ResidualUnit):
+        return x + _run(module.block, x, ctx, key)
+    if isinstance(module, ConvNeXtBlock):
+        y = _conv(module.dwconv, x, ctx, key).transpose(1, 2)
+        y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
+        return x + (module.gamma * y).transpose(1, 2)
+    if hasattr(module, "block") or hasattr(module, "model"):  # EncoderBlock-like containers
+        return _run(getattr(module, "block", None) or module.model, x, ctx, key)
+    return module(x)  # per sample: Snake, Tanh
+
+
+def _conv(module: CausalConv, x: Tensor, ctx: _Context, key: str) -> Tensor:
+    if module.stride != 1:
+        raise ValueError("a strided convolution cannot be decoded in chunks")
+    h = module.span - 1
+    if h == 0:
+        return module.conv(x)
+    xh = torch.cat([ctx.history(key, x.new_zeros(1, x.shape[1], h)), x], dim=2)
+    ctx.keep(key, _tail(xh, ctx.lengths + h, h))
+    return module.conv(xh)
+
+
+def _trans_conv(module: CausalTransConv, x: Tensor, ctx: _Context, key: str) -> Tensor:
+    stride, trim = module.conv.stride[0], module.trim
+    if trim == 0:
+        out = module.conv(x)
+    elif trim == stride:  # kernel 2 x stride: the last input's second half reaches the next block
+        xh = torch.cat([ctx.history(key, x.new_zeros(1, x.shape[1], 1)), x], dim=2)
+        ctx.keep(key, _tail(xh, ctx.lengths + 1, 1))
+        out = module.conv(xh)[..., stride: stride * (x.shape[2] + 1)]
+    else:
+        raise ValueError(f"transposed conv with kernel {trim + stride} and stride {stride}: not streamable here")
+    ctx.lengths = ctx.lengths * stride
+    return out
+
+
+def _transformer(module: WindowTransformer, x: Tensor, start: Tensor, ctx: _Context, key: str) -> Tensor:
+    """Channels-first x [B, D, T] at absolute frames start[i] + t; each layer attends over its kept
+    keys and values of the last window - 1 frames and the chunk's own, within the window."""
+    b, _, t = x.shape
+    keep = module.window - 1
+    positions = start.view(-1, 1) + torch.arange(t, device=x.device)  # [B, T]
+    rope = rope_table(positions, CODEC_HEAD_DIM, CODEC_ROPE_BASE)
+    unfilled = torch.full((1, keep), NO_POSITION, device=x.device, dtype=torch.long)
+    past = ctx.history(f"{key}.pos", unfilled)  # [B, keep]
+    key_pos = torch.cat([past, torch.where(torch.arange(t, device=x.device) < ctx.lengths.view(-1, 1),
+                                           positions, NO_POSITION)], dim=1)  # [B, keep + T]
+    ctx.keep(f"{key}.pos", _tail(key_pos.unsqueeze(1), ctx.lengths + keep, keep).squeeze(1))
+    qp, kp = positions.unsqueeze(2), key_pos.unsqueeze(1)
+    mask = (kp <= qp) & (kp > qp - module.window)
+    # A padding query row sees its own key, so no row is all -inf (a NaN there would reach valid rows
+    # through the attention's 0 x NaN products in the next layer).
+    mask |= torch.arange(keep + t, device=x.device) == torch.arange(keep, keep + t, device=x.device).view(-1, 1)
+    mask = mask.unsqueeze(1)  # [B, 1, T, keep + T]
+    h = x.transpose(1, 2)
+    for i, layer in enumerate(module.layers):
+        h = _block(layer, h, rope, mask, ctx, f"{key}.{i}", keep)
+    return module.norm(h).transpose(1, 2)
+
+
+def _block(layer, h: Tensor, rope: Tensor, mask: Tensor, ctx: _Context, key: str, keep: int) -> Tensor:
+    attn = layer.attention
+    heads = attn.n_head
+    q, k, v = (t.unflatten(-1, (heads, CODEC_HEAD_DIM)) for t in attn.wqkv(layer.attention_norm(h)).chunk(3, dim=-1))
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    empty = k.new_zeros(1, keep, heads, CODEC_HEAD_DIM)
+    k = torch.cat([ctx.history(f"{key}.k", empty), k], dim=1)  # [B, keep + T, H, d]
+    v = torch.cat([ctx.history(f"{key}.v", empty), v], dim=1)
+    ends = ctx.lengths + keep
+    ctx.keep(f"{key}.k", _tail(k.flatten(2).transpose(1, 2), ends, keep).transpose(1, 2).unflatten(2, (heads, -1)))
+    ctx.keep(f"{key}.v", _tail(v.flatten(2).transpose(1, 2), ends, keep).transpose(1, 2).unflatten(2, (heads, -1)))
+    y = _masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+    h = h + layer.attention_layer_scale(attn.wo(y.transpose(1, 2).flatten(-2)))
+    return h + layer.ffn_layer_scale(layer.feed_forward(layer.ffn_norm(h)))
+
+
+def pad_codes(windows: list[Tensor], frames: int, rows: int) -> Tensor:
+    """Chunks' codes [K, n_i] -> [rows, K, frames], right-padded with code 0 (extra rows: zeros)."""
+    out = windows[0].new_zeros(rows, windows[0].shape[0], frames)
+    for i, w in enumerate(windows):
+        out[i, :, : w.shape[1]] = w
+    return out
+

@@ -1,0 +1,55 @@
+"""The stateful Fish codec decode: chunks of any sizes, several requests batched at different points
+of their streams, join into each request's one-pass decode (float64, so equal to rounding)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from intone.models import load_model
+from intone.models.fish_s2.codec_stream import StreamingDecoder, pad_codes
+
+HOP = 2048
+
+
+@pytest.fixture(scope="module")
+def codec64(tiny_fish_dir):
+    return load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64).codec
+
+
+def cut(total: int, sizes: list[int]) -> list[int]:
+    """Chunk sizes cycling through `sizes` until `total` frames are covered."""
+    out, k = [], 0
+    while sum(out) < total:
+        out.append(min(sizes[k % len(sizes)], total - sum(out)))
+        k += 1
+    return out
+
+
+@settings(max_examples=5, deadline=None)
+@given(long=st.integers(130, 150), short=st.integers(5, 60),
+       long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+       short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_chunks_of_any_sizes_batched_join_into_the_one_pass_decode(codec64, long, short, long_sizes, short_sizes,
+                                                                   seed):
+    # The long request passes the attention window (128 frames), so its kept keys roll over.
+    g = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short)]  # residuals >= 1024 clamp
+    plans = [cut(long, long_sizes), cut(short, short_sizes)]
+    decoder = StreamingDecoder(codec64)
+    states, done, audio = [None, None], [0, 0], [[], []]
+    for step in range(max(len(p) for p in plans)):
+        live = [r for r in (0, 1) if step < len(plans[r])]
+        sizes = [plans[r][step] for r in live]
+        windows = [codes[r][:, done[r] : done[r] + n] for r, n in zip(live, sizes)]
+        # One padding row beyond the live ones, as the stage pads rows to a power of two.
+        batch = pad_codes(windows, max(sizes) + 3, len(live) + 1)
+        out, new = decoder.decode(batch, sizes + [0], [states[r] for r in live] + [None])
+        for row, (r, n) in enumerate(zip(live, sizes)):
+            audio[r].append(out[row, : n * HOP])
+            states[r], done[r] = new[row], done[r] + n
+    for r in (0, 1):
+        one_pass = codec64.decode(codes[r][None])[0]
+        joined = torch.cat(audio[r])
+        assert joined.shape == one_pass.shape and states[r].frames == codes[r].shape[1]
+        assert (joined - one_pass).abs().max().item() < 1e-9
