@@ -12,9 +12,9 @@ import time
 import torch
 
 from intone.engine.cuda_graphs import StepGraphs
-from intone.engine.kv_cache import KVCache
 from intone.models import load_model
 from intone.ops import fused as fused_ops
+from intone.ops.kv_cache import KVCache
 from kernel_timing import timed  # tools/ is the script's directory
 
 

@@ -5,9 +5,9 @@
 
 import torch
 
-from intone.engine import sampling
+from intone.ops import sampling
 from intone.ops import race as race_kernel
-from intone.engine.attention import decode_attention, decode_attention_reference
+from intone.ops.attention import decode_attention, decode_attention_reference
 
 
 def timed(fn, reps=50):

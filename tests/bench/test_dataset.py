@@ -3,7 +3,8 @@
 import pytest
 import soundfile as sf
 
-from intone.bench.dataset import MetaListError, parse_meta_list, synthetic_items, write_meta_list
+from intone.bench.dataset import synthetic_items
+from intone.eval.meta import MetaListError, parse_meta_list, write_meta_list
 from intone.bench.runner import forced_frames
 
 

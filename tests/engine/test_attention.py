@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.engine.attention import AttentionMetadata, paged_attention, store_kv
-from intone.engine.kv_cache import BlockManager
+from intone.ops.attention import AttentionMetadata, paged_attention, store_kv
+from intone.ops.kv_cache import BlockManager
 
 H, HKV, D, BLOCK = 4, 2, 8, 4
 

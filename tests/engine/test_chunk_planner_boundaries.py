@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from intone.engine.chunk_planner import ChunkPlanner, ChunkPolicy
-from intone.engine.kv_cache import BlockManager
 from intone.engine.request import EngineRequest
 from intone.engine.scheduler import QueueFull, Scheduler
 from intone.models.base import Prompt, SamplingParams
+from intone.ops.kv_cache import BlockManager
 
 STEADY, BACKLOG = 4, 8
 

@@ -4,7 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.engine.codec_stage import CodecJob, CodecStage, group_jobs
+from intone.engine.codec_stage import CodecJob, CodecStage
+from intone.ops.batching import group_jobs
 
 
 @settings(max_examples=200, deadline=None)

@@ -186,7 +186,7 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
 
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
-        "ar.max_num_seqs": 8, "codec.max_batch": 8, "chunking.backlog_min_ready": 4, "codec.carry_state": True})
+        "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True})
     core = EngineCore(model, profile)
     codes, release = {}, core._release
 
@@ -194,8 +194,8 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
         codes[req.request_id] = req.codes[:, : req.num_frames].clone()
         release(req, reason)
     core._release = keep_codes
-    for i in range(6):
-        params = SamplingParams(seed=i, max_new_tokens=90, min_new_tokens=60 + 5 * i)
+    for i in range(5):
+        params = SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i)
         core.add_request(SynthesisRequest(f"r{i}", "A stream in chunks.", params=params, stream=i > 0))
     chunks = {}
     while core.has_work():

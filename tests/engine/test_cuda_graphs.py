@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.models import load_model, resolve_model_dir
 from intone.models.base import Prompt, SamplingParams
+from intone.ops.kv_cache import BlockManager, KVCache
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +64,7 @@ def test_a_step_with_prefills_keeps_its_decodes_on_the_graphs(tiny_cache):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(32, 8, 128), (14, 2, 64)])
 def test_triton_decode_attention_matches_the_reference(dtype, tol, heads, kv_heads, dim):
-    from intone.engine.attention import decode_attention, decode_attention_reference
+    from intone.ops.attention import decode_attention, decode_attention_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
     blocks, bs, rows = 80, 16, 9
@@ -101,7 +101,7 @@ def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
 @pytest.mark.parametrize("temperature", [0.05, 0.8, 1.5])
 def test_triton_race_draws_the_tokens_of_the_torch_race(temperature):
     """The fused race kernel and the torch ops it replaces pick the same token on every row."""
-    from intone.engine import sampling
+    from intone.ops import sampling
     from intone.ops import race as race_kernel
 
     g = torch.Generator(device="cuda").manual_seed(1)

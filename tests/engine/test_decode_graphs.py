@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import BlockManager, KVCache
 from intone.models import load_model
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import BlockManager, KVCache
 
 
 def _model(name, tiny_cache, device="cpu", dtype=torch.float64):

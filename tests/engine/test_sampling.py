@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms, sample
+from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms, sample
 
 
 def batch(n, temperature=0.8, top_p=0.8, top_k=30, seeds=None, steps=None, penalty=1.0):

@@ -19,7 +19,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import intone.engine.sampling as engine_sampling
+import intone.ops.sampling as engine_sampling
 import intone.models.cosyvoice3.sampling as cosy_sampling
 from intone.engine.model_runner import sampling_batch
 from intone.models.base import SamplingParams
@@ -103,7 +103,7 @@ def params_for(candidates, steps=0, **kw):
 
 
 def drawable_engine(x, temperature, top_p, top_k, full=False):
-    """engine.sampling.sample: every token is a candidate row."""
+    """ops.sampling.sample: every token is a candidate row."""
     v = len(x)
     logits = torch.tensor(np.asarray(x, np.float32)).repeat(v, 1)
     params = params_for(range(v), temperature=temperature, top_p=top_p, top_k=top_k)
@@ -129,7 +129,7 @@ def check(got, ref):
     assert got <= maybe, f"under-filtered: {sorted(got - maybe)} were kept"
 
 
-# ---- engine.sampling.sample (Fish's filter) ---------------------------------------------------
+# ---- ops.sampling.sample (Fish's filter) ---------------------------------------------------
 
 ROW = np.array([2.0, 1.1, 0.9, 0.3, 0.0, -0.4, -1.0, -1.5, -2.2, -3.0, -3.7, -4.5])
 

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from transformers import WavLMConfig  # noqa: E402
 
-from intone.bench.dataset import MetaItem  # noqa: E402
+from intone.eval.meta import MetaItem  # noqa: E402
 from intone.errors import ModelLoadError  # noqa: E402
 from intone.eval import sim  # noqa: E402
 from intone.eval.sim import (  # noqa: E402

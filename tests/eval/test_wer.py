@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from intone.bench.dataset import MetaItem
+from intone.eval.meta import MetaItem
 from intone.errors import ModelLoadError
 from intone.eval.wer import (
     WerError,

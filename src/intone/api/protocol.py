@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from intone.sampling_bounds import SAMPLING_BOUNDS
+
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 
 
@@ -50,15 +52,15 @@ class SpeechRequest(BaseModel):
     ref_audio: str | None = None
     ref_text: str | None = None
     references: list[ReferenceIn] | None = None
-    max_new_tokens: int | None = Field(None, ge=1, le=4096)
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1, le=4096)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    max_new_tokens: int | None = Field(None, **SAMPLING_BOUNDS["max_new_tokens"])
+    seed: int | None = Field(None, **SAMPLING_BOUNDS["seed"])
+    temperature: float | None = Field(None, **SAMPLING_BOUNDS["temperature"])
+    top_p: float | None = Field(None, **SAMPLING_BOUNDS["top_p"])
+    top_k: int | None = Field(None, **SAMPLING_BOUNDS["top_k"])
+    repetition_penalty: float | None = Field(None, **SAMPLING_BOUNDS["repetition_penalty"])
     sampling_mode: Literal["ras", "standard"] | None = None  # the model's sampling mode (default: profile's)
     instructions: str | None = Field(None, max_length=1000)  # OpenAI's style instruction (CosyVoice3 instruct2)
-    min_new_tokens: int | None = Field(None, ge=0, le=4096)
+    min_new_tokens: int | None = Field(None, **SAMPLING_BOUNDS["min_new_tokens"])
     initial_codec_chunk_frames: int | None = Field(None, ge=0, le=1024)
     ignore_eos: bool = False  # benchmarks: generate exactly max_new_tokens frames
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from intone.bench.dataset import MetaItem
 from intone.bench.metrics import RequestRecord
+from intone.eval.meta import MetaItem
 
 
 @dataclass(frozen=True)

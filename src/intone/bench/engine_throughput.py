@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from intone.audio import read_audio
-from intone.bench.dataset import MetaItem, parse_meta_list, synthetic_items
+from intone.bench.dataset import synthetic_items
 from intone.bench.runner import forced_frames
 from intone.bench.server_metrics import STAGES, engine_breakdown
 from intone.engine.config import load_profile
@@ -37,6 +37,7 @@ from intone.engine.core import EngineCore, default_params
 from intone.engine.request import SynthesisRequest
 from intone.engine.trace import audit_file
 from intone.errors import IntoneError
+from intone.eval.meta import MetaItem, parse_meta_list
 from intone.models.base import VoiceReference
 
 # snapshot counters whose change over a level is reported

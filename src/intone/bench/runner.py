@@ -12,13 +12,14 @@ import httpx
 import numpy as np
 
 from intone.bench.client import LoadSpec, ReferencePlan, run_load
-from intone.bench.dataset import MetaItem, parse_meta_list, synthetic_items
+from intone.bench.dataset import synthetic_items
 from intone.bench.metrics import summarize
 from intone.bench.presets import apply_preset
 from intone.bench.report import write_plots, write_report
 from intone.bench.server_metrics import level_breakdown, scrape
 from intone.bench.server_process import GpuMemorySampler, ServerProcess
 from intone.errors import IntoneError
+from intone.eval.meta import MetaItem, parse_meta_list
 
 
 def forced_frames(spec: str | None, n: int, seed: int) -> list[int] | None:

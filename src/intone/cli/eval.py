@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from intone.bench.dataset import parse_meta_list
+    from intone.eval.meta import parse_meta_list
 
     items = parse_meta_list(args.meta)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -18,17 +18,7 @@ import torch
 from torch import Tensor
 
 from intone.models.base import TTSModel
-
-# ~25% apart above 64 frames: a whole utterance pads by at most a quarter (then multiples of 256)
-FRAME_BUCKETS = (4, 8, 16, 32, 50, 64, 80, 100, 128, 160, 192, 256, 320, 384, 512)
-
-
-def bucket_frames(frames: int) -> int:
-    return next((b for b in FRAME_BUCKETS if b >= frames), -(-frames // 256) * 256)
-
-
-def bucket_rows(rows: int) -> int:
-    return 1 << max(0, rows - 1).bit_length()
+from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs
 
 
 @dataclass
@@ -40,20 +30,6 @@ class CodecJob:
     @property
     def length(self) -> int:
         return self.codes.shape[1]
-
-
-def group_jobs(lengths: list[int], max_batch: int, max_padded_frames: int) -> list[list[int]]:
-    """Indices of jobs per decode call, by ascending length."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        group = groups[-1] if groups else None
-        # Sorted ascending, so this job is the longest of the group if it joins.
-        if group and len(group) < max_batch and (len(group) + 1) * lengths[i] <= max_padded_frames:
-            group.append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 class CodecStage:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from intone.engine.chunk_planner import ChunkPolicy
 from intone.errors import IntoneError
+from intone.sampling_bounds import SAMPLING_BOUNDS
 
 PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
 
@@ -92,11 +93,11 @@ class ChunkingConfig(_Strict):
 
 
 class SamplingDefaults(_Strict):
-    temperature: float = Field(0.8, ge=0, le=2)
-    top_p: float = Field(0.8, gt=0, le=1)
-    top_k: int = Field(30, ge=1)
-    repetition_penalty: float = Field(1.0, gt=0, le=10)
-    max_new_tokens: int = Field(2048, ge=1)
+    temperature: float = Field(0.8, **SAMPLING_BOUNDS["temperature"])
+    top_p: float = Field(0.8, **SAMPLING_BOUNDS["top_p"])
+    top_k: int = Field(30, **SAMPLING_BOUNDS["top_k"])
+    repetition_penalty: float = Field(1.0, **SAMPLING_BOUNDS["repetition_penalty"])
+    max_new_tokens: int = Field(2048, **SAMPLING_BOUNDS["max_new_tokens"])
     mode: Literal["ras", "standard"] | None = Field(None, description="the model's sampling mode (None: its default)")
 
 

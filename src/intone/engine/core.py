@@ -16,14 +16,13 @@ import numpy as np
 import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
-from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_process import CodecProcess
+from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
-from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.loading import load_for_profile, warm_up_codec
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
@@ -32,6 +31,7 @@ from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import SamplingParams, TTSModel
 from intone.ops import fused
+from intone.ops.kv_cache import BlockManager, KVCache
 
 log = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import KVCache
-from intone.engine.sampling import SamplingBatch
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import KVCache
+from intone.ops.sampling import SamplingBatch
 
 log = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from intone.ops import paged_decode
-from intone.engine.attention import AttentionMetadata
 from intone.engine.cuda_graphs import CaptureReport, StepGraphs, bucket
-from intone.engine.kv_cache import BlockManager, KVCache
-from intone.engine.sampling import SamplingBatch
 from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel
+from intone.ops import paged_decode
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import BlockManager, KVCache
+from intone.ops.sampling import SamplingBatch
 
 
 @dataclass

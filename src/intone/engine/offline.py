@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from intone.engine.kv_cache import BlockManager, KVCache
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import resolve_params
 from intone.models.base import Prompt, SamplingParams, TTSModel
+from intone.ops.kv_cache import BlockManager, KVCache
 
 BLOCK_SIZE = 16
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from intone.engine.kv_cache import BlockManager
 from intone.engine.request import EngineRequest, Status
+from intone.ops.kv_cache import BlockManager
 
 
 class QueueFull(Exception):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intone.audio import resample
-from intone.bench.dataset import MetaItem
+from intone.eval.meta import MetaItem
 from intone.errors import ModelLoadError
 from intone.eval.ecapa import EcapaTdnnSmall
 

@@ -20,7 +20,7 @@ import jiwer
 import numpy as np
 import zhon.hanzi
 
-from intone.bench.dataset import MetaItem
+from intone.eval.meta import MetaItem
 from intone.errors import IntoneError, ModelLoadError
 
 ASR_SAMPLE_RATE = 16000

@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import KVCache, KVLayout
-from intone.engine.sampling import SamplingBatch
+from intone.errors import InvalidRequestError
+from intone.sampling_bounds import SAMPLING_BOUNDS, describe, within
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import KVCache, KVLayout
+from intone.ops.sampling import SamplingBatch
 
 
 @dataclass
@@ -32,18 +34,9 @@ class SamplingParams:
     mode: str | None = None  # the model's sampling mode ("ras" or "standard"); None: the model's default
 
     def validate(self) -> "SamplingParams":
-        from intone.errors import InvalidRequestError
-
-        checks = [
-            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", self.top_k >= 1, "must be >= 1"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("max_new_tokens", self.max_new_tokens >= 1, "must be >= 1"),
-            ("min_new_tokens", 0 <= self.min_new_tokens, "must be >= 0"),
-            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be in [0, 2^63)"),
-            ("mode", self.mode in (None, "ras", "standard"), "must be 'ras' or 'standard'"),
-        ]
+        checks = [(name, getattr(self, name) is None or within(name, getattr(self, name)), describe(name))
+                  for name in SAMPLING_BOUNDS if hasattr(self, name)]
+        checks.append(("mode", self.mode in (None, "ras", "standard"), "must be 'ras' or 'standard'"))
         for name, ok, why in checks:
             if not ok:
                 raise InvalidRequestError(name, f"{why}, got {getattr(self, name)!r}")
@@ -196,8 +189,6 @@ class TTSModel(abc.ABC):
 
     def check_speed(self, speed: float, field: str = "speed") -> None:
         """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""
-        from intone.errors import InvalidRequestError
-
         if not 0.25 <= speed <= 4.0:
             raise InvalidRequestError(field, f"must be in [0.25, 4], got {speed}")
         if speed != 1.0 and not self.supports_speed:

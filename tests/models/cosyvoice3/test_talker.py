@@ -4,9 +4,9 @@ static-shape decode step (the CUDA-graph path) against the eager paged step."""
 import pytest
 import torch
 
-from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import BlockManager, KVCache
 from intone.models.base import VoiceReference
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import BlockManager, KVCache
 
 from .conftest import voice_audio
 

@@ -8,11 +8,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import KVCache, KVLayout
-from intone.engine.sampling import SamplingBatch
 from intone.errors import InvalidRequestError
 from intone.models.base import Prompt, SamplingParams, TTSModel, VoiceReference
+from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.frontend import (
     ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_batch, extract_reference,
     warm_up as frontend_warm_up,
@@ -23,6 +21,9 @@ from intone.models.cosyvoice3.prompt import (
 from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker
 from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage, stretch
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import KVCache, KVLayout
+from intone.ops.sampling import SamplingBatch
 
 # FSQ codes of silence and breath: after 5 in a row, further ones are not vocoded (official).
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
@@ -157,29 +158,25 @@ class CosyVoice3(TTSModel):
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
 
-    def flow_request(self, prompt: Prompt, tokens: Tensor, chunk):
-        """The flow input for a chunk (None when there are no tokens at all)."""
-        from intone.models.cosyvoice3.flow import FlowRequest
-
-        n = chunk.end if chunk.finished else chunk.end + self.codec_lookahead_frames
+    def flow_request(self, prompt: Prompt, tokens: Tensor, end: int, finished: bool):
+        """The flow input for a chunk ending at token `end` (the last chunk: `finished`), or None when
+        there are no tokens at all."""
+        n = end if finished else end + self.codec_lookahead_frames
         if n == 0:
             return None
         if n > tokens.shape[0]:
-            raise ValueError(f"chunk [{chunk.start}, {chunk.end}) needs {n} tokens, {tokens.shape[0]} exist")
+            raise ValueError(f"a chunk ending at {end} needs {n} tokens, {tokens.shape[0]} exist")
         dev = self.codec_device
         f: ReferenceFeatures = prompt.conditioning
         if f.speaker.device != dev:  # moved once per request, not per chunk
             f = prompt.conditioning = ReferenceFeatures(f.speech_tokens.to(dev), f.prompt_mel.to(dev), f.speaker.to(dev))
         return FlowRequest(tokens=tokens[:n].to(dev), prompt_tokens=f.speech_tokens, prompt_mel=f.prompt_mel,
-                           speaker=f.speaker, streaming=not chunk.finished, finalize=chunk.finished)
+                           speaker=f.speaker, streaming=not finished, finalize=finished)
 
     @torch.inference_mode()
     def vocode(self, codes: Tensor, prompt: Prompt, speed: float = 1.0) -> Tensor:
         """The non-streaming (full response) audio of a whole utterance (with the official tempo change)."""
-        from intone.engine.chunk_planner import Chunk
-
-        n = codes.shape[1]
-        job = self.flow_request(prompt, codes[0], Chunk("", 0, n, 0, True))
+        job = self.flow_request(prompt, codes[0], codes.shape[1], True)
         if job is None:
             return torch.zeros(0)
         mel = self.flow.inference([job])[0]

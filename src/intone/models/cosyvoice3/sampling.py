@@ -12,7 +12,7 @@ on the log-softmax of the 6761 logits):
 generated so far, all 200 stop ids masked below min length, temperature, top-k, then top-p
 on the top-k distribution.
 
-Draws are exponential races on counter-hash uniforms (engine.sampling), so a request's
+Draws are exponential races on counter-hash uniforms (ops.sampling), so a request's
 choices depend only on its seed, its step and its logits.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms
+from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms
 
 SPEECH_TOKENS = 6561  # ids 0..6560 are speech; 6561..6760 all end generation
 RAS_WINDOW = 10

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from intone.engine.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
-from intone.engine.kv_cache import KVCache
 from intone.ops import fused
+from intone.ops.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
+from intone.ops.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

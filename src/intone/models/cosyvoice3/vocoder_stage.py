@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intone.engine.codec_stage import group_jobs
+from intone.models.cosyvoice3.flow import FlowRequest
+from intone.ops.batching import group_jobs
 
 
 @dataclass
@@ -49,8 +50,6 @@ class CosyCodecStage:
     def compile_flow(self) -> None:
         """torch.compile the DiT (dynamic shapes) and compile it now, on a small dummy batch, so
         no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
-        from intone.models.cosyvoice3.flow import FlowRequest
-
         estimator = self.model.flow.decoder.estimator
         estimator.forward = torch.compile(estimator.forward, dynamic=True)
         dev = self.model.codec_device
@@ -85,7 +84,7 @@ class CosyCodecStage:
     def _flow(self, items: list) -> list[Tensor]:
         """The new mel frames [80, 2 * (end - start)] of each chunk."""
         model = self.model
-        jobs = [model.flow_request(req.prompt, req.codes[0], chunk) for req, chunk in items]
+        jobs = [model.flow_request(req.prompt, req.codes[0], chunk.end, chunk.finished) for req, chunk in items]
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(items)
         live = [i for i, job in enumerate(jobs) if job is not None]

@@ -9,26 +9,26 @@ import torch
 from torch import Tensor
 
 from intone.audio import resample
-from intone.engine.attention import AttentionMetadata
-from intone.engine.kv_cache import KVCache, KVLayout
-from intone.engine.sampling import SamplingBatch, apply_repetition_penalty, sample
 from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.base import Prompt, TTSModel, VoiceReference
+from intone.models.checkpoint import load_strict
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.codec_stream import StreamingDecoder
 from intone.models.fish_s2.config import FishS2Config
-from intone.models.fish_s2.reference import encode_batch, warm_up_encoder
-from intone.models.checkpoint import load_strict
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
+from intone.models.fish_s2.reference import encode_batch, warm_up_encoder
 from intone.models.fish_s2.transformer import DualARTransformer
+from intone.ops.attention import AttentionMetadata
+from intone.ops.kv_cache import KVCache, KVLayout
+from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, sample
 
 # Repetition-aware sampling (official): if the normal draw repeats one of the last 10 main
 # tokens, take a second draw made at temperature 1.0 / top-p 0.9 instead.
 RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9
 PENALTY_WINDOW = 16
 
-# Draw indices within one step (see engine.sampling): 0 normal, 1 RAS fallback, 2.. codebooks.
+# Draw indices within one step (see ops.sampling): 0 normal, 1 RAS fallback, 2.. codebooks.
 DRAW_SEMANTIC, DRAW_RAS, DRAW_FIRST_CODEBOOK = 0, 1, 2
 
 

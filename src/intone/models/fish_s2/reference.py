@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from intone.engine.codec_stage import bucket_rows
+from intone.ops.batching import bucket_rows
 from intone.models.fish_s2.codec import FishCodec
 
 FRAME_BUCKET = 43  # frames (~2.0 s at 44.1 kHz / 2048)

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from intone.engine.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
-from intone.engine.kv_cache import KVCache
 from intone.models.fish_s2.config import FishS2Config, TransformerShape
 from intone.models.fish_s2.layers import RMSNorm, SwiGLU, rope_table
 from intone.ops import fused
+from intone.ops.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
+from intone.ops.kv_cache import KVCache
 
 # attend(q, k, v) with q [.., T, H, D] and k, v [.., T, H_kv, D] -> [.., T, H, D]
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
