@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from intone.models import load_model
-from intone.models.fish_s2.codec_stream import StreamingDecoder, pad_codes
+from intone.models.fish_s2.codec_stream import StreamingDecoder
 
 HOP = 2048
 
@@ -15,6 +15,14 @@ HOP = 2048
 @pytest.fixture(scope="module")
 def codec64(tiny_fish_dir):
     return load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64).codec
+
+
+def pad_codes(windows: list[torch.Tensor], frames: int, rows: int) -> torch.Tensor:
+    """Chunks' codes [K, n_i] -> [rows, K, frames], right-padded with code 0 (extra rows: zeros)."""
+    out = windows[0].new_zeros(rows, windows[0].shape[0], frames)
+    for i, w in enumerate(windows):
+        out[i, :, : w.shape[1]] = w
+    return out
 
 
 def cut(total: int, sizes: list[int]) -> list[int]:

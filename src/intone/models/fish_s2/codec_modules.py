@@ -106,11 +106,11 @@ class CodecAttention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
         q, k, v = (t.unflatten(-1, (self.n_head, CODEC_HEAD_DIM)) for t in self.wqkv(x).chunk(3, dim=-1))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = _masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(y.transpose(1, 2).flatten(-2))
 
 
-def _masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     with sdpa_kernel(_CODEC_SDPA):

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from intone.models.fish_s2.codec import FishCodec
 from intone.models.fish_s2.codec_modules import (
     CODEC_HEAD_DIM, CODEC_ROPE_BASE, CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, WindowTransformer,
-    _masked_attention,
+    masked_attention,
 )
 from intone.models.fish_s2.layers import apply_rope, rope_table
 
@@ -104,7 +104,7 @@ def _run(module: nn.Module, x: Tensor, ctx: _Context, key: str) -> Tensor:
         y = _conv(module.dwconv, x, ctx, key).transpose(1, 2)
         y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
         return x + (module.gamma * y).transpose(1, 2)
-    if hasattr(module, "block") or hasattr(module, "model"):  # EncoderBlock-like containers
+    if hasattr(module, "block") or hasattr(module, "model"):  # DecoderBlock, Decoder: a Sequential inside
         return _run(getattr(module, "block", None) or module.model, x, ctx, key)
     return module(x)  # per sample: Snake, Tanh
 
@@ -169,15 +169,6 @@ def _block(layer, h: Tensor, rope: Tensor, mask: Tensor, ctx: _Context, key: str
     ends = ctx.lengths + keep
     ctx.keep(f"{key}.k", _tail(k.flatten(2).transpose(1, 2), ends, keep).transpose(1, 2).unflatten(2, (heads, -1)))
     ctx.keep(f"{key}.v", _tail(v.flatten(2).transpose(1, 2), ends, keep).transpose(1, 2).unflatten(2, (heads, -1)))
-    y = _masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+    y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
     h = h + layer.attention_layer_scale(attn.wo(y.transpose(1, 2).flatten(-2)))
     return h + layer.ffn_layer_scale(layer.feed_forward(layer.ffn_norm(h)))
-
-
-def pad_codes(windows: list[Tensor], frames: int, rows: int) -> Tensor:
-    """Chunks' codes [K, n_i] -> [rows, K, frames], right-padded with code 0 (extra rows: zeros)."""
-    out = windows[0].new_zeros(rows, windows[0].shape[0], frames)
-    for i, w in enumerate(windows):
-        out[i, :, : w.shape[1]] = w
-    return out
-
