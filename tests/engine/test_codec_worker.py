@@ -3,10 +3,12 @@
 import time
 
 import numpy as np
+import torch
 
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.engine.request import SynthesisRequest
+from intone.models import load_model
 from intone.models.base import SamplingParams
 
 
@@ -53,8 +55,6 @@ def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fi
 def _gated_worker(tiny_fish, max_call):
     """A worker whose decode calls wait for `gate`; calls records the request ids of each call."""
     import threading
-
-    import torch
 
     from intone.engine.chunk_planner import Chunk
     from intone.engine.codec_stage import CodecStage
@@ -149,21 +149,9 @@ def test_a_streams_later_chunks_are_due_when_its_earlier_audio_has_played(tiny_f
 
 def test_a_whole_response_is_one_chunk_decoded_in_one_pass(tiny_fish):
     profile = load_profile("fish-s2-default", device="cpu")
-    core = EngineCore(tiny_fish, profile)
-    codes, release = {}, core._release
-
-    def keep_codes(req, reason):
-        codes[req.request_id] = req.codes[:, : req.num_frames].clone()
-        release(req, reason)
-    core._release = keep_codes
-    for i, stream in enumerate((False, True)):
-        params = SamplingParams(seed=7, max_new_tokens=60)
-        core.add_request(SynthesisRequest(f"s{int(stream)}", "One pass, please.", params=params, stream=stream))
-    chunks = {}
-    while core.has_work():
-        for c in core.step():
-            chunks.setdefault(c.request_id, []).append(c)
-    core.close()
+    params = SamplingParams(seed=7, max_new_tokens=60)
+    requests = [SynthesisRequest(f"s{int(s)}", "One pass, please.", params=params, stream=s) for s in (False, True)]
+    chunks, codes = run_keeping_codes(EngineCore(tiny_fish, profile), requests)
     whole, streamed = chunks["s0"], chunks["s1"]
     assert len(whole) == 1 and whole[0].finished and whole[0].start_frame == 0
     assert len(streamed) > 1 and whole[0].end_frame == streamed[-1].end_frame
@@ -173,6 +161,24 @@ def test_a_whole_response_is_one_chunk_decoded_in_one_pass(tiny_fish):
     assert np.allclose(whole[0].audio, one_pass, atol=1e-4)
 
 
+def run_keeping_codes(core: EngineCore, requests: list) -> tuple[dict, dict]:
+    """Run the requests to the end: (chunks by request, each request's codes as it was released)."""
+    codes, release = {}, core._release
+
+    def keep_codes(req, reason):
+        codes[req.request_id] = req.codes[:, : req.num_frames].clone()
+        release(req, reason)
+    core._release = keep_codes
+    for request in requests:
+        core.add_request(request)
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    core.close()
+    return chunks, codes
+
+
 def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
@@ -180,28 +186,13 @@ def torch_equal(a, b) -> bool:
 def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir):
     """codec.carry_state: chunks of 4, 25 and 50 frames (first, steady, backlog), several requests per
     codec call, join into the one-pass decode of the request's codes (float64: equal to rounding)."""
-    import torch
-
-    from intone.models import load_model
-
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True})
-    core = EngineCore(model, profile)
-    codes, release = {}, core._release
-
-    def keep_codes(req, reason):
-        codes[req.request_id] = req.codes[:, : req.num_frames].clone()
-        release(req, reason)
-    core._release = keep_codes
-    for i in range(5):
-        params = SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i)
-        core.add_request(SynthesisRequest(f"r{i}", "A stream in chunks.", params=params, stream=i > 0))
-    chunks = {}
-    while core.has_work():
-        for c in core.step():
-            chunks.setdefault(c.request_id, []).append(c)
-    core.close()
+    requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i > 0,
+                                 params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
+                for i in range(5)]
+    chunks, codes = run_keeping_codes(EngineCore(model, profile), requests)
     sizes = {c.end_frame - c.start_frame for cs in chunks.values() for c in cs if c.end_frame > c.start_frame}
     assert {4, 25, 50} <= sizes, sizes
     for rid, cs in chunks.items():

@@ -124,9 +124,9 @@ class CodecStage:
         lengths = [c.end - c.start for _, c in items]
         for req, c in items:
             state = states[id(req)]
-            if (state.frames if state is not None else 0) != c.start:
-                raise RuntimeError(f"{c.request_id}: chunk from frame {c.start}, but the codec state is at "
-                                   f"{state.frames if state is not None else 0}")
+            at = state.frames if state is not None else 0
+            if at != c.start:
+                raise RuntimeError(f"{c.request_id}: chunk from frame {c.start}, but the codec state is at {at}")
         rows = bucket_rows(len(items))
         codes = torch.zeros(rows, items[0][0].codes.shape[0], bucket_frames(max(lengths)), dtype=torch.long)
         for row, (req, c) in enumerate(items):

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from intone.errors import InvalidRequestError
-from intone.sampling_bounds import SAMPLING_BOUNDS, describe, within
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
+from intone.sampling_bounds import SAMPLING_BOUNDS, describe, within
 
 
 @dataclass
@@ -35,7 +35,7 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         checks = [(name, getattr(self, name) is None or within(name, getattr(self, name)), describe(name))
-                  for name in SAMPLING_BOUNDS if hasattr(self, name)]
+                  for name in SAMPLING_BOUNDS]
         checks.append(("mode", self.mode in (None, "ras", "standard"), "must be 'ras' or 'standard'"))
         for name, ok, why in checks:
             if not ok:
