@@ -9,6 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 INTONE_CACHE=/tmp/intone-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-320}
+COSY_FULL=${COSY_FULL:-cosyvoice3-full-response}  # the profile of cosy-http, cosy-engine and profile-cosy
 TAG=${TAG:-}  # suffix of the bench output folders (e.g. -process), with SERVE_ARGS for `intone serve`
 INTONE="python3 -m intone.cli.main"
 summary=()
@@ -33,17 +34,17 @@ for stage in "$@"; do
     fish-engine) timeout 420 python3 -m intone.bench.engine_throughput --model random:fish-s2 \
         --profile fish-s2-high-concurrency --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:86:30 --out "$OUT/fish-engine.json" 2>&1 | tail -20 ;;
-    cosy-http) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-full-response \
+    cosy-http) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile "$COSY_FULL" \
         --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/cosy-http$TAG/server.log"; grep -A12 "Where the time" "$OUT/cosy-http$TAG/report.md" ;;
     cosy-stream) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
-        --profile cosyvoice3-full-response --concurrency 64 --num-requests "$N" --warmup 64 \
+        --profile "$COSY_FULL" --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
     profile-fish) timeout 300 python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile-fish.txt" | tail -45 ;;
-    profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-full-response --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
+    profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile "$COSY_FULL" --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   rm -rf "$OUT"/*/dataset  # the generated clips: too many files to bring back

@@ -17,6 +17,9 @@ class InvalidRequestError(IntoneError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # crosses process boundaries (the API's text workers) whole
+        return type(self), (self.field, self.message)
+
 
 class MediaTooLarge(InvalidRequestError):
     """Media over the server's size limit: answered with 413."""

@@ -103,8 +103,9 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
         profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n")
         return ("--api-key", "sekret", "--sse-dialect", "sglang", "--profile", str(profile))
     if name == "cosy_server":
-        # The raw-audio dialect: what older vLLM-Omni `--stream` clients expect of a bare `stream: true`.
-        return ("--model", "tiny:cosyvoice3", "--sse-dialect", "audio")
+        # The raw-audio dialect: what older vLLM-Omni `--stream` clients expect of a bare `stream: true`;
+        # the texts read in a worker process (what a server of 4+ cores does by default).
+        return ("--model", "tiny:cosyvoice3", "--sse-dialect", "audio", "--text-workers", "1")
     raise KeyError(name)
 
 

@@ -28,6 +28,7 @@ from intone.audio import read_audio
 from intone.api.supervisor import EngineSupervisor
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
+from intone.api.text_workers import TextWorkers, default_workers
 from intone.models import default_profile, text_frontend
 from intone.errors import IntoneError, InvalidRequestError, MediaTooLarge
 
@@ -52,6 +53,7 @@ class Settings:
     engine_silence_s: float = 10.0  # /health turns 503 when the core's loop has been silent this long
     engine_restart: str = "restart"  # a dead core: "restart" it (with back-off) or "exit" the server
     engine_hang_s: float = 60.0  # a core silent this long is killed (then restarted); 0: never
+    text_workers: int | None = None  # processes for the text frontend (None: text_workers.default_workers())
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -60,10 +62,25 @@ def create_app(settings: Settings) -> FastAPI:
         overrides = {**settings.profile_overrides, **({"device": settings.device} if settings.device else {})}
         app.state.profile = load_profile(settings.profile or default_profile(settings.model), **overrides)
         app.state.text_frontend = await asyncio.to_thread(text_frontend, settings.model)
+        workers = default_workers() if settings.text_workers is None else settings.text_workers
+        app.state.text = TextWorkers(settings.model, app.state.text_frontend, workers)
+
         def start() -> Awaitable[Engine]:
             return Engine.from_profile(app.state.profile, model=settings.model, trace_frames=settings.trace_frames)
 
-        app.state.engine = await start()
+        text_ready = asyncio.ensure_future(app.state.text.start())  # the workers load beside the engine
+        try:
+            app.state.engine = await start()
+        except BaseException:
+            text_ready.cancel()
+            app.state.text.close()
+            raise
+        try:
+            await text_ready
+        except BaseException:
+            await app.state.engine.shutdown()
+            app.state.text.close()
+            raise
         info = app.state.engine.info
         log.info("ready: model %s (%s) on %s, profile %s, %d Hz, capacity %d", settings.model, info["name"],
                  info["device"], info["profile"], info["sample_rate"], info["capacity"])
@@ -73,10 +90,12 @@ def create_app(settings: Settings) -> FastAPI:
         log.info("shutting down: aborting in-flight requests")
         await app.state.supervisor.stop()
         await app.state.engine.shutdown()
+        app.state.text.close()
 
     app = FastAPI(title="intone", lifespan=lifespan)
     app.state.settings = settings
     app.state.text_frontend = None  # the model's (loaded at start-up), or None: text as sent
+    app.state.text = TextWorkers(settings.model, None, 0)  # where request texts are read (start-up: the model's)
     app.state.metrics = ServerMetrics()
     app.state.voices = VoiceStore(settings.voices_dir)
     app.state.model_id = settings.served_model_name or settings.model

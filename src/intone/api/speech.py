@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from intone.api.encoding import CONTENT_TYPES, encode_file, pcm_headers, stream_encoder, wav_bytes
 from intone.api.media import load_reference
 from intone.api.protocol import SpeechRequest, error_body
-from intone.api.segments import cut, generate_segments, read_transcripts
+from intone.api.segments import generate_segments
 from intone.api.voices import resolve_voice
 from intone.engine.client import EngineDead
 from intone.engine.core import default_params
@@ -90,8 +90,8 @@ async def build_synthesis(body: SpeechRequest, app_state, streaming: bool) -> tu
     if len(body.input) > settings.max_input_chars:
         raise InvalidRequestError("input", f"is {len(body.input)} characters, over the {settings.max_input_chars} limit")
     synth = await build_request(body, app_state, streaming)
-    # CPU work of up to ~1 s for a long input: off the event loop
-    segments = await asyncio.to_thread(cut, app_state.text_frontend, body.input, "input")
+    # CPU work of up to ~1 s for a long input: off the event loop (and, with text workers, this interpreter)
+    segments = await app_state.text.cut(body.input, "input")
     synth.text = segments[0]
     return synth, segments
 
@@ -110,7 +110,7 @@ async def build_request(body: SpeechRequest, app_state, streaming: bool) -> Synt
     for i, ref in enumerate(body.references or []):
         field = f"references.{i}.{'audio' if ref.audio else 'audio_path'}"
         references.append(await load_reference(ref.audio or ref.audio_path, ref.text, field, settings.media))
-    references = await asyncio.to_thread(read_transcripts, app_state.text_frontend, references)
+    references = await app_state.text.read_transcripts(references)
     params = default_params(
         app_state.profile, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         repetition_penalty=body.repetition_penalty, max_new_tokens=body.max_new_tokens, seed=body.seed,

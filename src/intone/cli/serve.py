@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
                    help="kill (then restart) an engine core whose loop is silent this long (0: never)")
     p.add_argument("--drain-seconds", type=float, default=120.0,
                    help="on SIGTERM, how long in-flight requests may take to finish (then: 503 / cut streams)")
+    p.add_argument("--text-workers", type=int, default=None, metavar="N",
+                   help="processes that normalise request texts (CosyVoice3's wetext) beside the API's own "
+                        "interpreter; 0: its threads (default: a quarter of the cores, up to 4)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         voice_aliases=dict(args.voice_alias), device=args.device, profile_overrides=dict(args.overrides),
         trace_frames=args.trace_frames,
         engine_silence_s=args.engine_silence_seconds, engine_restart=args.engine_restart,
-        engine_hang_s=args.engine_hang_seconds,
+        engine_hang_s=args.engine_hang_seconds, text_workers=args.text_workers,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.drain_seconds)

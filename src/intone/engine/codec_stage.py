@@ -57,18 +57,31 @@ class CodecStage:
             # a group of n windows is padded to bucket_rows(n) rows: warm every bucket a group can reach
             while rows <= bucket_rows(self.max_batch) and (rows // 2 + 1) * t <= max(self.max_padded_frames, t):
                 codes = torch.zeros(rows, k, t, dtype=torch.long)
-                if self.stream is not None:
+                if self.stream is not None:  # streamed chunks; whole utterances take the plain decode
                     self.stream.decode(codes.to(self.model.device), [t] * rows, [None] * rows)
-                else:
-                    self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
+                self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
                 shapes += 1
                 rows *= 2
         return shapes
 
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
-        if self.stream is not None:
+        if self.stream is None:
+            return self._run_windows(items)
+        # A chunk that is its request's whole utterance (a full response) is the one-pass decode
+        # either way: the plain decode is cheaper (H200, Fish C64: 64.8 vs 59.8 audio-s/s).
+        whole = [i for i, (req, c) in enumerate(items) if c.start == 0 and c.finished and req.codec_state is None]
+        if not whole:
             return self._run_carried(items)
+        out: list[np.ndarray] = [None] * len(items)
+        rest = [i for i in range(len(items)) if i not in set(whole)]
+        for part, audio in ((whole, self._run_windows([items[i] for i in whole])),
+                            (rest, self._run_carried([items[i] for i in rest]) if rest else [])):
+            for i, samples in zip(part, audio):
+                out[i] = samples
+        return out
+
+    def _run_windows(self, items: list) -> list[np.ndarray]:
         jobs = []
         for req, chunk in items:
             lo, hi = chunk.window

@@ -1,0 +1,47 @@
+"""The API's text frontend in worker processes reads texts exactly as in the API's own threads."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from intone.api.text_workers import TextWorkers
+from intone.errors import InvalidRequestError
+from intone.models import text_frontend
+from intone.models.base import VoiceReference
+
+TEXT = "He lit the lamp at 7:45 and watched 3 ships pass. When the storm came, the boats found their way home."
+
+
+async def read_all(workers: TextWorkers):
+    await workers.start()
+    try:
+        segments = await workers.cut(TEXT, "input")
+        ref = VoiceReference(text="Call me at 5 pm.", audio=torch.zeros(16000), sample_rate=16000)
+        (read,) = await workers.read_transcripts([ref])
+        with pytest.raises(InvalidRequestError) as refused:
+            await workers.cut("?!...", "input")
+        return segments, read, refused.value
+    finally:
+        workers.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_cosyvoice3_texts_are_read_the_same_in_a_worker_process_as_in_a_thread(workers, tiny_cache):
+    frontend = text_frontend("tiny:cosyvoice3")
+    segments, read, refused = asyncio.run(read_all(TextWorkers("tiny:cosyvoice3", frontend, workers)))
+    assert segments == frontend.segments(TEXT) and "seven forty five" in " ".join(segments).lower()
+    assert read.text == frontend.normalize("Call me at 5 pm.") and np.array_equal(read.audio, torch.zeros(16000))
+    assert refused.field == "input" and "punctuation" in refused.message  # the error crosses the process whole
+
+
+def test_without_a_text_frontend_the_text_goes_as_sent_and_no_worker_starts(tiny_cache):
+    workers = TextWorkers("tiny:fish-s2", None, 4)
+    ref = VoiceReference(text="At 5 pm.")
+
+    async def run():
+        await workers.start()
+        return await workers.cut(TEXT, "input"), await workers.read_transcripts([ref])
+
+    assert asyncio.run(run()) == ([TEXT], [ref]) and workers.workers == 0
