@@ -69,7 +69,8 @@ def test_32_streams_exact_backlog_and_batch_independent(fish64, tiny_fish_dir, t
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # three processes on the cores, one thread each: no oversubscription
         try:
-            core = EngineCore(fish64, hc_profile(), FrameTracer(trace))
+            # the windowed codec stage (the default; the carried state is tested in test_codec_worker)
+            core = EngineCore(fish64, hc_profile(**{"codec.carry_state": False}), FrameTracer(trace))
             for i in range(32):
                 core.add_request(SynthesisRequest(f"r{i}", texts[i % 4], params=params[i]))
             chunks = drain(core)

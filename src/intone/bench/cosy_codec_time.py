@@ -14,8 +14,10 @@ import json
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.model import random_cosyvoice3
 
 
 def timed(fn, repeats: int = 3) -> tuple[float, object]:
@@ -37,8 +39,6 @@ def flow_requests(batch: int, tokens: int, prompt: int, streaming: bool, device)
 
 
 def top_kernels(flow, reqs, n: int, autocast: bool = True) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
     with torch.autocast("cuda", torch.bfloat16, enabled=autocast), profile(activities=[ProfilerActivity.CUDA]) as prof:
         flow.inference(reqs)
         torch.cuda.synchronize()
@@ -52,8 +52,6 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=75)
     ap.add_argument("--kernels", type=int, default=0, help="print the top N CUDA kernels of one bf16 flow call")
     args = ap.parse_args(argv)
-    from intone.models.cosyvoice3.model import random_cosyvoice3
-
     model = random_cosyvoice3("cuda")
     flow, hift = model.flow, model.hift
     variants = {

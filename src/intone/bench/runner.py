@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -174,8 +175,6 @@ def run(args) -> dict:
 
 
 def _provenance(args, peak_mib) -> dict:
-    import platform
-
     return dict(date=time.strftime("%Y-%m-%d %H:%M:%S"), target=args.base_url or f"intone serve {' '.join(serve_args(args))}",
                 preset=getattr(args, "preset", None), dataset=args.dataset, concurrency=str(args.concurrency),
                 reference_pool=getattr(args, "reference_pool", None), num_requests=args.num_requests, warmup=args.warmup, stream=args.stream,
@@ -191,7 +190,7 @@ def _evaluate_quality(args, results: dict) -> None:
     items = {it.utt_id: it for it in load_items(args, Path(args.output_dir))[0]}
     for level in results["levels"]:
         audio_dir, quality = Path(level["audio_dir"]), {}
-        if args.asr_model:
+        if args.asr_model:  # the quality models (torch, transformers) load only when asked for
             from intone.eval.wer import evaluate_wer
 
             quality.update(evaluate_wer(audio_dir, list(items.values()), Path(args.asr_model)).summary())

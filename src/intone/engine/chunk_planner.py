@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 
 @dataclass(frozen=True)
 class ChunkPolicy:
@@ -165,8 +167,6 @@ def take_window(frames, chunk: Chunk):
     lo, hi = chunk.window
     if hasattr(frames, "shape"):
         return frames[:, lo:hi]
-    import torch
-
     window = frames[lo:hi]
     if not window:
         return torch.zeros(0, 0, dtype=torch.long)

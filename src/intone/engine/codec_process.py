@@ -32,11 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 import zmq
 
+from intone.engine.child import parent_sockets, watch_parent
+from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
 from intone.engine.config import Profile
-from intone.engine.child import parent_sockets, watch_parent
+from intone.engine.loading import load_for_profile, warm_up_codec
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +176,6 @@ class CodecProcess:
 
 
 def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket) -> None:
-    import torch
-
-    from intone.engine.codec_stage import CodecStage
-    from intone.engine.loading import load_for_profile, warm_up_codec
-
     model = load_for_profile(model_spec, profile)
     c = profile.codec
     stage = model.make_codec_stage(c) or CodecStage(model, c.max_batch, c.max_padded_frames, c.carry_state)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from intone.engine.config import Profile
+from intone.models import load_model
 
 
 def load_for_profile(model_spec: str, profile: Profile):
     """The model on the profile's device, with the profile's AR and codec precisions, this
     process's CUDA state set up (TF32, a stream of its own for the calling thread)."""
-    from intone.models import load_model
-
     device = profile.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

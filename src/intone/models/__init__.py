@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from intone.errors import ModelLoadError
 from intone.models.base import TTSModel
+from intone.models.cosyvoice3.prompt import BLANK_EN, CosyTokenizer
+from intone.models.cosyvoice3.text import CosyTextFrontend
+# TINY_MAKERS, cache_dir, make_tiny, resolve_model_dir live in paths (the families use them) and
+# stay importable from here.
+from intone.models.paths import TINY_MAKERS, cache_dir, import_ref, make_tiny, resolve_model_dir
 
-TINY_MAKERS = {
-    "fish-s2": "intone.models.fish_s2.tiny:make_tiny_fish_s2",
-    "cosyvoice3": "intone.models.cosyvoice3.tiny:make_tiny_cosyvoice3",
-}
 FAMILIES_BY_MODEL_TYPE = {"fish_qwen3_omni": "intone.models.fish_s2:FishS2"}
 # Checkpoints without a top-level config.json, recognised by a file of their own.
 FAMILIES_BY_MARKER = {"cosyvoice3.yaml": "intone.models.cosyvoice3.model:CosyVoice3"}
@@ -42,10 +40,6 @@ def text_frontend(spec: str):
     as one prompt)."""
     if family_of(spec) != "cosyvoice3":
         return None
-    from intone.models.cosyvoice3.loader import BLANK_EN
-    from intone.models.cosyvoice3.prompt import CosyTokenizer
-    from intone.models.cosyvoice3.text import CosyTextFrontend
-
     # random: borrows the tiny checkpoint's tokenizer, as its model does
     tokenizer = CosyTokenizer(resolve_model_dir("tiny:cosyvoice3" if spec.startswith("random:") else spec) / BLANK_EN)
     return CosyTextFrontend(lambda text: len(tokenizer.encode(text)))
@@ -53,44 +47,6 @@ def text_frontend(spec: str):
 
 def default_profile(spec: str) -> str | None:
     return DEFAULT_PROFILES.get(family_of(spec))
-
-
-def _import(ref: str):
-    module, attr = ref.split(":")
-    return getattr(__import__(module, fromlist=[attr]), attr)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("INTONE_CACHE", Path.home() / ".cache" / "intone"))
-
-
-def make_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
-    if family not in TINY_MAKERS:
-        raise ModelLoadError(f"unknown tiny model {family!r}; known: {', '.join(TINY_MAKERS)}")
-    return _import(TINY_MAKERS[family])(out_dir, seed=seed)
-
-
-def resolve_model_dir(spec: str) -> Path:
-    """`tiny:<family>` is made once in the cache directory (atomically), then reused."""
-    if not spec.startswith("tiny:"):
-        path = Path(spec)
-        if not path.is_dir():
-            raise ModelLoadError(f"{spec}: model directory not found")
-        return path
-    family = spec[len("tiny:"):]
-    target = cache_dir() / "tiny" / family
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=target.parent))
-        try:
-            make_tiny(family, tmp)
-            try:
-                tmp.rename(target)
-            except OSError:  # another process made it first
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 RANDOM_FULL_SIZE = {
@@ -107,11 +63,11 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
         family = spec[len("random:"):]
         if family not in RANDOM_FULL_SIZE:
             raise ModelLoadError(f"unknown model {spec!r}; random: knows {', '.join(RANDOM_FULL_SIZE)}")
-        return _import(RANDOM_FULL_SIZE[family])(device=device, dtype=dtype, codec_dtype=codec_dtype)
+        return import_ref(RANDOM_FULL_SIZE[family])(device=device, dtype=dtype, codec_dtype=codec_dtype)
     model_dir = resolve_model_dir(spec)
     for marker, ref in FAMILIES_BY_MARKER.items():
         if (model_dir / marker).exists():
-            return _import(ref).load(model_dir, device=device, dtype=dtype, codec_dtype=codec_dtype)
+            return import_ref(ref).load(model_dir, device=device, dtype=dtype, codec_dtype=codec_dtype)
     config = model_dir / "config.json"
     try:
         model_type = json.loads(config.read_text()).get("model_type")
@@ -121,5 +77,5 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype | None = None,
         raise ModelLoadError(f"{config}: not valid JSON ({e})") from None
     if model_type not in FAMILIES_BY_MODEL_TYPE:
         raise ModelLoadError(f"{config}: unsupported model_type {model_type!r}")
-    family = _import(FAMILIES_BY_MODEL_TYPE[model_type])
+    family = import_ref(FAMILIES_BY_MODEL_TYPE[model_type])
     return family.load(model_dir, device=device, dtype=dtype, codec_dtype=codec_dtype)

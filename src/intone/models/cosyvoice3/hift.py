@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from intone.models.cosyvoice3.hift_config import RAND_INI_KEY, SINE_NOISE_KEY, HiFTConfig
 from intone.models.cosyvoice3.hift_source import CausalF0Predictor, HarmonicSource, PaddedConv1d
+from intone.models.cosyvoice3.noise import FlowSizes, official_noise
 from intone.ops.snake import snake
 
 
@@ -125,8 +126,6 @@ class CausalHiFT(nn.Module):
         self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels, cfg.f0_look_right)
 
         if noise is None:
-            from intone.models.cosyvoice3.noise import FlowSizes, official_noise
-
             noise = official_noise(FlowSizes(), cfg, include_uv=False)
         self.set_noise(noise)
 

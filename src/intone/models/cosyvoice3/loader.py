@@ -15,11 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from intone.errors import ModelLoadError
-from intone.models.cosyvoice3.config import read_model_yaml, section
-from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.checkpoint import load_strict, read_torch_state as read_state
-
-BLANK_EN = "CosyVoice-BlankEN"
+from intone.models.cosyvoice3.codec_config import flow_config, flow_sizes, hift_config
+from intone.models.cosyvoice3.config import read_model_yaml, section
+from intone.models.cosyvoice3.flow import CosyFlow
+from intone.models.cosyvoice3.frontend import ReferenceFrontend
+from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
+from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY, HIFT_RAND_INI_KEY, HIFT_SINE_NOISE_KEY, official_noise
+from intone.models.cosyvoice3.prompt import BLANK_EN, CosyTokenizer
+from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 
 
 def qwen_shape(model_dir: Path) -> QwenShape:
@@ -50,11 +54,6 @@ def load_talker(model_dir: Path, cfg: dict, dtype: torch.dtype, device) -> CosyT
 
 
 def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dtype, codec_dtype: torch.dtype):
-    from intone.models.cosyvoice3.codec_config import flow_config, flow_sizes, hift_config
-    from intone.models.cosyvoice3.frontend import ReferenceFrontend
-    from intone.models.cosyvoice3.noise import official_noise
-    from intone.models.cosyvoice3.prompt import CosyTokenizer
-
     yaml_path = model_dir / "cosyvoice3.yaml"
     cfg = read_model_yaml(yaml_path)
     tokenizer = CosyTokenizer(model_dir / BLANK_EN)
@@ -73,15 +72,10 @@ def load_cosyvoice3(cls, model_dir: Path, device: torch.device, dtype: torch.dty
 
 
 def load_flow(path: Path, cfg, dtype: torch.dtype, device):
-    from intone.models.cosyvoice3.flow import CosyFlow
-
     return build_strict(lambda: CosyFlow(cfg), read_state(path), str(path), dtype, device)
 
 
 def load_hift(path: Path, cfg, dtype: torch.dtype, device):
-    from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
-    from intone.models.cosyvoice3.noise import HIFT_RAND_INI_KEY, HIFT_SINE_NOISE_KEY
-
     state = fold_hift_weight_norm(read_state(path))
     with torch.device("meta"):
         placeholder = {HIFT_RAND_INI_KEY: torch.zeros(1, cfg.nb_harmonics + 1),
@@ -95,8 +89,6 @@ def load_hift(path: Path, cfg, dtype: torch.dtype, device):
 
 def install_noise(flow, hift, noise: dict, device) -> None:
     """The official fixed noise (`noise.official_noise`) into modules built on the meta device."""
-    from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY
-
     flow.decoder.noise_bits = noise[FLOW_NOISE_KEY].view(torch.int32).to(device)
     hift.m_source.l_sin_gen.sine_waves = torch.zeros(0, device=device)  # set_noise installs on the holder's device
     hift.set_noise(noise)

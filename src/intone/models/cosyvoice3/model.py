@@ -10,17 +10,22 @@ from torch import Tensor
 
 from intone.errors import InvalidRequestError
 from intone.models.base import Prompt, SamplingParams, TTSModel, VoiceReference
-from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.codec_config import flow_sizes
+from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest
 from intone.models.cosyvoice3.frontend import (
-    ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_batch, extract_reference,
+    ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_batch, extract_reference, random_frontend,
     warm_up as frontend_warm_up,
 )
+from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
+from intone.models.cosyvoice3.loader import install_noise, load_cosyvoice3
+from intone.models.cosyvoice3.noise import official_noise
 from intone.models.cosyvoice3.prompt import (
-    MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
+    BLANK_EN, MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
 )
 from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
-from intone.models.cosyvoice3.talker import CosyTalker
+from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage, stretch
+from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
@@ -54,8 +59,6 @@ class CosyVoice3(TTSModel):
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
              codec_dtype: torch.dtype = torch.float32) -> "CosyVoice3":
-        from intone.models.cosyvoice3.loader import load_cosyvoice3
-
         return load_cosyvoice3(cls, Path(model_dir), torch.device(device), dtype or torch.float32, codec_dtype)
 
     # ---- references and prompts -------------------------------------------------------------
@@ -193,15 +196,6 @@ def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dty
 
     The tiny checkpoint lends its text tokenizer and nothing else.
     """
-    from intone.models import resolve_model_dir
-    from intone.models.cosyvoice3.codec_config import flow_sizes
-    from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig
-    from intone.models.cosyvoice3.frontend import random_frontend
-    from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
-    from intone.models.cosyvoice3.loader import install_noise
-    from intone.models.cosyvoice3.noise import official_noise
-    from intone.models.cosyvoice3.talker import QwenShape
-
     tiny = resolve_model_dir("tiny:cosyvoice3")
     device = torch.device(device)
     dtype = dtype or torch.float32
@@ -226,5 +220,5 @@ def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dty
         1.0 / (fcfg.dit.rope_base ** (torch.arange(0, fcfg.dit.dim_head, 2, device=device).float() / fcfg.dit.dim_head)))
     install_noise(flow, hift, noise, device)
     frontend = random_frontend(device)  # real-size networks, so benchmarks price the frontend honestly
-    return CosyVoice3(talker, flow, hift, CosyTokenizer(tiny / "CosyVoice-BlankEN"), frontend.tokenizer,
+    return CosyVoice3(talker, flow, hift, CosyTokenizer(tiny / BLANK_EN), frontend.tokenizer,
                       frontend.speaker_encoder)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from intone.errors import InvalidRequestError, ModelLoadError
 
+BLANK_EN = "CosyVoice-BlankEN"  # the checkpoint's folder of the Qwen2 tokenizer and config
 SYSTEM_PROMPT = "You are a helpful assistant.<|endofprompt|>"
 INSTRUCT_PROMPT = "You are a helpful assistant. {}<|endofprompt|>"  # the official instruct2 form
 END_OF_PROMPT = "<|endofprompt|>"

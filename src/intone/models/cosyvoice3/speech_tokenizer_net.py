@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intone.errors import ModelLoadError
+from intone.models.checkpoint import load_strict
 from intone.models.cosyvoice3.onnx_weights import NotThisArchitecture, OnnxGraph, check_shape
 
 FSQ_DIGITS = 8
@@ -288,8 +289,6 @@ def speech_tokenizer_from_onnx(graph: OnnxGraph) -> SpeechTokenizerNet:
     for name, param in net.state_dict().items():
         onnx_name, array = arrays[name]
         state[name] = torch.from_numpy(check_shape(graph.path, onnx_name, name, array, param.shape).astype(np.float32))
-    from intone.models.checkpoint import load_strict
-
     load_strict(net, state, str(graph.path), torch.float32, "cpu")
     for name, value in eps.items():
         net.get_submodule(name).eps = value

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from intone.models.cosyvoice3.codec_config import tiny_codec, yaml_text
 from intone.models.cosyvoice3.prompt import SPECIAL_TOKENS
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.tiny_onnx import export_tiny_campplus, export_tiny_speech_tokenizer
@@ -95,14 +96,10 @@ def _write_talker(out: Path, shape: QwenShape) -> None:
 
 
 def _write_codec(out: Path) -> None:
-    from intone.models.cosyvoice3.codec_config import tiny_codec
-
     flow_state, hift_state = tiny_codec(TINY_FLOW, TINY_HIFT)
     torch.save(flow_state, out / "flow.pt")
     torch.save(hift_state, out / "hift.pt")
 
 
 def model_yaml(llm_size: int, flow: dict, hift: dict) -> str:
-    from intone.models.cosyvoice3.codec_config import yaml_text
-
     return yaml_text(llm_size, flow, hift)

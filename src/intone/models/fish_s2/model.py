@@ -14,11 +14,12 @@ from intone.models.base import Prompt, TTSModel, VoiceReference
 from intone.models.checkpoint import load_strict
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.codec_stream import StreamingDecoder
-from intone.models.fish_s2.config import FishS2Config
+from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
 from intone.models.fish_s2.reference import encode_batch, warm_up_encoder
 from intone.models.fish_s2.transformer import DualARTransformer
+from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, sample
@@ -249,9 +250,6 @@ def _codec_state(path: Path):
 
 def random_s2_pro(device="cuda", dtype: torch.dtype | None = None, codec_dtype=torch.float32) -> FishS2:
     """The real S2 Pro architecture with random weights; the tiny checkpoint lends its tokenizer."""
-    from intone.models import resolve_model_dir
-    from intone.models.fish_s2.config import S2_PRO_CONFIG
-
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     return FishS2.random(FishS2Config.from_dict(S2_PRO_CONFIG), resolve_model_dir("tiny:fish-s2"),
                          device=device, dtype=dtype, codec_dtype=codec_dtype)
