@@ -157,12 +157,28 @@ def test_one_chunk_agrees_with_plan_at_the_boundary(lookahead):
     assert not planner(**base, initial_chunk_frames=1).one_chunk(None, 1) and planner(**base).one_chunk(0, edge - 1)
 
 
+@pytest.mark.parametrize("initial", [None, 0, 1, 3])
+def test_one_chunk_follows_the_requests_own_first_chunk_and_whole_requests(initial):
+    """`speed` != 1 is allowed only when one_chunk holds: it must agree with plan() for the request's
+    initial_chunk_frames override, and hold for every whole (non-streamed) request."""
+    n = STEADY - 1  # below the steady size: one chunk unless the request's first chunk comes earlier
+    p = planner(backlog_chunk_frames=0)
+    p.add("r", initial)
+    chunks = [c for k in range(n + 1) for c in p.plan({"r": k}, ["r"] if k == n else [])]
+    assert p.one_chunk(initial, n) is (len(chunks) == 1) is (not initial)
+    w = planner(backlog_chunk_frames=0, initial_chunk_frames=1, lookahead_frames=0)
+    w.add("w", initial, whole=True)
+    n = 5 * STEADY
+    chunks = [c for k in range(n + 1) for c in w.plan({"w": k}, ["w"] if k == n else [])]
+    assert len(chunks) == 1 and w.one_chunk(initial, n, whole=True)
+
+
 def test_frame_count_may_stay_but_not_go_back():
     p = planner(backlog_chunk_frames=0)
     p.add("r")
     p.plan({"r": 5})
     assert p.plan({"r": 4}) == []  # emitted 4: n == emitted is fine
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^r: frame count went backwards \(3 < 4\)$"):
         p.plan({"r": 3})
 
 
@@ -172,7 +188,7 @@ def test_frame_count_may_stay_but_not_go_back():
                                                 ("max_chunk_frames", 0, -1), ("align_first_chunk", 0, -1)])
 def test_policy_bounds_are_inclusive(field, low_ok, bad):
     ChunkPolicy(**{field: low_ok})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"must be >= {low_ok}"):
         ChunkPolicy(**{field: bad})
 
 

@@ -171,13 +171,19 @@ def test_top_p_drops_the_token_crossing_it_on_unscaled_probabilities(temperature
 
 # ---- Fish's use of it: penalty window, stop ban, the RAS fallback draw ----------------------------
 
+def fish_stand_in(c):
+    """Enough of a FishS2 for _sample_semantic: codebook C = c; column C is im_end, id 7."""
+    fish = SimpleNamespace(cfg=SimpleNamespace(codebook_size=c),
+                           tokenizer=SimpleNamespace(semantic_begin=1000, semantic_end=999 + c, im_end_id=7))
+    fish._to_token_ids = lambda index: FishS2._to_token_ids(fish, index)
+    return fish
+
+
 def drawable_fish(x, history, draw, **kw):
     """FishS2._sample_semantic on a stand-in model (codebook C = len(x) - 1; column C is im_end, id 7):
     the columns that draw 0 (normal) or 1 (RAS fallback) can pick."""
     c, cols = len(x) - 1, range(len(x))
-    fish = SimpleNamespace(cfg=SimpleNamespace(codebook_size=c),
-                           tokenizer=SimpleNamespace(semantic_begin=1000, semantic_end=999 + c, im_end_id=7))
-    fish._to_token_ids = lambda index: FishS2._to_token_ids(fish, index)
+    fish = fish_stand_in(c)
     logits = torch.tensor(np.asarray(x, np.float32)).repeat(len(x), 1)
     with forced(engine_sampling, {draw}):
         out = FishS2._sample_semantic(fish, logits, params_for(cols, steps=30, **kw), torch.tensor([history] * len(x)))
@@ -223,6 +229,29 @@ def test_fish_ras_fallback_filters_at_top_p_0_9_whatever_the_request_says(top_p)
     x = np.array([2.0, 1.0, 0.5, -3.0, -3.0])  # cumulative: .623, .852, .991, .996, 1
     history = [-1] * 9 + [1000] + [-1] * 16  # the normal draw (column 0, the best) is in the RAS window
     assert drawable_fish(x, history, 1, temperature=0.7, top_p=top_p, top_k=5) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.3])
+def test_fish_ras_fallback_draws_at_temperature_1_whatever_the_request_says(temperature):
+    """Fish filters the unscaled logits, so the allowed sets above do not show T; the probabilities the
+    race gets do: p0 / p1 = exp((x0 - x1) / T), with the request's T for the normal draw, 1.0 for RAS."""
+    x = np.array([2.0, 1.0, 0.5, -3.0, -3.0])
+    history = [-1] * 9 + [1000] + [-1] * 16
+    seen, race = {}, engine_sampling.race
+
+    def spy(probs, idx, params, draw):
+        seen[draw] = dict(zip(idx[0].tolist(), probs[0].double().tolist()))
+        return race(probs, idx, params, draw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_sampling, "race", spy)
+        FishS2._sample_semantic(fish_stand_in(len(x) - 1), torch.tensor(x, dtype=torch.float32).unsqueeze(0),
+                                params_for([0], steps=30, temperature=temperature, top_p=0.95, top_k=5),
+                                torch.tensor([history]))
+    normal, ras = seen[0], seen[1]  # DRAW_SEMANTIC, DRAW_RAS
+    assert normal[0] / normal[1] == pytest.approx(np.exp(1.0 / temperature), rel=1e-4)
+    assert ras[0] / ras[1] == pytest.approx(np.exp(1.0), rel=1e-4)
+    assert ras[2] == 0.0  # and its top-p is 0.9 (cumulative .623, .852, .991), not the request's 0.95
 
 
 # ---- CosyVoice3: ras and standard ----------------------------------------------------------------
