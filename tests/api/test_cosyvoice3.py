@@ -82,7 +82,10 @@ def test_a_stored_voice_sounds_like_its_reference(cosy_server):
 
 
 def test_sampling_modes(cosy_server):
-    assert speech(cosy_server, sampling_mode="standard", repetition_penalty=1.21, temperature=0.7).status_code == 200
+    ras = speech(cosy_server, response_format="pcm")
+    standard = speech(cosy_server, sampling_mode="standard", repetition_penalty=1.21, temperature=0.7,
+                      response_format="pcm")
+    assert ras.status_code == standard.status_code == 200 and ras.content != standard.content  # the field is read
     bad = speech(cosy_server, sampling_mode="greedy")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_mode"
 
@@ -97,9 +100,11 @@ def test_speed_works_whole_and_is_refused_for_streams_of_a_streaming_profile(cos
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "speed"
 
 
-def test_instructions_are_accepted(cosy_server):
-    r = speech(cosy_server, instructions="Speak slowly and clearly.")
-    assert r.status_code == 200 and len(r.content) > 44
+def test_instructions_change_the_speech(cosy_server):
+    plain = speech(cosy_server, response_format="pcm")
+    told = speech(cosy_server, instructions="Speak slowly and clearly.", response_format="pcm")
+    assert plain.status_code == told.status_code == 200 and len(told.content) > 0
+    assert told.content != plain.content  # the instruction is in the prompt (same seed otherwise)
 
 
 def test_openai_sdk_with_a_reference(cosy_server):
