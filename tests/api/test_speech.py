@@ -130,6 +130,7 @@ def test_reference_forms(server, reference_wav):
     c = speech(server, references=[{"audio_path": str(reference_wav), "text": "A reference."}])
     assert a.status_code == b.status_code == c.status_code == 200
     assert a.content == b.content == c.content
+    assert a.content != speech(server).content  # the reference is in the prompt, however it was sent
 
 
 def test_metrics_are_exposed(server):
