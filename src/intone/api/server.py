@@ -26,9 +26,9 @@ from intone.api.websocket import speech_stream
 from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
 from intone.audio import read_audio
 from intone.api.supervisor import EngineSupervisor
+from intone.api.text_workers import TextWorkers, default_workers
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
-from intone.api.text_workers import TextWorkers, default_workers
 from intone.models import default_profile, text_frontend
 from intone.errors import IntoneError, InvalidRequestError, MediaTooLarge
 
@@ -61,9 +61,9 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         overrides = {**settings.profile_overrides, **({"device": settings.device} if settings.device else {})}
         app.state.profile = load_profile(settings.profile or default_profile(settings.model), **overrides)
-        app.state.text_frontend = await asyncio.to_thread(text_frontend, settings.model)
+        frontend = await asyncio.to_thread(text_frontend, settings.model)
         workers = default_workers() if settings.text_workers is None else settings.text_workers
-        app.state.text = TextWorkers(settings.model, app.state.text_frontend, workers)
+        app.state.text = TextWorkers(settings.model, frontend, workers)
 
         def start() -> Awaitable[Engine]:
             return Engine.from_profile(app.state.profile, model=settings.model, trace_frames=settings.trace_frames)
@@ -94,8 +94,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="intone", lifespan=lifespan)
     app.state.settings = settings
-    app.state.text_frontend = None  # the model's (loaded at start-up), or None: text as sent
-    app.state.text = TextWorkers(settings.model, None, 0)  # where request texts are read (start-up: the model's)
+    # where request texts are read: the model's text frontend from start-up on (before it, or without one: as sent)
+    app.state.text = TextWorkers(settings.model, None, 0)
     app.state.metrics = ServerMetrics()
     app.state.voices = VoiceStore(settings.voices_dir)
     app.state.model_id = settings.served_model_name or settings.model

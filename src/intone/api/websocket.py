@@ -117,7 +117,7 @@ async def _session(ws: WebSocket, state, settings) -> None:
 
 
 async def _read(ws: WebSocket, state, settings, queue: asyncio.Queue) -> None:
-    segmenter, total = Segmenter(state.text_frontend), 0
+    segmenter, total = Segmenter(state.text.frontend), 0
     while True:
         msg = await _message(ws)
         kind = msg.get("type")
