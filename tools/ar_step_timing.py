@@ -15,6 +15,7 @@ from intone.engine.cuda_graphs import StepGraphs
 from intone.models import load_model
 from intone.ops import fused as fused_ops
 from intone.ops.kv_cache import KVCache
+from intone.ops.token_history import CAPACITY
 from kernel_timing import timed  # tools/ is the script's directory
 
 
@@ -53,7 +54,7 @@ def variant(model, kv, rows, kv_tokens, compiled: bool):
                                  torch.full((1, 1), kv.num_blocks, device="cuda"),
                                  torch.ones(1, dtype=torch.long, device="cuda"), kv)
     graphs = StepGraphs(decode_fn, head_fn, kv, width, model.dtype, tuple(probe.shape[1:]), probe.dtype,
-                        model.history_width)
+                        CAPACITY)
     buf, head = fill(graphs, kv, rows, kv_tokens, width, model.dtype)
     stream = torch.cuda.Stream()
     buf.capture(None, stream)  # the first run inside compiles
@@ -67,6 +68,21 @@ def variant(model, kv, rows, kv_tokens, compiled: bool):
         head.graph.replay()
         out["head_out"] = [t.clone() for t in head.out]
     return out
+
+
+def apart(model, run):
+    """run() with the joined projections (ops.joined_linear, the default) undone, then redone."""
+    joined = {}
+    for module in (model.talker if hasattr(model, "talker") else model.lm).modules():
+        for name in ("qkv", "gate_up", "w13"):
+            if getattr(module, name, None) is not None:
+                joined[module, name] = getattr(module, name)
+                setattr(module, name, None)
+    try:
+        run()
+    finally:
+        for (module, name), value in joined.items():
+            setattr(module, name, value)
 
 
 def report(family, rows, name, base, other):
@@ -85,11 +101,15 @@ def main():
     ap.add_argument("--models", default="fish-s2,cosyvoice3")
     ap.add_argument("--rows", default="64")
     ap.add_argument("--kv", type=int, default=1024)
+    ap.add_argument("--cosy-bf16", action="store_true", help="also the CosyVoice3 talker in bf16")
     ap.add_argument("--whole", action="store_true", help="also torch.compile the whole decode step and head")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
-    for family in args.models.split(","):
-        dtype = torch.bfloat16 if family == "fish-s2" else torch.float32
+    runs = [(f, torch.bfloat16 if f == "fish-s2" else torch.float32) for f in args.models.split(",")]
+    if args.cosy_bf16:  # the talker in bf16 too (the profiles keep the official fp32)
+        runs.append(("cosyvoice3", torch.bfloat16))
+    for family, dtype in runs:
+        print(f"== {family} {dtype}", flush=True)
         model = load_model(f"random:{family}", device="cuda", dtype=dtype, codec_dtype=torch.float16)
         for rows in map(int, args.rows.split(",")):
             blocks = rows * (args.kv // 16) + 4
@@ -103,6 +123,8 @@ def main():
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{family} rows={rows}: fused variant failed: {type(e).__name__}: {e}"[:2000])
                 fused_ops.use_compiled(False)
+                apart(model, lambda: report(family, rows, "projections apart (not joined)", base,
+                                            variant(model, kv, rows, args.kv, False)))
                 fused = None
                 if args.whole:  # inductor cannot compile the paged_decode kernel called directly (2026-12-01)
                     try:

@@ -117,7 +117,7 @@ def drawable_cosy(x, candidates, mode, history=(), **kw):
     candidates = sorted(candidates)
     logits = torch.tensor(np.asarray(x, np.float32)).repeat(len(candidates), 1)
     params = params_for(candidates, steps=len(history), mode=mode, **kw)
-    hist = torch.tensor([[-1] * cosy_sampling.RAS_WINDOW + list(history) + [-1]]).repeat(len(candidates), 1)
+    hist = torch.tensor([list(history) + [-1]]).repeat(len(candidates), 1)
     with forced(cosy_sampling):
         out = cosy_sampling.sample_speech_tokens(logits, params, hist)
     return {t for t, o in zip(candidates, out.tolist()) if o == t}
@@ -282,12 +282,13 @@ def test_cosy_ras_and_standard_equal_their_references(mode, seed, head, spread, 
                                                       stops, below_min, ban):
     x, ids = cosy_logits(seed, head, spread, stops)
     generated = [int(t) for t in ids[1:4]] + [5]  # the penalty applies in `standard` only (ras has none)
+    history = generated if mode == "standard" else []  # ras: the nucleus alone (no repeat to redraw)
     assume(len(np.unique(penalised(x, generated, penalty))) == VOCAB)
     ref = (ras_reference(x, temperature, top_p, top_k, below_min, ban) if mode == "ras" else
            standard_reference(x, temperature, top_p, top_k, penalty, generated, below_min, ban))
-    got = drawable_cosy(x, candidates(x, ref, np.random.default_rng(seed)), mode, history=generated,
+    got = drawable_cosy(x, candidates(x, ref, np.random.default_rng(seed)), mode, history=history,
                         temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=penalty,
-                        min_new_tokens=len(generated) + 1 if below_min else 0, ignore_eos=ban)
+                        min_new_tokens=len(history) + 1 if below_min else 0, ignore_eos=ban)
     check(got, ref)
 
 

@@ -20,6 +20,7 @@ from intone.models.base import SamplingParams, StepBatch
 from intone.models.fish_s2.model import FishS2, random_s2_pro
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
+from intone.ops.token_history import CAPACITY
 
 BLOCK = 16
 
@@ -52,7 +53,7 @@ def decode_batch(model: FishS2, batch: int, context: int) -> tuple[StepBatch, KV
         codes=torch.randint(0, 1024, (batch, model.num_codebooks), device=dev),
         prefill=None, decode=meta,
         sampling=sampling_batch([SamplingParams(seed=r) for r in range(batch)], [5] * batch, dev),
-        history=torch.full((batch, model.history_width), -1, dtype=torch.int64, device=dev),
+        history=torch.full((batch, CAPACITY), -1, dtype=torch.int64, device=dev),
     )
     return step, kv
 

@@ -71,7 +71,7 @@ class EngineCore:
         num_blocks = max(1, kv_tokens // ar.block_size)
         self.blocks = BlockManager(num_blocks, ar.block_size)
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.kv, self.blocks, cuda_graphs=ar.cuda_graphs)
+        self.runner = ModelRunner(model, self.kv, self.blocks, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         policy = profile.chunking.policy(ar.max_num_seqs)
         # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
@@ -319,7 +319,7 @@ class EngineCore:
 
     def _run_ar(self, batch: list[EngineRequest], finished: list[str], start: float) -> None:
         out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.generated) for r in batch
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in batch
         ])
         tokens, stopped, codes = out.tokens.tolist(), out.stopped.tolist(), out.codes.cpu()
         now = time.perf_counter()
@@ -429,7 +429,7 @@ class EngineCore:
         if self.codec_worker is not None:
             self.codec_worker.release(req.request_id)
         if not req.codec_in_flight:  # else the codec worker still reads them; they go with the request
-            req.codes = req.codec_state = req.token_buffer = None
+            req.codes = req.codec_state = None
 
     def _terminal(self, rid: str, emitted: int, reason: str, error: str | None = None,
                   req: EngineRequest | None = None) -> AudioChunk:

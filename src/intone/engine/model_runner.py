@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from intone.engine.cuda_graphs import CaptureReport, StepGraphs, bucket
+from intone.engine.cuda_graphs import CaptureReport, StepGraphs
 from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel
 from intone.ops import paged_decode
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
 from intone.ops.sampling import SamplingBatch
+from intone.ops.token_history import CAPACITY, TokenHistory
 
 
 @dataclass
@@ -33,15 +34,17 @@ class StepInput:
     params: SamplingParams
     tokens: list[int]  # main tokens generated so far
     last_codes: torch.Tensor | None  # [K] codes of the last generated frame (None before the first)
-    generated: np.ndarray | None = None  # the same tokens as int64 (kept by the request; else built here)
 
 
 MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 
 class ModelRunner:
-    def __init__(self, model: TTSModel, kv: KVCache, blocks: BlockManager, cuda_graphs: bool = False):
+    def __init__(self, model: TTSModel, kv: KVCache, blocks: BlockManager, cuda_graphs: bool = False,
+                 max_seats: int = 64):
+        """max_seats: requests per step expected (the token history grows beyond it if need be)."""
         self.model, self.kv, self.blocks = model, kv, blocks
+        self.history = TokenHistory(model.device, max_seats)
         self.max_graph_tokens = 0
         self.graphs: StepGraphs | None = None
         if cuda_graphs and model.device.type == "cuda":
@@ -59,7 +62,7 @@ class ModelRunner:
             out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,
                                        torch.full((1, 1), self.kv.num_blocks, device=dev), one, self.kv)
         return StepGraphs(model.forward_decode, head, self.kv, width, model.dtype, tuple(out.shape[1:]), out.dtype,
-                          model.history_width)
+                          CAPACITY)
 
     def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
         """Capture every graph this runner may replay (start-up only: nothing else may use the GPU).
@@ -79,7 +82,7 @@ class ModelRunner:
         n_prefill = sum(1 for r in reqs if not r.tokens)
         if any(not r.tokens for r in reqs[n_prefill:]):
             raise ValueError("prefills must come before decodes")
-        tokens, codes, history = [], [], []
+        tokens, codes = [], []
         for r in reqs:
             if not r.tokens:
                 tokens.append(r.prompt.tokens)
@@ -87,15 +90,16 @@ class ModelRunner:
             else:
                 tokens.append(torch.tensor(r.tokens[-1:]))
                 codes.append(r.last_codes.cpu().view(1, -1))
-            generated = r.generated if r.generated is not None else np.asarray(r.tokens, dtype=np.int64)
-            history.append(self.model.history_row(generated, r.params))
+        sampling = sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device)
+        seats = self.history.seats_for([r.request_id for r in reqs], [r.tokens for r in reqs])
         return StepBatch(
             tokens=torch.cat(tokens).to(device, non_blocking=True),
             codes=torch.cat(codes).to(device, non_blocking=True),
             prefill=self._meta(reqs[:n_prefill], prefill=True),
             decode=self._meta(reqs[n_prefill:], prefill=False),
-            sampling=sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device),
-            history=_history_tensor(history, device),
+            sampling=sampling,
+            history=self.history.rows(seats, sampling.steps),
+            seats=seats,
         )
 
     def _meta(self, reqs: list[StepInput], prefill: bool) -> AttentionMetadata | None:
@@ -124,6 +128,8 @@ class ModelRunner:
         if result is None:
             result = model.head(out, batch.sampling, batch.history)
         tokens, codes, stopped = result
+        if batch.seats is not None:
+            self.history.record(batch.seats, batch.sampling.steps, tokens)
         return StepOutput(tokens=tokens, codes=codes, stopped=stopped)
 
     def _split(self, x: torch.Tensor, batch: StepBatch, n: int) -> torch.Tensor:
@@ -183,13 +189,6 @@ def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
     if tables.shape[1] == width:
         return tables
     return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
-
-
-def _history_tensor(rows: list[np.ndarray], device) -> torch.Tensor:
-    batch = np.full((len(rows), max(len(r) for r in rows)), -1, dtype=np.int64)
-    for i, row in enumerate(rows):
-        batch[i, : len(row)] = row
-    return torch.from_numpy(batch).to(device, non_blocking=True)
 
 
 def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:

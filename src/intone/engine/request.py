@@ -112,7 +112,6 @@ class EngineRequest:
     tokens: list[int] = field(default_factory=list)  # main token of each generated frame
     last_codes: Tensor | None = None  # [K] codes of the last generated frame (the next step's input)
     codes: Tensor | None = None  # [K, max_new_tokens] codec frames; [0, num_frames) are valid
-    token_buffer: np.ndarray | None = None  # `tokens` as int64 [max_new_tokens], for the sampler's history
     num_frames: int = 0  # generated frames forwarded to the codec (a model may trim some)
     codec_state: object = None  # the codec stage's per-request state (dropped with the request)
     speed: float = 1.0
@@ -128,7 +127,6 @@ class EngineRequest:
 
     def append_frame(self, token: int, frame: Tensor, forwards=lambda generated: True) -> None:
         """forwards(tokens generated so far) says whether this frame goes to the codec."""
-        self.token_buffer[len(self.tokens)] = token
         self.tokens.append(token)
         self.last_codes = frame
         if forwards(self.tokens):
@@ -138,8 +136,3 @@ class EngineRequest:
     def allocate_codes(self, num_codebooks: int) -> None:
         """On the CPU: frames arrive there once per step, and the codec stage moves windows over."""
         self.codes = torch.zeros(num_codebooks, self.params.max_new_tokens, dtype=torch.long)
-        self.token_buffer = np.zeros(self.params.max_new_tokens, dtype=np.int64)
-
-    @property
-    def generated(self) -> np.ndarray:
-        return self.token_buffer[: len(self.tokens)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,7 +55,8 @@ class StepBatch:
     prefill: AttentionMetadata | None
     decode: AttentionMetadata | None
     sampling: SamplingBatch  # [R], rows in the same order
-    history: Tensor  # [R, W] model-defined window of recent generated tokens, -1 = empty
+    history: Tensor  # [R, C] every generated main token of each row (ops.token_history), -1 beyond
+    seats: Tensor | None = None  # [R] each row's seat in the runner's token history
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -103,7 +103,6 @@ class TTSModel(abc.ABC):
     num_codebooks: int
     kv_layout: KVLayout
     max_seq_len: int
-    history_width: int = 0
     codec_lookahead_frames: int = 0  # frames the codec reads beyond a non-final chunk's end
     supports_speed: bool = False  # speed != 1 in a single full-response chunk
     device: torch.device
@@ -141,13 +140,6 @@ class TTSModel(abc.ABC):
         graphs: the engine's FunctionGraphs (GPU, graphs on), in which the model may capture
         those shapes and through which it then runs them."""
 
-    @abc.abstractmethod
-    def history_row(self, generated: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
-        """The `history` row (int64) for a request that has generated these main tokens (int64 [n]).
-
-        Rows may differ in length; the runner right-pads them with -1.
-        """
-
     def forwards_frame(self, generated: list[int]) -> bool:
         """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
         return True
@@ -181,7 +173,9 @@ class TTSModel(abc.ABC):
 
     @abc.abstractmethod
     def head(self, out: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """forward's output [R, ...] -> (main token [R], codes [R, K], stopped [R] bool) of the new frame."""
+        """forward's output [R, ...] -> (main token [R], codes [R, K], stopped [R] bool) of the new frame.
+
+        history [R, C]: each row's generated main tokens so far (sampling.steps of them), -1 beyond."""
 
     # head() has static shapes for a given row count (no host sync, no shape from the values),
     # so the runner may capture it per row bucket; padding rows are copies of row 0.

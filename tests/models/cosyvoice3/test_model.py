@@ -166,18 +166,6 @@ def test_speak_writes_24khz_audio_and_refuses_a_request_without_reference(tiny_c
     assert bare.returncode == 2 and "reference" in bare.stderr and "Traceback" not in bare.stderr
 
 
-def test_history_rows_carry_every_generated_id_only_in_standard_mode(tiny_cosy):
-    from intone.models.base import SamplingParams
-
-    import numpy as np
-
-    generated = list(range(100, 140))
-    rows = {mode: tiny_cosy.history_row(np.array(generated), SamplingParams(mode=mode)).tolist()
-            for mode in ("ras", "standard")}
-    assert rows["ras"] == generated[-10:] and rows["standard"] == generated[-10:] + generated
-    assert tiny_cosy.history_row(np.array([5, 6]), SamplingParams()).tolist() == [-1] * 8 + [5, 6]
-
-
 def test_speak_speed_stretches_the_same_tokens_and_fish_refuses_it(tiny_cosy_dir, tmp_path):
     ref = tmp_path / "ref.wav"
     sf.write(ref, voice_audio(2.0, rate=16000).numpy(), 16000)

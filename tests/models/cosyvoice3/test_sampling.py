@@ -7,7 +7,7 @@ import torch
 
 from intone.engine.model_runner import sampling_batch
 from intone.models.base import SamplingParams
-from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
+from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
 
 VOCAB = 6761
 
@@ -26,12 +26,8 @@ def draw(rows, histories, seeds, mode="ras", steps=None, **kw):
                              min_new_tokens=kw.get("min_new_tokens", 0), seed=s, mode=mode) for s in seeds]
     steps = steps or [len(h) for h in histories]
     batch = sampling_batch(params, steps, "cpu")
-    hist = []
-    for h in histories:
-        recent = h[-RAS_WINDOW:]
-        hist.append([-1] * (RAS_WINDOW - len(recent)) + recent + h)
-    width = max(len(r) for r in hist)
-    hist = torch.tensor([r + [-1] * (width - len(r)) for r in hist])
+    width = max(len(h) for h in histories) + 1
+    hist = torch.tensor([list(h) + [-1] * (width - len(h)) for h in histories])
     return sample_speech_tokens(torch.stack(rows).float(), batch, hist).tolist()
 
 
@@ -114,9 +110,8 @@ def test_mixed_modes_in_one_batch_equal_each_mode_alone(mode):
     params = [SamplingParams(temperature=1.0, top_p=0.8, top_k=25, seed=i, mode=m)
               for i, m in enumerate(["ras", "standard", "ras", "standard"])]
     batch = sb(params, [len(h) for h in hists], "cpu")
-    hist = [[-1] * (RAS_WINDOW - len(h[-10:])) + h[-10:] + h for h in hists]
-    width = max(map(len, hist))
-    out = sample_speech_tokens(torch.stack(rows), batch, torch.tensor([r + [-1] * (width - len(r)) for r in hist]))
+    width = max(map(len, hists)) + 1
+    out = sample_speech_tokens(torch.stack(rows), batch, torch.tensor([h + [-1] * (width - len(h)) for h in hists]))
     for i, m in enumerate(["ras", "standard", "ras", "standard"]):
         if m == mode:
             assert out[i] == draw([rows[i]], [hists[i]], [i], mode=m)[0]

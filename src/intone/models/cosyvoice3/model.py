@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from intone.errors import InvalidRequestError
-from intone.models.base import Prompt, SamplingParams, TTSModel, VoiceReference
+from intone.models.base import Prompt, TTSModel, VoiceReference
 from intone.models.cosyvoice3.codec_config import flow_sizes
 from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest
 from intone.models.cosyvoice3.frontend import (
@@ -22,7 +21,7 @@ from intone.models.cosyvoice3.noise import official_noise
 from intone.models.cosyvoice3.prompt import (
     BLANK_EN, MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
 )
-from intone.models.cosyvoice3.sampling import RAS_WINDOW, SPEECH_TOKENS, sample_speech_tokens
+from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage, stretch
 from intone.models.paths import resolve_model_dir
@@ -44,13 +43,13 @@ class CosyVoice3(TTSModel):
     def __init__(self, talker: CosyTalker, flow, hift, tokenizer: CosyTokenizer,
                  speech_tokenizer: SpeechTokenizer, speaker_encoder: SpeakerEncoder, sample_rate: int = 24000):
         self.talker, self.flow, self.hift, self.tokenizer = talker, flow, hift, tokenizer
+        talker.join_projections()
         self.speech_tokenizer, self.speaker_encoder = speech_tokenizer, speaker_encoder
         self.sample_rate = sample_rate
         self.samples_per_frame = flow.config.token_mel_ratio * hift.cfg.hop  # one token = 2 mel frames
         s = talker.shape
         self.kv_layout = KVLayout(s.num_hidden_layers, s.num_key_value_heads, s.head_dim)
         self.max_seq_len = s.max_position_embeddings
-        self.history_width = RAS_WINDOW  # plus, in standard mode, every generated id
         self.codec_lookahead_frames = flow.config.pre_lookahead_len
         self.device = talker.llm_decoder.weight.device
         self.dtype = talker.llm_decoder.weight.dtype
@@ -117,17 +116,6 @@ class CosyVoice3(TTSModel):
 
     # ---- talker -----------------------------------------------------------------------------
 
-    def history_row(self, generated: np.ndarray, params: SamplingParams | None = None) -> np.ndarray:
-        """[last 10 generated ids, right-aligned], then, in standard mode, every generated id (the
-        penalty's set): array copies, so the host cost stays small however long the request."""
-        standard = params is not None and params.mode == "standard"
-        row = np.full(RAS_WINDOW + (len(generated) if standard else 0), -1, dtype=np.int64)
-        recent = generated[-RAS_WINDOW:]
-        row[RAS_WINDOW - len(recent) : RAS_WINDOW] = recent
-        if standard:
-            row[RAS_WINDOW:] = generated
-        return row
-
     def forwards_frame(self, generated: list[int]) -> bool:
         tail = generated[-(MAX_SILENT_RUN + 1):]
         return not (len(tail) > MAX_SILENT_RUN and all(t in SILENT_TOKENS for t in tail))
@@ -140,6 +128,8 @@ class CosyVoice3(TTSModel):
 
     def forward_decode(self, x, positions, slots, tables, seq_lens, kv: KVCache) -> Tensor:
         return self.talker.decode_step(x, positions, slots, tables, seq_lens, kv)
+
+    head_is_static = True  # no host sync or value-dependent shape: the runner captures it per row bucket
 
     def head(self, logits: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ids = sample_speech_tokens(logits, sampling, history)

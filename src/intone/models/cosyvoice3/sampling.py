@@ -13,7 +13,10 @@ generated so far, all 200 stop ids masked below min length, temperature, top-k, 
 on the top-k distribution.
 
 Draws are exponential races on counter-hash uniforms (ops.sampling), so a request's
-choices depend only on its seed, its step and its logits.
+choices depend only on its seed, its step and its logits. Shapes never depend on the rows'
+values (both modes are computed for every row; candidates are cut at the top-k bound, not at
+the batch's largest top_k), so the runner captures this head in a CUDA graph and a row's draw
+never depends on its neighbours' parameters.
 """
 
 from __future__ import annotations
@@ -21,17 +24,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms
+from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, race
+from intone.ops.token_history import last_tokens
+from intone.sampling_bounds import SAMPLING_BOUNDS
 
 SPEECH_TOKENS = 6561  # ids 0..6560 are speech; 6561..6760 all end generation
 RAS_WINDOW = 10
+MAX_TOP_K = SAMPLING_BOUNDS["top_k"]["le"]  # every top_k a request may set stays within these candidates
 DRAW_NUCLEUS, DRAW_REDRAW, DRAW_STANDARD = 0, 1, 2
-
-
-def _race(probs: Tensor, ids: Tensor, params: SamplingBatch, draw: int) -> Tensor:
-    """Index (into ids) of a draw from probs [R, N] (zeros never win)."""
-    u = request_uniforms(params.seeds, params.steps, draw, ids)
-    return (probs / (-torch.log(u)).to(probs.dtype)).argmax(dim=-1)
 
 
 def _exclusive_cumsum(p: Tensor) -> Tensor:
@@ -53,47 +53,44 @@ def ras_sample(logits: Tensor, params: SamplingBatch, recent: Tensor) -> Tensor:
     scores = _mask_stops(scores, params.below_min, first_only=True)
     scores = _mask_stops(scores, params.ban_stop, first_only=False)
     probs = torch.softmax(scores, dim=-1)
-    k = min(params.max_top_k, probs.shape[-1])
+    k = min(MAX_TOP_K, probs.shape[-1])
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     sorted_p, order = sorted_p[:, :k], order[:, :k]
     mass_before = _exclusive_cumsum(sorted_p)
     rank = torch.arange(k, device=logits.device)
     keep = (mass_before < params.top_p.unsqueeze(1).to(sorted_p.dtype)) & (rank < params.top_k.unsqueeze(1))
     keep[:, 0] = True
-    pick = _race(torch.where(keep, sorted_p, 0.0), order, params, DRAW_NUCLEUS)
-    first = order.gather(1, pick.unsqueeze(1)).squeeze(1)
+    first = race(torch.where(keep, sorted_p, 0.0), order, params, DRAW_NUCLEUS)
 
     repeated = (recent == first.unsqueeze(1)).any(dim=1)
     rest = torch.softmax(scores.scatter(1, first.unsqueeze(1), float("-inf")), dim=-1)
     ids = torch.arange(rest.shape[-1], device=logits.device).expand_as(rest)
-    second = _race(rest, ids, params, DRAW_REDRAW)
+    second = race(rest, ids, params, DRAW_REDRAW)
     return torch.where(repeated, second, first)
 
 
 def standard_sample(logits: Tensor, params: SamplingBatch, generated: Tensor) -> Tensor:
     """logits [R, V] fp32; generated [R, W] ids generated so far (-1 = none) -> ids [R]."""
-    scores = apply_repetition_penalty(logits.clone(), generated, params)
+    scores = apply_repetition_penalty(logits.clone(), generated, params, always=True)
     scores = _mask_stops(scores, params.below_min, first_only=False)
     scores = _mask_stops(scores, params.ban_stop, first_only=False)
     scores = scores / params.temperature.clamp(min=1e-5).unsqueeze(1).to(scores.dtype)
-    k = min(params.max_top_k, scores.shape[-1])
-    top, idx = torch.topk(scores, k, dim=-1)
+    k = min(MAX_TOP_K, scores.shape[-1])
+    top, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    top, idx = top[:, :k], idx[:, :k]
     rank = torch.arange(k, device=logits.device)
     top = torch.where(rank < params.top_k.unsqueeze(1), top, float("-inf"))
     probs = torch.softmax(top, dim=-1)
     mass_before = _exclusive_cumsum(probs)
     keep = mass_before < params.top_p.unsqueeze(1).to(probs.dtype)
     keep[:, 0] = True
-    pick = _race(torch.where(keep, probs, 0.0), idx, params, DRAW_STANDARD)
-    return idx.gather(1, pick.unsqueeze(1)).squeeze(1)
+    return race(torch.where(keep, probs, 0.0), idx, params, DRAW_STANDARD)
 
 
 def sample_speech_tokens(logits: Tensor, params: SamplingBatch, history: Tensor) -> Tensor:
-    """history [R, 10 + W]: the RAS window, then every generated id (for the penalty)."""
-    recent, generated = history[:, :RAS_WINDOW], history[:, RAS_WINDOW:]
-    if not params.has_standard:
-        return ras_sample(logits, params, recent)
-    standard = standard_sample(logits, params, generated)
-    if params.all_standard:
-        return standard
-    return torch.where(params.ras, ras_sample(logits, params, recent), standard)
+    """history [R, C]: every generated id of each row, -1 beyond its count (params.steps)."""
+    recent = last_tokens(history, params.steps, RAS_WINDOW)
+    ras = ras_sample(logits, params, recent)
+    if params.ras is None:
+        return ras
+    return torch.where(params.ras, ras, standard_sample(logits, params, history))

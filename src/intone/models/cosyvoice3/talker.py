@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from intone.ops import fused
+from intone.ops.joined_linear import JoinedLinear, join_linears
 from intone.ops.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
 from intone.ops.kv_cache import KVCache
 
@@ -75,12 +76,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden_size, self.kv_heads * self.head_dim, bias=True)
         self.v_proj = nn.Linear(s.hidden_size, self.kv_heads * self.head_dim, bias=True)
         self.o_proj = nn.Linear(self.heads * self.head_dim, s.hidden_size, bias=False)
+        self.qkv: JoinedLinear | None = None  # set by CosyTalker.join_projections
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv: tuple[Tensor, Tensor], attend):
         """attend(q, k_cache, v_cache) -> [T, H, D], after this step's keys are stored at `slots`."""
-        q = apply_rope(self.q_proj(x).unflatten(-1, (self.heads, self.head_dim)), cos, sin)
-        k = apply_rope(self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim)), cos, sin)
-        v = self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = apply_rope(q.unflatten(-1, (self.heads, self.head_dim)), cos, sin)
+        k = apply_rope(k.unflatten(-1, (self.kv_heads, self.head_dim)), cos, sin)
+        v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         store_kv(kv[0], kv[1], k, v, slots)
         return self.o_proj(attend(q, kv[0], kv[1]).flatten(-2))
 
@@ -91,9 +94,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.gate_up: JoinedLinear | None = None  # set by CosyTalker.join_projections
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(fused.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(fused.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -143,6 +148,14 @@ class CosyTalker(nn.Module):
         self.llm = QwenEncoder(s)
         self.speech_embedding = nn.Embedding(speech_token_size + extra_ids, s.hidden_size)
         self.llm_decoder = nn.Linear(s.hidden_size, speech_token_size + extra_ids, bias=False)
+
+    def join_projections(self) -> None:
+        """q/k/v and gate/up as one GEMM each (ops.joined_linear): call once the weights are loaded
+        where they will run."""
+        for layer in self.llm.model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.qkv = join_linears(a.q_proj, a.k_proj, a.v_proj)
+            m.gate_up = join_linears(m.gate_proj, m.up_proj)
 
     def embed(self, text_ids: Tensor, speech_ids: Tensor) -> Tensor:
         """Per position: speech_embedding[speech_id] where speech_id >= 0, else embed_tokens[text_id]."""

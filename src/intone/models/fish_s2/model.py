@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,6 +22,7 @@ from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, sample
+from intone.ops.token_history import last_tokens
 
 # Repetition-aware sampling (official): if the normal draw repeats one of the last 10 main
 # tokens, take a second draw made at temperature 1.0 / top-p 0.9 instead.
@@ -35,7 +35,6 @@ DRAW_SEMANTIC, DRAW_RAS, DRAW_FIRST_CODEBOOK = 0, 1, 2
 
 class FishS2(TTSModel):
     name = "fish-s2"
-    history_width = RAS_WINDOW + PENALTY_WINDOW
 
     def __init__(self, lm: DualARTransformer, codec: FishCodec, tokenizer: FishTokenizer, cfg: FishS2Config):
         self.lm, self.codec, self.tokenizer, self.cfg = lm, codec, tokenizer, cfg
@@ -151,18 +150,14 @@ class FishS2(TTSModel):
     def codec_device_type(self) -> str:
         return next(self.codec.parameters()).device.type
 
-    def history_row(self, generated: np.ndarray, params=None) -> np.ndarray:
-        """[RAS window | penalty window], right-aligned, -1 padded.
+    def sampler_windows(self, history: Tensor, counts: Tensor) -> Tensor:
+        """[RAS window | penalty window] of each row's last generated tokens, right-aligned, -1 padded.
 
         The official loop never puts the first sampled token (the prefill step's) in the RAS
         window; we keep that so the same draws give the same choices.
         """
-        row = np.full(RAS_WINDOW + PENALTY_WINDOW, -1, dtype=np.int64)
-        ras = generated[max(1, len(generated) - RAS_WINDOW):]
-        pen = generated[-PENALTY_WINDOW:]
-        row[RAS_WINDOW - len(ras) : RAS_WINDOW] = ras
-        row[len(row) - len(pen):] = pen
-        return row
+        return torch.cat([last_tokens(history, counts, RAS_WINDOW, first=1),
+                          last_tokens(history, counts, PENALTY_WINDOW)], dim=1)
 
     # ---- one AR step: embed -> slow AR -> head (semantic draw + fast AR) -------------------
 
@@ -179,7 +174,7 @@ class FishS2(TTSModel):
 
     def head(self, hidden: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
-        tokens = self._sample_semantic(logits, sampling, history)
+        tokens = self._sample_semantic(logits, sampling, self.sampler_windows(history, sampling.steps))
         codes = self._fast_codes(hidden, tokens, sampling)
         return tokens, codes, tokens == self.tokenizer.im_end_id
 
