@@ -155,6 +155,31 @@ def test_a_repeated_reference_returns_to_its_engine_unless_that_one_is_much_busi
     wait_for(lambda: idle(s), 30, "the disconnected stream to be released")
 
 
+def test_a_stored_voice_is_encoded_once_and_both_engines_speak_it_alike(dp_server):
+    s = dp_server
+    misses = sum(per_engine(s, "intone_engine_reference_cache_misses_total").values())
+    t = np.arange(20000) / 16000
+    sf.write(s.media / "voice.wav", 0.3 * np.sin(2 * np.pi * 220 * t), 16000)  # a clip no engine has seen
+    with open(s.media / "voice.wav", "rb") as f:
+        up = httpx.post(s.url("/v1/audio/voices"), data={"name": "shared", "transcript": "A voice."},
+                        files={"audio": ("voice.wav", f, "audio/wav")}, timeout=60)
+    assert up.status_code == 201
+    assert sum(per_engine(s, "intone_engine_reference_cache_misses_total").values()) == misses + 1  # encoded once
+    before = routed(s)
+    body = {"input": "One voice.", "voice": "shared", "seed": 7, "max_new_tokens": 10, "ignore_eos": True}
+    replies = [None, None]
+    threads = [threading.Thread(target=lambda i=i: replies.__setitem__(
+        i, httpx.post(s.url("/v1/audio/speech"), json=body, timeout=60))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(engine for engine, _ in went_to(before, routed(s))) == ["0", "1"]  # the second: the idle one
+    assert all(r.status_code == 200 for r in replies)
+    assert replies[0].content == replies[1].content  # the same audio from either engine
+    assert sum(per_engine(s, "intone_engine_reference_cache_misses_total").values()) == misses + 1  # never re-encoded
+
+
 def test_one_engine_dies_its_requests_fail_cleanly_the_other_serves_and_it_returns(dp_server):
     s = dp_server
     streams = [Stream(s, {**LONG, "seed": i}, sse=True) for i in range(2)]
