@@ -5,6 +5,7 @@ The tests share one server, in file order; the last one ends it."""
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -98,17 +99,27 @@ def idle(s) -> bool:
                                                      "intone_engine_live_requests", "intone_kv_cache_blocks_used"))
 
 
+def whole_response_held_open(s, body: dict) -> socket.socket:
+    """A non-streamed request on a raw connection: closing the socket is the client leaving."""
+    data = json.dumps(body).encode()
+    host, port = s.base.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
 def test_requests_go_to_the_engine_that_owes_the_fewest_frames(dp_server):
     s = dp_server
     health = httpx.get(s.url("/health")).json()
     assert [e["status"] for e in health["engines"]] == ["ok", "ok"] and health["status"] == "ok"
     assert len({e["pid"] for e in health["engines"]}) == 2
     before = routed(s)
-    long = Stream(s, LONG)
-    assert long.started.wait(60) and long.status == 200
-    [(busy, _)] = went_to(before, after := routed(s))
-    owed = per_engine(s, "intone_engine_outstanding_frames")
-    assert owed[busy] > 1000, owed  # ~2000 frames expected, a few made so far
+    long = whole_response_held_open(s, LONG)  # ~2000 frames, in one chunk at its end
+    [(busy, _)] = wait_for(lambda: went_to(before, routed(s)), 30, "the long request to be routed")
+    after = routed(s)
+    first = wait_for(lambda: per_engine(s, "intone_engine_outstanding_frames")[busy], 10, "frames owed")
+    assert first > 1000  # ~2000 frames expected
 
     def short(i):
         return httpx.post(s.url("/v1/audio/speech"), timeout=60,
@@ -123,6 +134,9 @@ def test_requests_go_to_the_engine_that_owes_the_fewest_frames(dp_server):
     other = "1" if busy == "0" else "0"
     # 4 x 8 frames owed stay far under the long one's ~2000: by request count, two would have gone to `busy`
     assert went_to(after, routed(s)) == [(other, "load")] * 4
+    # No chunk comes before a whole response's last: its progress is the core's heartbeat (frames generated)
+    wait_for(lambda: per_engine(s, "intone_engine_outstanding_frames")[busy] < first - 20, 30, "progress")
+    assert scrape(s.base)[("intone_requests_in_flight", ())] == 1  # still open, no chunk yet
     long.close()
     wait_for(lambda: idle(s), 30, "the disconnected stream to be released")
     assert per_engine(s, "intone_engine_outstanding_frames") == {"0": 0, "1": 0}
