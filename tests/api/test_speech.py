@@ -17,7 +17,9 @@ def speech(server, **fields):
 
 
 def test_health_and_models(server):
-    assert httpx.get(server.url("/health")).json() == {"status": "ok"}
+    health = httpx.get(server.url("/health")).json()
+    assert health["status"] == "ok"
+    assert [(e["engine"], e["status"], e["error"]) for e in health["engines"]] == [(0, "ok", None)]
     models = httpx.get(server.url("/v1/models")).json()
     assert models["data"][0]["id"] == "tiny:fish-s2" and models["data"][0]["sample_rate"] == 44100
 

@@ -1,5 +1,10 @@
 """Prometheus metrics of the API server; engine occupancy is read from the core at scrape time.
 
+With several engine cores (data parallel) the unlabelled engine series are their sum (a core that
+restarts starts its counters at 0 again, which the sum shows as a counter reset), and the
+`intone_engine_*{engine="k"}` series are per core: up, frames owed, running, waiting, KV usage,
+reference-cache hits and misses, and the requests routed to it (`reason`: load or affinity).
+
 Per finished request, `intone_request_stage_seconds{stage=...}` says where its time went: the API's
 own stages (`api_in`: HTTP request parsed -> handed to the engine, i.e. reference loading and
 decoding; `api_out`: terminal chunk -> response handed to the server, i.e. encoding of a whole
@@ -68,6 +73,46 @@ class _EngineSnapshot:
                     yield family(name, doc, value=float(value))
 
 
+# engine snapshot key -> (per-engine metric name, help): with an `engine` label, one series per core.
+PER_ENGINE_GAUGES = {
+    "running": ("intone_engine_requests_running", "Requests in this engine core's AR batch"),
+    "waiting": ("intone_engine_requests_waiting", "Requests queued in this engine core"),
+    "kv_usage": ("intone_engine_kv_cache_usage_ratio", "Share of this engine core's KV cache blocks in use"),
+}
+PER_ENGINE_COUNTERS = {
+    "reference_cache_hits": ("intone_engine_reference_cache_hits", "Reference-feature cache hits of this engine core"),
+    "reference_cache_misses": ("intone_engine_reference_cache_misses",
+                               "Reference-feature cache misses of this engine core"),
+}
+
+
+class _PerEngine:
+    """Per engine core (label `engine`): up, frames owed, and its snapshot's occupancy and cache counters."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, bool, int, dict | None]] = []  # (index, serving, frames owed, snapshot)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        up = GaugeMetricFamily("intone_engine_up", "1 while this engine core serves, else 0", labels=["engine"])
+        owed = GaugeMetricFamily("intone_engine_outstanding_frames",
+                                 "Frames this engine core still owes its open requests (estimated)", labels=["engine"])
+        for index, serving, frames, _ in self.rows:
+            up.add_metric([str(index)], 1.0 if serving else 0.0)
+            owed.add_metric([str(index)], float(frames))
+        yield up
+        yield owed
+        for table, family in ((PER_ENGINE_GAUGES, GaugeMetricFamily), (PER_ENGINE_COUNTERS, CounterMetricFamily)):
+            for key, (name, doc) in table.items():
+                metric = family(name, doc, labels=["engine"])
+                for index, _, _, stats in self.rows:
+                    if stats is not None and key in stats:
+                        metric.add_metric([str(index)], float(stats[key]))
+                yield metric
+
+
 class ServerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -88,8 +133,13 @@ class ServerMetrics:
         self.stages = Histogram("intone_request_stage_seconds", "Seconds of one finished request spent per stage "
                                 "(api_in, frontend, queue, prefill, decode, codec, api_out; total: the engine's)",
                                 ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self.routed = Counter("intone_engine_routed_requests", "Engine requests sent to each engine core, by why it "
+                              "was chosen (load: it owed the fewest frames; affinity: it had the reference clip)",
+                              ["engine", "reason"], registry=r)
         self._engine = _EngineSnapshot()
         r.register(self._engine)
+        self._per_engine = _PerEngine()
+        r.register(self._per_engine)
 
     def finished(self, outcome: str, audio_seconds: float = 0.0, frames: int = 0, engine_s: float | None = None):
         self.outcomes.labels(outcome).inc()
@@ -109,6 +159,12 @@ class ServerMetrics:
             if isinstance(value, (int, float)) and value == value:  # not NaN
                 self.stages.labels(stage).observe(max(float(value), 0.0))
 
+    def engine_states(self, rows: list[tuple[int, bool, int, dict | None]], merged: dict) -> None:
+        """Per engine core (index, serving, frames owed, snapshot or None) and their snapshots summed."""
+        self._per_engine.rows = [(i, up, owed, _with_kv_usage(stats)) for i, up, owed, stats in rows]
+        if any(stats is not None for *_, stats in rows):
+            self.engine_state(merged)
+
     def engine_state(self, stats: dict) -> None:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
@@ -119,3 +175,10 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _with_kv_usage(stats: dict | None) -> dict | None:
+    if stats is None:
+        return None
+    used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
+    return {**stats, "kv_usage": used / max(stats["kv_blocks_total"], 1)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from intone.api.encoding import CONTENT_TYPES
+from intone.api.engine_pool import EnginePool, EngineSlot, merge_stats, place_engines
 from intone.api.media import MediaPolicy
 from intone.api.metrics import ServerMetrics
 from intone.api.protocol import ErrorBody, SpeechRequest, error_body
@@ -25,7 +27,6 @@ from intone.api.speech import answer
 from intone.api.websocket import speech_stream
 from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore
 from intone.audio import read_audio
-from intone.api.supervisor import EngineSupervisor
 from intone.api.text_workers import TextWorkers, default_workers
 from intone.engine.client import Engine, EngineDead
 from intone.engine.config import load_profile
@@ -54,6 +55,8 @@ class Settings:
     engine_restart: str = "restart"  # a dead core: "restart" it (with back-off) or "exit" the server
     engine_hang_s: float = 60.0  # a core silent this long is killed (then restarted); 0: never
     text_workers: int | None = None  # processes for the text frontend (None: text_workers.default_workers())
+    data_parallel: int = 1  # engine cores behind this server (api/engine_pool.py)
+    devices: list[str] | None = None  # engine k's device: devices[k % len] ("cpu" or a GPU index); None: the profile's
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -65,12 +68,10 @@ def create_app(settings: Settings) -> FastAPI:
         workers = default_workers() if settings.text_workers is None else settings.text_workers
         app.state.text = TextWorkers(settings.model, frontend, workers)
 
-        def start() -> Awaitable[Engine]:
-            return Engine.from_profile(app.state.profile, model=settings.model, trace_frames=settings.trace_frames)
-
-        text_ready = asyncio.ensure_future(app.state.text.start())  # the workers load beside the engine
+        text_ready = asyncio.ensure_future(app.state.text.start())  # the workers load beside the engines
         try:
-            app.state.engine = await start()
+            app.state.engine = await EnginePool.start(_engine_slots(settings, app.state.profile),
+                                                      settings.engine_silence_s, app.state.metrics)
         except BaseException:
             text_ready.cancel()
             app.state.text.close()
@@ -81,14 +82,13 @@ def create_app(settings: Settings) -> FastAPI:
             await app.state.engine.shutdown()
             app.state.text.close()
             raise
-        info = app.state.engine.info
-        log.info("ready: model %s (%s) on %s, profile %s, %d Hz, capacity %d", settings.model, info["name"],
-                 info["device"], info["profile"], info["sample_rate"], info["capacity"])
-        app.state.supervisor = EngineSupervisor(app, start, settings.engine_restart, settings.engine_hang_s)
-        app.state.supervisor.begin()
+        for slot in app.state.engine.slots:
+            info = slot.engine.info
+            log.info("ready: %s: model %s (%s) on %s, profile %s, %d Hz, capacity %d", slot.name, settings.model,
+                     info["name"], info["device"], info["profile"], info["sample_rate"], info["capacity"])
+        app.state.engine.supervise(settings.engine_restart, settings.engine_hang_s)
         yield
         log.info("shutting down: aborting in-flight requests")
-        await app.state.supervisor.stop()
         await app.state.engine.shutdown()
         app.state.text.close()
 
@@ -104,6 +104,23 @@ def create_app(settings: Settings) -> FastAPI:
     _install_guards(app, settings)
     _install_routes(app)
     return app
+
+
+def _engine_slots(settings: Settings, profile) -> list[EngineSlot]:
+    """One slot per engine core, each starting its core on its own device (api/engine_pool.py)."""
+    placements = place_engines(settings.data_parallel, settings.devices, dict(os.environ), profile.device)
+    slots = []
+    for k, place in enumerate(placements):
+        engine_profile = profile.model_copy(update={"device": place.device}) if place.device else profile
+        trace = settings.trace_frames
+        if trace and len(placements) > 1:  # one trace per core: the audit reads each alone
+            path = Path(trace)
+            trace = str(path.with_name(f"{path.stem}.{k}{path.suffix}"))
+
+        def start(p=engine_profile, t=trace, env=place.env) -> Awaitable[Engine]:
+            return Engine.from_profile(p, model=settings.model, trace_frames=t, env=env)
+        slots.append(EngineSlot(k, place.label, start))
+    return slots
 
 
 def _document_errors(app: FastAPI) -> None:
@@ -257,23 +274,17 @@ def _install_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request):
-        engine, supervisor = request.app.state.engine, request.app.state.supervisor
-        if engine.dead:
-            status = "restarting" if supervisor.restarting else "dead"
-            return JSONResponse({"status": status, "error": engine.dead, "restarts": supervisor.restarts}, 503)
-        silent = engine.silent_for()
-        if silent > request.app.state.settings.engine_silence_s:
-            return JSONResponse({"status": "unresponsive", "error": f"engine core silent for {silent:.1f} s"}, 503)
-        return {"status": "ok"}
+        """200 while at least one engine core serves; each core's state under `engines`."""
+        status, body = request.app.state.engine.health()
+        return JSONResponse(body, status)
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        state = request.app.state
-        if not state.engine.dead:
-            try:
-                state.metrics.engine_state(await state.engine.stats())
-            except TimeoutError:  # a hung core: the API's own metrics still answer
-                log.warning("engine core did not answer a stats request in time")
+        state, pool = request.app.state, request.app.state.engine
+        snapshots = await pool.engine_stats()  # a hung core's is None: the API's own metrics still answer
+        rows = [(slot.index, slot.state(pool.silence_s) == "ok", slot.engine.outstanding_frames(), stats)
+                for slot, stats in zip(pool.slots, snapshots)]
+        state.metrics.engine_states(rows, merge_stats([s for s in snapshots if s is not None]))
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/audio/voices", status_code=201)
@@ -295,6 +306,8 @@ def _install_routes(app: FastAPI) -> None:
         samples, rate = await asyncio.to_thread(read_audio, data, "audio", state.settings.media.max_seconds)
         try:
             features = await state.engine.encode_reference(samples.numpy(), rate)
+        except EngineDead:
+            raise
         except IntoneError as e:
             raise InvalidRequestError("audio", str(e)) from None
         info = state.voices.add(name, transcript, samples.numpy(), rate, features)

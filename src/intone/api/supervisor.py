@@ -1,10 +1,11 @@
-"""Keeps an engine core behind the API: a core that dies, or whose loop stays silent past
+"""Keeps an engine core behind the API (one supervisor per core of the pool): a core that dies, or whose loop stays silent past
 `hang_s` (it is then killed), is replaced by a fresh one, after a back-off that doubles while
 starts keep failing; or, with policy "exit", the API process stops so that the deployment's own
 supervisor (systemd, Kubernetes) restarts the whole server.
 
 Requests in flight on a dead core have already ended with an error (EngineDead); while the new
-core starts, /v1/audio answers 503 with Retry-After and /health says "restarting".
+core starts, the pool's other cores take the new requests; with none left, /v1/audio answers 503
+with Retry-After and /health says "restarting".
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ POLL_S = 0.25
 
 
 class EngineSupervisor:
-    def __init__(self, app, start: Callable[[], Awaitable[Engine]], policy: str = "restart",
-                 hang_s: float = 60.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0):
-        self.app, self.start = app, start
+    """Watches `slot.engine` (an object with an `engine` attribute and a `name` for the logs) and
+    replaces it there; `on_restart` is called after each replacement."""
+
+    def __init__(self, slot, start: Callable[[], Awaitable[Engine]], on_restart: Callable[[], None] = lambda: None,
+                 policy: str = "restart", hang_s: float = 60.0, backoff_s: float = 1.0, max_backoff_s: float = 60.0):
+        self.slot, self.start, self.on_restart = slot, start, on_restart
         self.policy, self.hang_s = policy, hang_s
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.restarts = 0
@@ -43,32 +47,33 @@ class EngineSupervisor:
                 pass
 
     async def _watch(self) -> None:
+        name = self.slot.name
         while True:
-            engine: Engine = self.app.state.engine
+            engine: Engine = self.slot.engine
             while not engine.dead:
                 await asyncio.sleep(POLL_S)
                 if self.hang_s > 0 and engine.silent_for() > self.hang_s and not engine.dead:
-                    log.error("engine core silent for %.0f s: killing it", engine.silent_for())
+                    log.error("%s: engine core silent for %.0f s: killing it", name, engine.silent_for())
                     engine.kill()
             if self.policy == "exit":
-                log.critical("engine core died (%s); stopping the server (--engine-restart exit)", engine.dead)
+                log.critical("%s: engine core died (%s); stopping the server (--engine-restart exit)", name, engine.dead)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self.restarting = True
             await engine.shutdown(timeout=5)
-            self.app.state.engine = await self._fresh(engine.dead)
+            self.slot.engine = await self._fresh(engine.dead)
             self.restarts += 1
-            self.app.state.metrics.engine_restarts.inc()
+            self.on_restart()
             self.restarting = False
 
     async def _fresh(self, reason: str) -> Engine:
         delay = self.backoff_s
         while True:
-            log.error("engine core died (%s); starting a new one in %.1f s", reason, delay)
+            log.error("%s: engine core died (%s); starting a new one in %.1f s", self.slot.name, reason, delay)
             await asyncio.sleep(delay)
             try:
                 engine = await self.start()
-                log.info("engine core restarted (%d restarts so far)", self.restarts + 1)
+                log.info("%s: engine core restarted (%d restarts so far)", self.slot.name, self.restarts + 1)
                 return engine
             except Exception as e:  # noqa: BLE001 - a failed start is retried after a longer wait
                 reason = f"start failed: {e}"

@@ -52,7 +52,7 @@ class VoiceStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._cache: dict[str, VoiceReference] = {}
+        self._cache: dict[str, tuple[int, VoiceReference]] = {}  # name -> (meta.json's mtime, reference)
 
     def _dir(self, name: str) -> Path:
         if not NAME.fullmatch(name):
@@ -93,12 +93,19 @@ class VoiceStore:
         self._cache.pop(name, None)
 
     def reference(self, name: str) -> VoiceReference:
-        """The stored transcript and features; the audio is never re-encoded."""
-        if name in self._cache:
-            return self._cache[name]
+        """The stored transcript and features; the audio is never re-encoded. The cache is checked
+        against the voice's meta.json, so a voice deleted or replaced by another server sharing the
+        directory (Ray Serve replicas) is not served from memory."""
         folder = self._dir(name) if NAME.fullmatch(name) else None
-        if folder is None or not (folder / "meta.json").exists():
+        try:
+            stamp = (folder / "meta.json").stat().st_mtime_ns if folder is not None else None
+        except OSError:
+            stamp = None
+        if stamp is None:
+            self._cache.pop(name, None)
             raise UnknownVoice("voice", f"unknown voice {name!r}")
+        if name in self._cache and self._cache[name][0] == stamp:
+            return self._cache[name][1]
         try:
             info = json.loads((folder / "meta.json").read_text())
         except (OSError, ValueError) as e:
@@ -110,7 +117,7 @@ class VoiceStore:
         else:
             features = {"codes": torch.from_numpy(np.load(folder / "codes.npy"))}
         ref = VoiceReference(text=info["transcript"], codes=features.get("codes"), features=features)
-        self._cache[name] = ref
+        self._cache[name] = (stamp, ref)
         return ref
 
 

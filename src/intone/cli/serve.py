@@ -29,10 +29,20 @@ def add_parser(sub) -> None:
     p.add_argument("--voice-alias", action="append", default=[], type=voice_alias, metavar="NAME=VOICE",
                    help="a request's voice NAME means the stored VOICE (or 'default'); repeatable")
     p.add_argument("--device", default=None, help="overrides the profile's device")
+    p.add_argument("--data-parallel", type=positive_int, default=None, metavar="N",
+                   help="N engine cores behind this one server (default: one per --devices entry, else 1); each "
+                        "request goes to the core that owes the fewest frames, or to the one that has its "
+                        "reference clip cached unless that one is much busier; a core that dies is restarted "
+                        "while the others serve")
+    p.add_argument("--devices", type=device_list, default=None, metavar="LIST",
+                   help="comma-separated devices of the engine cores, core k on entry k (cycled when N is "
+                        "larger, so '0,0' puts two small cores on GPU 0): GPU indices (0, 1 or cuda:1; the core "
+                        "sees only that GPU) or cpu")
     p.add_argument("--set", action="append", default=[], type=profile_override, metavar="KEY=VALUE", dest="overrides",
                    help="override one profile value, e.g. codec.process=true or ar.max_num_seqs=32 (YAML value); "
                         "repeatable")
-    p.add_argument("--trace-frames", default=None, metavar="FILE", help="one JSON line per chunk sent")
+    p.add_argument("--trace-frames", default=None, metavar="FILE",
+                   help="one JSON line per chunk sent (with several cores, core k writes FILE's stem.k.suffix)")
     p.add_argument("--engine-silence-seconds", type=float, default=10.0,
                    help="/health answers 503 once the engine core has been silent this long (hung)")
     p.add_argument("--engine-restart", choices=["restart", "exit"], default="restart",
@@ -46,6 +56,21 @@ def add_parser(sub) -> None:
                         "interpreter; 0: its threads (default: a quarter of the cores, up to 4)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
+
+
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a whole number >= 1")
+    return int(text)
+
+
+def device_list(text: str) -> list[str]:
+    from intone.api.engine_pool import parse_device
+
+    try:
+        return [parse_device(part) for part in text.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def voice_alias(text: str) -> tuple[str, str]:
@@ -85,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         trace_frames=args.trace_frames,
         engine_silence_s=args.engine_silence_seconds, engine_restart=args.engine_restart,
         engine_hang_s=args.engine_hang_seconds, text_workers=args.text_workers,
+        data_parallel=args.data_parallel or (len(args.devices) if args.devices else 1), devices=args.devices,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.drain_seconds)

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from intone.engine.config import Profile, load_profile
 from intone.engine.request import AudioChunk, SynthesisRequest
+from intone.engine.work import OpenWork, expected_frames
 from intone.errors import IntoneError
 
 log = logging.getLogger("intone.engine")
@@ -51,14 +52,29 @@ class Engine:
         self.dead: str | None = None
         self._closed = False
         self.last_heard = time.monotonic()  # any message from the core, heartbeats included
+        self.work = OpenWork()  # frames the open requests still owe (engine/work.py)
 
     @property
     def sample_rate(self) -> int:
         return self.info["sample_rate"]
 
+    @property
+    def frames_per_second(self) -> float:
+        return self.info["sample_rate"] / self.info["samples_per_frame"]
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def outstanding_frames(self) -> int:
+        """Frames this engine still owes its open requests (estimated; see engine/work.py)."""
+        return self.work.owed()
+
     @classmethod
     async def from_profile(cls, profile: Profile | str | None = None, model: str = "tiny:fish-s2",
-                           trace_frames: str | None = None, **overrides) -> "Engine":
+                           trace_frames: str | None = None, env: dict[str, str] | None = None,
+                           **overrides) -> "Engine":
+        """env: the core process's environment (default: this one's), e.g. its CUDA_VISIBLE_DEVICES."""
         if not isinstance(profile, Profile):
             from intone.models import default_profile
 
@@ -74,7 +90,7 @@ class Engine:
                "--profile-json", json.dumps(profile.model_dump()), "--inbox", inbox, "--outbox", outbox]
         if trace_frames:
             cmd += ["--trace-frames", str(trace_frames)]
-        process = subprocess.Popen(cmd)
+        process = subprocess.Popen(cmd, env=env)
         try:
             kind, payload = await asyncio.wait_for(_recv(pull, process), STARTUP_TIMEOUT_S)
         except BaseException:
@@ -93,6 +109,8 @@ class Engine:
                 if kind == "fatal":
                     raise EngineDead(payload)
                 if kind == "alive":
+                    for rid, frames in (payload or {}).items():
+                        self.work.progress(rid, frames)
                     continue
                 if kind == "stats":
                     if self._stats_waiters:
@@ -107,6 +125,7 @@ class Engine:
                 for chunk in payload:
                     queue = self._queues.get(chunk.request_id)
                     if queue is not None:
+                        self.work.progress(chunk.request_id, chunk.end_frame)
                         queue.put_nowait(chunk)
         except asyncio.CancelledError:
             raise
@@ -130,6 +149,7 @@ class Engine:
             raise IntoneError(f"request id {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
+        self.work.open(rid, expected_frames(request, self.frames_per_second))
         finished = False
         try:
             self._post(("add", request))
@@ -141,6 +161,7 @@ class Engine:
                 yield item
         finally:
             self._queues.pop(rid, None)
+            self.work.close(rid)
             if not finished and not self.dead:
                 self._post(("abort", rid))  # no await: this may run while the generator closes
 

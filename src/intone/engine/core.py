@@ -274,6 +274,10 @@ class EngineCore:
         return (bool(self.requests) or bool(self._outbox) or bool(self._preparing) or bool(self._encoded)
                 or bool(self.frontend.pending_encodes) or bool(self.codec_worker and self.codec_worker.in_flight))
 
+    def progress(self) -> dict[str, int]:
+        """Frames generated so far per admitted request (for the client's account of open work)."""
+        return {rid: r.num_frames for rid, r in self.requests.items()}
+
     def request_ids(self) -> list[str]:
         """Every live request, admitted or still having its reference encoded."""
         return [*self.requests, *self._preparing]

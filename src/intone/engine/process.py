@@ -2,8 +2,8 @@
 
 In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("encode", token, audio, rate)
      | ("shutdown",)
-Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output, ("alive", None)
-     about every second from the loop,
+Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output,
+     ("alive", {request_id: frames generated}) about every second from the loop,
      ("stats", dict) per stats request, ("encoded", (token, features | None, error | None)) per
      encode, ("fatal", message) if the loop dies.
 Messages are pickled; nothing else is shared with the client.
@@ -52,7 +52,7 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
     beat = 0.0
     while True:
         if time.monotonic() - beat > HEARTBEAT_S:  # from the loop itself: a hung step stops it
-            push.send(pickle.dumps(("alive", None)))
+            push.send(pickle.dumps(("alive", core.progress())))
             beat = time.monotonic()
         timeout = 0 if core.has_work() else POLL_IDLE_MS
         while poller.poll(timeout):

@@ -1,0 +1,1 @@
+"""Deployments of the intone server on other systems (Ray Serve: `intone.deploy.ray`)."""
