@@ -147,15 +147,6 @@ def _each(model, batched: str, clips: list[Tensor]) -> list:
     return out
 
 
-def _to_host(results: list) -> list:
-    """Tensors (or exceptions, kept) moved to the CPU with one device sync."""
-    tensors = [r for r in results if isinstance(r, Tensor)]
-    if not tensors or tensors[0].device.type == "cpu":
-        return results
-    moved = iter(torch.stack(tensors).to("cpu").unbind(0))
-    return [next(moved) if isinstance(r, Tensor) else r for r in results]
-
-
 def _assemble(tokens, mel: Tensor, speaker, field: str) -> ReferenceFeatures:
     if isinstance(tokens, Exception):
         raise tokens
@@ -195,7 +186,6 @@ def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
         # each clip is embedded alone (CAM++ is cheap), so a request's audio never depends on
         # which other references arrived with it. Tokens are discrete and stay batched.
         speakers = [_each(speaker_encoder, "embed_batch", [clip])[0] for clip in clips16]
-        speakers = _to_host(speakers)  # one wait for every clip's GPU work, not one per clip
         for i, tok, mel, spk in zip(todo, tokens, mels, speakers):
             try:
                 results[i] = _assemble(tok, mel, spk, field)

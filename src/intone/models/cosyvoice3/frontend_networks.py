@@ -281,10 +281,7 @@ class SpeakerEncoder(_FrontendModel):
         return self.embed_batch([audio16k])[0]
 
     def embed_batch(self, clips: list[Tensor]) -> list[Tensor]:
-        """16 kHz mono clips -> per clip its float32 [192] vector, each equal to the clip alone. The
-        vectors stay on the network's device: a caller embedding many clips one by one moves them to
-        the host once they are all queued (a copy per clip would wait for each clip's GPU work in
-        turn, behind whatever else the GPU is running)."""
+        """16 kHz mono clips -> per clip its float32 [192] vector (CPU), each equal to the clip alone."""
         self.load()
         feats = [kaldi_fbank(c.to(self._device)) for c in clips]
         return self.embed_features_batch([f - f.mean(dim=0, keepdim=True) for f in feats])
@@ -295,7 +292,7 @@ class SpeakerEncoder(_FrontendModel):
 
     def embed_features_batch(self, feats: list[Tensor]) -> list[Tensor]:
         def split(outputs: list[Tensor], rows: int) -> list[Tensor]:
-            return list(outputs[0][:rows].float().unbind(0))
+            return list(outputs[0][:rows].float().cpu().unbind(0))
 
         return self._batched(feats, 0, split, self._session_vector)
 
