@@ -52,7 +52,8 @@ if triton is not None:
             race = tl.where(ok, race, -1.0)
             top = tl.max(race, axis=0)
             at = tl.argmax(race, axis=0)  # the first of equal values, as torch.argmax
-            top_id = tl.load(idx_ptr + row * stride_i + start + at)
+            # masked: where a block's valid entries are all NaN, argmax may land on a padding column
+            top_id = tl.load(idx_ptr + row * stride_i + start + at, mask=start + at < n, other=0)
             take = top > best  # strict: an earlier block keeps a tie
             best_id = tl.where(take, top_id, best_id)
             best = tl.where(take, top, best)

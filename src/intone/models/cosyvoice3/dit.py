@@ -12,6 +12,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Not cuDNN's attention (torch's first choice on Hopper since 2.11). Streamed CosyVoice3 on the H200
+# twice lost the engine to an illegal memory access (2026-12-01 with deadline scheduling; 2026-12-02 at
+# start, first seen in the codec thread's next cuDNN call after a flow call); full responses never did.
+# Not yet isolated; cuDNN attention under the chunk masks, whose shapes change with every batch of
+# hops, is the suspect. The memory-efficient kernel takes the same boolean masks (the Fish codec's
+# masked attention runs on it).
+_DIT_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -137,7 +146,8 @@ class Attention(nn.Module):
         q = apply_rope(self.to_q(x), rope)
         k = apply_rope(self.to_k(x), rope)
         q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with sdpa_kernel(_DIT_SDPA):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
         return out.masked_fill(~valid[..., None], 0.0)
 
