@@ -82,7 +82,9 @@ def tiny_codec(flow: dict, hift: dict) -> tuple[dict, dict]:
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02)
-    return dict(f.state_dict()), unfold_weight_norm(h.state_dict(), weight_normed(h))
+    # Stored in float32, as the released files are (the F0 predictor lives in float64 in CausalHiFT).
+    hift_state = {k: v.float() for k, v in unfold_weight_norm(h.state_dict(), weight_normed(h)).items()}
+    return dict(f.state_dict()), hift_state
 
 
 _WEIGHT_NORMED = re.compile(r"(conv_pre|conv_post|ups\.\d+|(source_)?resblocks\.\d+\.convs[12]\.\d+"

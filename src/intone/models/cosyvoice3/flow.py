@@ -144,7 +144,9 @@ class CosyFlow(nn.Module):
     def _speakers(self, requests: list[FlowRequest]) -> Tensor:
         weight = self.spk_embed_affine_layer.weight
         spk = torch.stack([r.speaker.reshape(-1) for r in requests]).to(weight.device)
-        # normalised in the caller's dtype, as officially (fp32 input to a half model: as under autocast)
+        # Normalised in fp32 for fp32 and half models (a half model's official path is autocast on fp32
+        # weights), in fp64 for an fp64 one (whose official Linear takes no fp32 input).
+        spk = spk.to(torch.promote_types(spk.dtype, torch.promote_types(weight.dtype, torch.float32)))
         return self.spk_embed_affine_layer(F.normalize(spk, dim=1).to(weight.dtype))
 
     @torch.inference_mode()

@@ -293,15 +293,17 @@ def _groups(keys) -> dict[tuple, list[int] | slice]:
 _WN_FORMS = ((".parametrizations.weight.original0", ".parametrizations.weight.original1"), (".weight_g", ".weight_v"))
 
 
-def fold_hift_weight_norm(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def fold_hift_weight_norm(state: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """An official `hift.pt` state dict -> CausalHiFT's.
 
     Removes `generator.` wherever it occurs in a key (as the official loader does) and folds
     weight norm, `g * v / ||v||` with the norm over all dims but 0, by torch's own
     `torch._weight_norm` (what both weight-norm APIs compute), so the weights are bit-exact with
     the official module's on the tensors' device. Accepts `<conv>.parametrizations.weight.original0/1`
-    and legacy `<conv>.weight_g/_v`. F0 predictor weights are folded in float64 (the official code
-    casts g and v to float64 before computing them). Plain keys pass through.
+    and legacy `<conv>.weight_g/_v`. The official module computes weight norm in its own dtype at
+    every call, so g and v are folded in `dtype` (None: their own; float64 for a float64 model, where
+    folding in float32 moves the audio by ~1e-5); F0 predictor weights always in float64 (the
+    official code casts g and v to float64 before computing them). Plain keys pass through.
     """
     state = {k.replace("generator.", ""): v for k, v in state.items()}
     out: dict[str, Tensor] = {}
@@ -314,8 +316,9 @@ def fold_hift_weight_norm(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
                 if v_key not in state:
                     raise KeyError(f"{key} has no matching {v_key}")
                 g, v = state[key], state[v_key]
-                if prefix.startswith("f0_predictor."):
-                    g, v = g.to(torch.float64), v.to(torch.float64)
+                fold = torch.float64 if prefix.startswith("f0_predictor.") else dtype
+                if fold is not None:
+                    g, v = g.to(fold), v.to(fold)
                 out[prefix + ".weight"] = torch._weight_norm(v, g, 0)
                 used.update((key, v_key))
     for key, value in state.items():

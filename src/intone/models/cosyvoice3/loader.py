@@ -76,7 +76,7 @@ def load_flow(path: Path, cfg, dtype: torch.dtype, device):
 
 
 def load_hift(path: Path, cfg, dtype: torch.dtype, device):
-    state = fold_hift_weight_norm(read_state(path))
+    state = fold_hift_weight_norm(read_state(path), torch.promote_types(dtype, torch.float32))
     with torch.device("meta"):
         placeholder = {HIFT_RAND_INI_KEY: torch.zeros(1, cfg.nb_harmonics + 1),
                        HIFT_SINE_NOISE_KEY: torch.zeros(1, cfg.noise_samples, cfg.nb_harmonics + 1)}
