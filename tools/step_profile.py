@@ -49,6 +49,47 @@ def instrument(core):
     core._admit_prepared = timed("admit prepared", core._admit_prepared)
 
 
+class frontend_pieces:
+    """Wall time of the reference frontend's batches and of the model's pieces inside them, on the
+    frontend thread as it serves (no added syncs: a piece's time includes what it waits for)."""
+
+    def __init__(self, core):
+        from intone.models.cosyvoice3 import frontend as cosy_frontend
+
+        self.spent, self.clips, self.batches = collections.defaultdict(float), 0, 0
+        stage, model = core.frontend, core.model
+        encode = stage._encode
+
+        def timed_encode(clips):
+            self.batches, self.clips = self.batches + 1, self.clips + len(clips)
+            t = time.perf_counter()
+            out = encode(clips)
+            self.spent["batch (whole)"] += time.perf_counter() - t
+            return out
+        stage._encode = timed_encode
+        if hasattr(model, "speech_tokenizer"):  # CosyVoice3: its pieces, by name
+            tok, spk = model.speech_tokenizer, model.speaker_encoder
+            tok.tokenize_batch = self.wrap("speech tokenizer (batched)", tok.tokenize_batch)
+            spk.embed_batch = self.wrap("CAM++ (one clip a call)", spk.embed_batch)
+            for name in ("official_resample", "prompt_mel"):
+                setattr(cosy_frontend, name, self.wrap(name, getattr(cosy_frontend, name)))
+
+    def wrap(self, name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            self.spent[name] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    def report(self, steps):
+        if not self.clips:
+            return
+        print(f"  frontend: {self.batches} batches, {self.clips} clips over {steps} steps; wall ms per clip:")
+        for name, s in sorted(self.spent.items(), key=lambda kv: -kv[1]):
+            print(f"    {name:36s} {1000 * s / self.clips:7.2f}")
+
+
 def overlapped(core, run, steps):
     """The loop as it serves (no added syncs): wall per step, and the parts that block it."""
     spent = collections.defaultdict(float)
@@ -75,6 +116,7 @@ def overlapped(core, run, steps):
         return run_ar(batch, *a)
     core._run_ar = counted
     core._emit = wall("emit (incl. codec backpressure waits)", core._emit)
+    front = frontend_pieces(core)
     core._deliver = wall("deliver", core._deliver)
     core._admit_prepared = wall("admit prepared", core._admit_prepared)
     s0, f0 = core.stats.steps, core.stats.frames
@@ -92,6 +134,7 @@ def overlapped(core, run, steps):
         print(f"  {name:40s} {1000 * s / n:7.2f} ms/step")
     outer = sum(v for k, v in spent.items() if not k.startswith(" "))
     print(f"  {'other (loop, planner, host)':40s} {1000 * (elapsed - outer) / n:7.2f} ms/step")
+    front.report(n)
     # Threads whose CPU seconds add up to about the wall time take turns on the GIL.
     print(f"  CPU ms per step by thread: " + ", ".join(
         f"{k} {1000 * v / n:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0))
