@@ -118,7 +118,7 @@ def drawable_cosy(x, candidates, mode, history=(), **kw):
     logits = torch.tensor(np.asarray(x, np.float32)).repeat(len(candidates), 1)
     params = params_for(candidates, steps=len(history), mode=mode, **kw)
     hist = torch.tensor([list(history) + [-1]]).repeat(len(candidates), 1)
-    with forced(cosy_sampling):
+    with forced(engine_sampling):  # its races are the engine's (ops.sampling.race)
         out = cosy_sampling.sample_speech_tokens(logits, params, hist)
     return {t for t, o in zip(candidates, out.tolist()) if o == t}
 
