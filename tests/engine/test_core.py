@@ -57,21 +57,24 @@ def drain(core: EngineCore, cancel=None) -> dict[str, list]:
     return chunks
 
 
-def test_32_streams_exact_backlog_and_batch_independent(fish64, tiny_fish_dir, tmp_path):
+STREAMS = 16  # two waves through the 8 seats: enough to reach the backlog chunk size
+
+
+def test_16_streams_exact_backlog_and_batch_independent(fish64, tiny_fish_dir, tmp_path):
     trace = tmp_path / "trace.jsonl"
     texts = ["Hello world", "A longer sentence to say.", "Hi", "Numbers 1, 2, 3."]
-    params = [SamplingParams(seed=100 + i, max_new_tokens=56 + (i % 3) * 6) for i in range(32)]
-    # Each request alone, in worker processes, while this one runs the 32 together: the same
+    params = [SamplingParams(seed=100 + i, max_new_tokens=56 + (i % 3) * 6) for i in range(STREAMS)]
+    # Each request alone, in worker processes, while this one runs them together: the same
     # work as running them here one after another, spread over the cores.
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=_alone_start,
                              initargs=(str(tiny_fish_dir),)) as pool:
-        alone_runs = [pool.submit(_alone, texts[i % 4], params[i]) for i in range(32)]
+        alone_runs = [pool.submit(_alone, texts[i % 4], params[i]) for i in range(STREAMS)]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # three processes on the cores, one thread each: no oversubscription
         try:
             # the windowed codec stage (the default; the carried state is tested in test_codec_worker)
             core = EngineCore(fish64, hc_profile(**{"codec.carry_state": False}), FrameTracer(trace))
-            for i in range(32):
+            for i in range(STREAMS):
                 core.add_request(SynthesisRequest(f"r{i}", texts[i % 4], params=params[i]))
             chunks = drain(core)
             core.tracer.close()
@@ -84,7 +87,7 @@ def test_32_streams_exact_backlog_and_batch_independent(fish64, tiny_fish_dir, t
         rows = {}
         for r in audit_file(trace).values():
             rows[r.request_id] = r
-        for i in range(32):
+        for i in range(STREAMS):
             rid = f"r{i}"
             got = chunks[rid]
             assert sum(c.finished for c in got) == 1 and got[-1].finished

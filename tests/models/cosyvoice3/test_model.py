@@ -152,33 +152,27 @@ def test_silent_runs_beyond_five_are_not_vocoded(tiny_cosy):
     assert tiny_cosy.forwards_frame([1, 2, 28, 29, 55, 248, 9])
 
 
-def test_speak_writes_24khz_audio_and_refuses_a_request_without_reference(tiny_cosy_dir, tmp_path):
-    ref = tmp_path / "ref.wav"
-    sf.write(ref, voice_audio(2.0, rate=24000).numpy(), 24000)
-    out = tmp_path / "out.wav"
-    cmd = [sys.executable, "-m", "intone.cli.main", "speak", "--model", str(tiny_cosy_dir), "--device", "cpu",
-           "--seed", "3", "--max-new-tokens", "80", "--ref-audio", str(ref), "--ref-text", "A short reference.",
-           "Hello there.", "-o", str(out)]
-    done, bare = run_all([cmd, cmd[:10] + ["Hello there.", "-o", str(tmp_path / "x.wav")]])  # side by side
-    assert done.returncode == 0, done.stderr
-    audio, rate = sf.read(out)
-    assert rate == 24000 and len(audio) > 0 and len(audio) % 960 == 0
-    assert bare.returncode == 2 and "reference" in bare.stderr and "Traceback" not in bare.stderr
-
-
-def test_speak_speed_stretches_the_same_tokens_and_fish_refuses_it(tiny_cosy_dir, tmp_path):
+def test_speak_writes_24khz_audio_speed_stretches_the_same_tokens_and_refusals_are_clear(tiny_cosy_dir, tmp_path):
+    """`intone speak` with CosyVoice3: 24 kHz audio of whole tokens; --speed 1.5 stretches the same tokens
+    (same seed) as the official mel interpolation; no reference, or --speed with Fish, is a clear error."""
     ref = tmp_path / "ref.wav"
     sf.write(ref, voice_audio(2.0, rate=16000).numpy(), 16000)
     base = [sys.executable, "-m", "intone.cli.main", "speak", "--device", "cpu", "--seed", "5",
             "--max-new-tokens", "60", "Hello there."]
     cosy = base + ["--model", str(tiny_cosy_dir), "--ref-audio", str(ref), "--ref-text", "A short reference."]
-    lengths = {}
     speeds = ("1.0", "1.5")
-    *runs, fish = run_all([*(cosy + ["--speed", speed, "-o", str(tmp_path / f"s{speed}.wav")] for speed in speeds),
-                           base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")]])
+    *runs, bare, fish = run_all([
+        *(cosy + ["--speed", speed, "-o", str(tmp_path / f"s{speed}.wav")] for speed in speeds),
+        base + ["--model", str(tiny_cosy_dir), "-o", str(tmp_path / "x.wav")],
+        base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")]], workers=2)
+    lengths = {}
     for speed, done in zip(speeds, runs):
         assert done.returncode == 0, done.stderr
-        lengths[speed] = len(sf.read(tmp_path / f"s{speed}.wav")[0])
+        audio, rate = sf.read(tmp_path / f"s{speed}.wav")
+        assert rate == 24000 and len(audio) > 0
+        lengths[speed] = len(audio)
+    assert lengths["1.0"] % 960 == 0
     frames = lengths["1.0"] // 960
     assert lengths["1.5"] == int(2 * frames / 1.5) * 480
+    assert bare.returncode == 2 and "reference" in bare.stderr and "Traceback" not in bare.stderr
     assert fish.returncode == 2 and "--speed" in fish.stderr
