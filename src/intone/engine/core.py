@@ -83,7 +83,9 @@ class EngineCore:
         self.codec = None if codec_process else model.make_codec_stage(profile.codec) or CodecStage(
             model, profile.codec.max_batch, profile.codec.max_padded_frames, profile.codec.carry_state)
         self.codec_worker: CodecWorker | CodecProcess | None = codec_process
-        self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20)
+        # Most urgent: the frontend's small kernels otherwise wait behind the codec's for every SM.
+        self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
+        self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority)
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
@@ -105,7 +107,7 @@ class EngineCore:
             log.info("start-up: warming the reference frontend's shapes")
             # Graphs of the frontend's networks: their eager launches (thousands of small kernels
             # per clip) would hold the GIL the engine loop needs.
-            self.frontend_graphs = FunctionGraphs() if self.profile.frontend.cuda_graphs else None
+            self.frontend_graphs = FunctionGraphs(self.frontend_priority) if self.profile.frontend.cuda_graphs else None
             self.model.warm_up_frontend(self.frontend_graphs)
             if self.codec is not None:
                 log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)

@@ -264,7 +264,9 @@ class FunctionGraphs:
     replays the graph for those shapes or, for any other shape, calls the function eagerly. The
     graphs share one memory pool of their own, so they are replayed one at a time (a lock)."""
 
-    def __init__(self):
+    def __init__(self, priority: int = 0):
+        """priority: of the stream the graphs are captured on (lower is more urgent, as CUDA counts)."""
+        self.priority = priority
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], list[Tensor]]] = {}
         self._lock = threading.Lock()
         self._last: torch.cuda.Event | None = None
@@ -286,7 +288,7 @@ class FunctionGraphs:
         static = [t.clone() for t in inputs]
         try:
             if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream()
+                self._capture_stream = torch.cuda.Stream(priority=self.priority)
             graph, out = capture_graph(lambda: fn(*static), self._pool, self._capture_stream)
             self._pool = graph.pool()
             self._graphs[key] = (graph, static, _tensors(out))

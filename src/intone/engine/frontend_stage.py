@@ -95,7 +95,8 @@ class _Job:
 
 
 class FrontendStage:
-    def __init__(self, model: TTSModel, cache_bytes: int):
+    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0):
+        """priority: of the stage's CUDA stream (lower is more urgent, as CUDA counts)."""
         self.model = model
         self.cache = ReferenceCache(cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
@@ -105,7 +106,7 @@ class FrontendStage:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
+        self._stream = torch.cuda.Stream(model.device, priority=priority) if model.device.type == "cuda" else None
         self.batches = self.clips = 0
         self.pending = 0  # submitted, not yet collected
         self.pending_encodes = 0  # voice uploads submitted, not yet collected
