@@ -49,7 +49,7 @@ def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache):
     """CosyVoice3: the stage whose per-request state (mel history, released samples) lives in the process."""
     spec, profile = "tiny:cosyvoice3", "cosyvoice3-streaming"
     thread, _, _ = run(spec, profile, process=False)
-    process, snap, worker = run(spec, profile, process=True)
+    process, snap, worker = run(spec, profile, process=True, **{"codec.device": "cpu"})  # placed explicitly
     assert thread.keys() == process.keys() == {f"r{i}" for i in range(4)}
     for rid in thread:
         assert spans(thread[rid]) == spans(process[rid])

@@ -22,6 +22,7 @@ def test_high_concurrency_reference_values():
     ("ar: {max_num_seqs: 0}", "ar.max_num_seqs"),
     ("chunking: {steady_chunk_frames: 10, initial_chunk_frames: 20}", "initial_chunk_frames"),
     ("codec: {dtype: int8}", "codec.dtype"),
+    ("codec: {device: 'cuda:1'}", "codec.device needs codec.process"),
     ("chunking: {backlog_load_threshold: 1.5}", "chunking.backlog_load_threshold"),
     ("nonsense: 1", "nonsense"),
     ("- a list", "mapping"),

@@ -176,6 +176,8 @@ class CodecProcess:
 
 
 def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket) -> None:
+    if profile.codec.device is not None:  # the stage on a device of its own (e.g. a second GPU)
+        profile = profile.model_copy(update={"device": profile.codec.device})
     model = load_for_profile(model_spec, profile)
     c = profile.codec
     stage = model.make_codec_stage(c) or CodecStage(model, c.max_batch, c.max_padded_frames, c.carry_state)

@@ -53,6 +53,8 @@ class CodecStageConfig(_Strict):
     process: bool = Field(False, description="decode in a child process of the engine core, with its own copy of "
                                              "the model and its own interpreter (so no GIL shared with the AR "
                                              "loop); overrides overlap")
+    device: str | None = Field(None, description="with process: the codec process's device, e.g. cuda:1 (the stage "
+                                                 "on a GPU of its own); default: the profile's device")
     warm_up_frames: int = Field(512, ge=0, description="start-up decodes every bucketed window shape up to this "
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
@@ -118,6 +120,8 @@ class Profile(_Strict):
         c = self.chunking
         if c.initial_chunk_frames > c.steady_chunk_frames:
             raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
+        if self.codec.device is not None and not self.codec.process:
+            raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
         return self
 
 
