@@ -6,6 +6,8 @@ same audio. A field the API dropped on its way to the engine would leave the aud
 by the batch's shape, so a sample may differ by an LSB (bit-equal needs batch-invariant kernels);
 other tokens give other audio altogether."""
 
+import base64
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -52,3 +54,16 @@ def test_each_sampling_and_length_field_changes_the_audio(server):
     assert 0 < frames(got["max_new_tokens"]) <= 6
     assert frames(got["min_new_tokens"]) == 40  # no stop before 40 frames, none after the cap
     assert frames(got["ignore_eos"]) == 17
+
+
+def test_initial_codec_chunk_frames_sets_the_first_chunk_of_a_stream(server):
+    def first_chunk_frames(n: int) -> int:
+        body = {**BASE, "stream": True, "stream_format": "sse", "initial_codec_chunk_frames": n}
+        with httpx.stream("POST", server.url("/v1/audio/speech"), json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"speech.audio.delta"' in line:
+                    return len(base64.b64decode(json.loads(line[6:])["audio"])) // FRAME_BYTES
+        raise AssertionError("no audio delta")
+
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(first_chunk_frames, (2, 9))) == [2, 9]
