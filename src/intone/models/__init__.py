@@ -26,9 +26,9 @@ def family_of(spec: str) -> str:
 
 
 def text_frontend(spec: str):
-    """The model's text frontend (`normalize`, `segments`; torch-free, for the API process), or None:
-    the text goes to the model as sent (Fish: the official server speaks text without speaker tags
-    as one prompt)."""
+    """The model's text frontend (`normalize`, `segments`, for the API process), or None: the text goes
+    to the model as sent (Fish: the official server speaks text without speaker tags as one prompt).
+    CosyVoice3's tokenizer comes from transformers, which loads torch when it is installed."""
     if family_of(spec) != "cosyvoice3":
         return None
     # random: borrows the tiny checkpoint's tokenizer, as its model does

@@ -1,5 +1,5 @@
-"""The Qwen2 tokenizer of CosyVoice3 with its special tokens (torch-free: the API's text frontend
-counts tokens with it)."""
+"""The Qwen2 tokenizer of CosyVoice3 with its special tokens. Importing this module loads no torch (the
+API's text frontend counts tokens with it); making a tokenizer loads transformers, which does."""
 
 from __future__ import annotations
 
