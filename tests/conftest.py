@@ -32,7 +32,7 @@ def tiny_fish_dir(tiny_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_fish(tiny_fish_dir):
-    from intone.models import load_model
+    from intone.models.registry import load_model
 
     return load_model(str(tiny_fish_dir))
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from intone.engine.cuda_graphs import StepGraphs
-from intone.models import load_model
+from intone.models.registry import load_model
 from intone.ops import fused as fused_ops
 from intone.ops.kv_cache import KVCache
 from intone.ops.token_history import CAPACITY

@@ -11,7 +11,7 @@ import time
 import torch
 
 from intone.engine.cuda_graphs import capture_graph
-from intone.models import load_model
+from intone.models.registry import load_model
 from kernel_timing import timed  # tools/ is the script's directory
 
 

@@ -15,9 +15,9 @@ import torch
 from intone.bench.dataset import synthetic_items
 from intone.bench.engine_throughput import Workload
 from intone.bench.runner import forced_frames
-from intone.engine.config import load_profile
-from intone.engine.core import EngineCore, default_params
-from intone.engine.request import SynthesisRequest
+from intone.engine.config import default_params, load_profile
+from intone.engine.core import EngineCore
+from intone.protocol import SynthesisRequest
 from engine_probe import thread_cpu  # tools/ is the script's directory
 
 SPENT = collections.defaultdict(float)

@@ -31,11 +31,11 @@ def test_whole_audio_is_the_one_pass_decode_and_the_stream_carries_the_same_fram
     """A non-streamed answer is the official non-streamed inference (one flow + HiFT pass over all
     tokens); a stream is the official streaming output; both carry the same tokens."""
     from intone.audio import read_audio
-    from intone.engine.config import load_profile
-    from intone.engine.core import EngineCore, default_params
-    from intone.engine.request import SynthesisRequest
-    from intone.models import load_model, resolve_model_dir
-    from intone.models.base import VoiceReference
+    from intone.engine.config import default_params, load_profile
+    from intone.engine.core import EngineCore
+    from intone.models import resolve_model_dir
+    from intone.models.registry import load_model
+    from intone.protocol import SynthesisRequest, VoiceReference
 
     whole = speech(cosy_server, response_format="wav")
     assert whole.status_code == 200, whole.text

@@ -9,7 +9,7 @@ import torch
 from intone.api.text_workers import TextWorkers
 from intone.errors import InvalidRequestError
 from intone.models import text_frontend
-from intone.models.base import VoiceReference
+from intone.protocol import VoiceReference
 
 TEXT = "He lit the lamp at 7:45 and watched 3 ships pass. When the storm came, the boats found their way home."
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.engine.chunk_planner import Chunk, ChunkPlanner, ChunkPolicy, take_window
+from intone.engine.chunk_planner import Chunk, ChunkPlanner, ChunkPolicy
 
 K = 3
 
@@ -39,6 +39,17 @@ def check_exact(chunks: list[Chunk], totals: dict[str, int], payloads=None):
         if payloads is not None:
             got = torch.cat([payloads[id(c)][:, c.context:] for c in mine], dim=1) if n else torch.zeros(K, 0)
             assert torch.equal(got, frames_of(rid, n)[:, :n]) if n else got.numel() == 0
+
+
+def take_window(frames, chunk: Chunk):
+    """The codes of a chunk's window, from frames held as a [K, n] tensor or a list of [K] frames."""
+    lo, hi = chunk.window
+    if hasattr(frames, "shape"):
+        return frames[:, lo:hi]
+    window = frames[lo:hi]
+    if not window:
+        return torch.zeros(0, 0, dtype=torch.long)
+    return torch.stack([torch.as_tensor(f) for f in window], dim=1)
 
 
 def frames_of(rid: str, n: int) -> torch.Tensor:

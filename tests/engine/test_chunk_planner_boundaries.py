@@ -8,8 +8,9 @@ import torch
 from intone.engine.chunk_planner import ChunkPlanner, ChunkPolicy
 from intone.engine.request import EngineRequest
 from intone.engine.scheduler import QueueFull, Scheduler
-from intone.models.base import Prompt, SamplingParams
+from intone.models.base import Prompt
 from intone.ops.kv_cache import BlockManager
+from intone.protocol import SamplingParams
 
 STEADY, BACKLOG = 4, 8
 

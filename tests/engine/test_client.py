@@ -13,9 +13,8 @@ import pytest
 import soundfile as sf
 
 from intone.engine.client import Engine, EngineDead
-from intone.engine.request import SynthesisRequest
 from intone.engine.trace import audit_file
-from intone.models.base import SamplingParams
+from intone.protocol import SamplingParams, SynthesisRequest
 from tests.procs import Background
 
 

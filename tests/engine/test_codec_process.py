@@ -11,8 +11,7 @@ import torch
 
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
-from intone.engine.request import SynthesisRequest
-from intone.models.base import SamplingParams, VoiceReference
+from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
 
 
 def reference(i: int) -> VoiceReference:

@@ -19,7 +19,7 @@ def test_groups_cover_every_job_once_within_bounds(lengths, max_batch, max_padde
 
 
 def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):
-    from intone.models import load_model
+    from intone.models.registry import load_model
 
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     g = torch.Generator().manual_seed(0)

@@ -7,9 +7,8 @@ import torch
 
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
-from intone.engine.request import SynthesisRequest
-from intone.models import load_model
-from intone.models.base import SamplingParams
+from intone.models.registry import load_model
+from intone.protocol import SamplingParams, SynthesisRequest
 
 
 def run(model, overlap: bool, cancel_at: int | None = None):

@@ -12,10 +12,9 @@ from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.engine.device_lost import DeviceLost
 from intone.engine.offline import OfflineRequest, run_to_completion
-from intone.engine.request import SynthesisRequest
 from intone.engine.trace import FrameTracer, audit_file
-from intone.models import load_model
-from intone.models.base import SamplingParams
+from intone.models.registry import load_model
+from intone.protocol import SamplingParams, SynthesisRequest
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from intone.engine.model_runner import ModelRunner, StepInput
-from intone.models import load_model, resolve_model_dir
-from intone.models.base import Prompt, SamplingParams
+from intone.models import resolve_model_dir
+from intone.models.base import Prompt
+from intone.models.registry import load_model
 from intone.ops.kv_cache import BlockManager, KVCache
+from intone.protocol import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from intone.models import load_model
+from intone.models.registry import load_model
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
 

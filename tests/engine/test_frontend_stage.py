@@ -5,9 +5,8 @@ import torch
 
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
-from intone.engine.frontend_stage import ReferenceCache, clip_key
-from intone.engine.request import SynthesisRequest
-from intone.models.base import SamplingParams, VoiceReference
+from intone.engine.frontend_stage import ReferenceCache
+from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference, clip_key
 
 
 def clip(seconds: float, pitch: float, rate: int = 16000) -> torch.Tensor:

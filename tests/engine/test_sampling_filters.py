@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 import intone.ops.sampling as engine_sampling
 import intone.models.cosyvoice3.sampling as cosy_sampling
 from intone.engine.model_runner import sampling_batch
-from intone.models.base import SamplingParams
 from intone.models.fish_s2.model import FishS2
+from intone.protocol import SamplingParams
 
 EPS = 1e-5
 STOP, VOCAB = cosy_sampling.SPEECH_TOKENS, 6761

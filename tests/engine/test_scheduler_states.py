@@ -9,10 +9,11 @@ import torch
 
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
-from intone.engine.request import EngineRequest, Status, SynthesisRequest
+from intone.engine.request import EngineRequest, Status
 from intone.engine.scheduler import Scheduler
-from intone.models.base import Prompt, SamplingParams
+from intone.models.base import Prompt
 from intone.ops.kv_cache import BlockManager
+from intone.protocol import SamplingParams, SynthesisRequest
 
 
 def request(rid, prompt=4, max_new=4):

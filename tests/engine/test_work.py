@@ -3,9 +3,8 @@ account follows the core's progress is checked through a real server: tests/api/
 
 import dataclasses
 
-from intone.engine.request import SynthesisRequest
 from intone.engine.work import expected_frames
-from intone.models.base import SamplingParams
+from intone.protocol import SamplingParams, SynthesisRequest
 
 FPS = 44100 / 2048
 

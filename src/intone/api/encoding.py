@@ -8,15 +8,12 @@ import struct
 import av
 import numpy as np
 import soundfile as sf
-import torch
-
-from intone.audio import resample
 
 CONTENT_TYPES = {
     "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg",
     "aac": "audio/aac",
 }
-OPUS_RATE = 48000  # Opus runs at 48 kHz; other rates are resampled to it
+OPUS_RATE = 48000  # Opus runs at 48 kHz; FFmpeg's encoder resamples other rates to it
 # Streamed by FFmpeg (PyAV): format -> (container, encoder, encoder rate; None keeps the model's rate)
 CODECS = {
     "mp3": ("mp3", "libmp3lame", None),
@@ -57,10 +54,7 @@ def encode_file(audio: np.ndarray, sample_rate: int, fmt: str) -> bytes:
         sf.write(buf, audio, sample_rate, format="FLAC", subtype="PCM_16")
     elif fmt == "mp3":
         sf.write(buf, audio, sample_rate, format="MP3", subtype="MPEG_LAYER_III")
-    elif fmt == "opus":
-        at48k = resample(torch.from_numpy(np.ascontiguousarray(audio)), sample_rate, OPUS_RATE).numpy()
-        sf.write(buf, at48k, OPUS_RATE, format="OGG", subtype="OPUS")
-    elif fmt == "aac":  # libsndfile has no AAC
+    elif fmt in ("opus", "aac"):  # the streamed encoder, whole (libsndfile has no AAC and no resampler)
         encoder = CodecStreamEncoder(fmt, sample_rate)
         return encoder.encode(audio) + encoder.finish()
     else:

@@ -28,8 +28,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from intone.api.supervisor import EngineSupervisor
 from intone.engine.client import Engine, EngineDead
-from intone.engine.frontend_stage import clip_key
-from intone.engine.request import AudioChunk, SynthesisRequest
+from intone.protocol import AudioChunk, SynthesisRequest, clip_key
 
 log = logging.getLogger("intone.server")
 

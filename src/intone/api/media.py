@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlparse
 from intone.audio import read_audio
 from intone.api.remote_media import download
 from intone.errors import InvalidRequestError, MediaTooLarge
-from intone.models.base import VoiceReference
+from intone.protocol import VoiceReference
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ import contextlib
 import dataclasses
 from typing import AsyncIterator
 
-from intone.engine.request import AudioChunk, SynthesisRequest
 from intone.errors import InvalidRequestError
+from intone.protocol import AudioChunk, SynthesisRequest
 
 SEED_MODULUS = 2**63
 

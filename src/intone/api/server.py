@@ -305,12 +305,12 @@ def _install_routes(app: FastAPI) -> None:
             raise MediaTooLarge("audio", f"over the {limit} byte limit")
         samples, rate = await asyncio.to_thread(read_audio, data, "audio", state.settings.media.max_seconds)
         try:
-            features = await state.engine.encode_reference(samples.numpy(), rate)
+            features = await state.engine.encode_reference(samples, rate)
         except EngineDead:
             raise
         except IntoneError as e:
             raise InvalidRequestError("audio", str(e)) from None
-        info = state.voices.add(name, transcript, samples.numpy(), rate, features)
+        info = state.voices.add(name, transcript, samples, rate, features)
         return info.__dict__
 
     @app.get("/v1/audio/voices")

@@ -21,9 +21,9 @@ from intone.api.protocol import SpeechRequest, error_body
 from intone.api.segments import generate_segments
 from intone.api.voices import resolve_voice
 from intone.engine.client import EngineDead
-from intone.engine.core import default_params
-from intone.engine.request import AudioChunk, SynthesisRequest
+from intone.engine.config import default_params
 from intone.errors import InvalidRequestError
+from intone.protocol import AudioChunk, SynthesisRequest
 
 DISCONNECT_POLL_S = 0.25  # how often a whole response's handler checks that its client is still there
 ERROR_STATUS = {"invalid_request": 400, "too_large": 400, "queue_full": 503, "aborted": 503, "internal": 500}

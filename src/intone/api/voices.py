@@ -11,10 +11,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from intone.errors import InvalidRequestError
-from intone.models.base import VoiceReference
+from intone.protocol import VoiceReference
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # Names clients send without asking what a server has; they mean "the model's default voice" here.
@@ -113,9 +112,9 @@ class VoiceStore:
             raise InvalidRequestError("voice", f"the stored voice {name!r} is damaged; upload it again") from None
         if (folder / "features.npz").exists():
             with np.load(folder / "features.npz") as stored:
-                features = {k: torch.from_numpy(stored[k]) for k in stored.files}
+                features = {k: stored[k] for k in stored.files}
         else:
-            features = {"codes": torch.from_numpy(np.load(folder / "codes.npy"))}
+            features = {"codes": np.load(folder / "codes.npy")}
         ref = VoiceReference(text=info["transcript"], codes=features.get("codes"), features=features)
         self._cache[name] = (stamp, ref)
         return ref

@@ -32,13 +32,12 @@ from intone.audio import read_audio
 from intone.bench.dataset import synthetic_items
 from intone.bench.runner import forced_frames
 from intone.bench.server_metrics import STAGES, engine_breakdown
-from intone.engine.config import load_profile
-from intone.engine.core import EngineCore, default_params
-from intone.engine.request import SynthesisRequest
+from intone.engine.config import default_params, load_profile
+from intone.engine.core import EngineCore
 from intone.engine.trace import audit_file
 from intone.errors import IntoneError
 from intone.eval.meta import MetaItem, parse_meta_list
-from intone.models.base import VoiceReference
+from intone.protocol import SynthesisRequest, VoiceReference
 
 # snapshot counters whose change over a level is reported
 COUNTERS = ("reference_cache_hits", "reference_cache_misses", "frontend_batches", "frontend_clips",

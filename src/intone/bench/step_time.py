@@ -16,11 +16,12 @@ import statistics
 import torch
 
 from intone.engine.model_runner import ModelRunner, sampling_batch
-from intone.models.base import SamplingParams, StepBatch
+from intone.models.base import StepBatch
 from intone.models.fish_s2.model import FishS2, random_s2_pro
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
 from intone.ops.token_history import CAPACITY
+from intone.protocol import SamplingParams
 
 BLOCK = 16
 

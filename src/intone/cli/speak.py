@@ -45,11 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
     from intone.audio import read_audio, write_wav
     from intone.engine.offline import OfflineRequest, run_to_completion
-    from intone.engine.config import load_profile
-    from intone.engine.core import default_params
+    from intone.engine.config import default_params, load_profile
     from intone.api.segments import cut, read_transcripts, segment_params
-    from intone.models import default_profile, load_model, text_frontend
-    from intone.models.base import VoiceReference
+    from intone.models import default_profile, text_frontend
+    from intone.models.registry import load_model
+    from intone.protocol import VoiceReference
 
     if len(args.ref_audio) != len(args.ref_text):
         missing = "--ref-text" if len(args.ref_audio) > len(args.ref_text) else "--ref-audio"
@@ -97,7 +97,7 @@ async def _stream(args, segments: list[str], references, params, device: str) ->
 
     from intone.api.segments import generate_segments
     from intone.engine.client import Engine
-    from intone.engine.request import SynthesisRequest
+    from intone.protocol import SynthesisRequest
 
     engine = await Engine.from_profile(args.profile, model=args.model, trace_frames=args.trace_frames, device=device)
     start = time.perf_counter()

@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
 
 @dataclass(frozen=True)
 class ChunkPolicy:
@@ -161,13 +159,3 @@ class ChunkPlanner:
         initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
         return not (initial or p.align_first_chunk) and p.steady_chunk_frames + p.lookahead_frames > max_frames
 
-
-def take_window(frames, chunk: Chunk):
-    """The codes of a chunk's window, from frames held as a [K, n] tensor or a list of [K] frames."""
-    lo, hi = chunk.window
-    if hasattr(frames, "shape"):
-        return frames[:, lo:hi]
-    window = frames[lo:hi]
-    if not window:
-        return torch.zeros(0, 0, dtype=torch.long)
-    return torch.stack([torch.as_tensor(f) for f in window], dim=1)

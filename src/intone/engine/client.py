@@ -27,9 +27,10 @@ import zmq
 import zmq.asyncio
 
 from intone.engine.config import Profile, load_profile
-from intone.engine.request import AudioChunk, SynthesisRequest
 from intone.engine.work import OpenWork, expected_frames
 from intone.errors import IntoneError
+from intone.models import default_profile
+from intone.protocol import AudioChunk, SynthesisRequest
 
 log = logging.getLogger("intone.engine")
 STARTUP_TIMEOUT_S = 600
@@ -76,8 +77,6 @@ class Engine:
                            **overrides) -> "Engine":
         """env: the core process's environment (default: this one's), e.g. its CUDA_VISIBLE_DEVICES."""
         if not isinstance(profile, Profile):
-            from intone.models import default_profile
-
             profile = load_profile(profile or default_profile(model), **overrides)
         tmpdir = tempfile.TemporaryDirectory(prefix="intone-")
         inbox = f"ipc://{Path(tmpdir.name) / 'in'}"

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from intone.engine.chunk_planner import ChunkPolicy
 from intone.errors import IntoneError
+from intone.protocol import SamplingParams
 from intone.sampling_bounds import SAMPLING_BOUNDS
 
 PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
@@ -153,3 +154,12 @@ def load_profile(source: str | Path | None, **overrides) -> Profile:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "profile"
         raise ProfileError(f"{source or 'profile'}: {where}: {first['msg']}") from None
+
+
+def default_params(profile: Profile, **overrides) -> SamplingParams:
+    """The profile's sampling defaults, with the overrides that are not None."""
+    s = profile.sampling
+    values = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                  repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens, mode=s.mode)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)

@@ -25,13 +25,14 @@ from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.loading import load_for_profile, warm_up_codec
 from intone.engine.model_runner import ModelRunner, StepInput
-from intone.engine.request import AudioChunk, EngineRequest, Status, SynthesisRequest, resolve_params
+from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
-from intone.models.base import SamplingParams, TTSModel
+from intone.models.base import TTSModel
 from intone.ops import fused
 from intone.ops.kv_cache import BlockManager, KVCache
+from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
 log = logging.getLogger(__name__)
 
@@ -466,10 +467,3 @@ class EngineCore:
                 codec_process.close()
             raise
 
-
-def default_params(profile: Profile, **overrides) -> SamplingParams:
-    s = profile.sampling
-    values = dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                  repetition_penalty=s.repetition_penalty, max_new_tokens=s.max_new_tokens, mode=s.mode)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return SamplingParams(**values)

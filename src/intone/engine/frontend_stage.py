@@ -10,7 +10,6 @@ A clip that fails refuses its own request only.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import threading
@@ -18,21 +17,14 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
-import numpy as np
 import torch
 
-from intone.models.base import Prompt, TTSModel, VoiceReference
+from intone.models.base import Prompt, TTSModel
+from intone.protocol import VoiceReference, clip_key
 
 log = logging.getLogger(__name__)
 
 MAX_CLIPS_PER_BATCH = 32
-
-
-def clip_key(audio, sample_rate: int) -> bytes:
-    samples = np.ascontiguousarray(np.asarray(audio, dtype=np.float32))
-    h = hashlib.blake2b(samples.tobytes(), digest_size=16)
-    h.update(int(sample_rate).to_bytes(8, "little"))
-    return h.digest()
 
 
 class ReferenceCache:
@@ -246,7 +238,7 @@ class FrontendStage:
                 result = found[keys[j, r]]
                 if isinstance(result, Exception):
                     raise result
-                refs.append(VoiceReference(text=ref.text, features=result))
+                refs.append(VoiceReference(text=ref.text, features=features_as_numpy(result)))  # views, no copy
             prompt = self.model.build_prompt(request.text, refs, request.instructions)
             return Prepared(replace(request, references=refs), prompt, None, time.perf_counter() - job.submitted)
         except Exception as e:  # noqa: BLE001 - refuses this request alone

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from intone.engine.config import Profile
-from intone.models import load_model
+from intone.models.registry import load_model
 
 
 def load_for_profile(model_spec: str, profile: Profile):

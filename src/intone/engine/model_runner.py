@@ -17,12 +17,13 @@ import numpy as np
 import torch
 
 from intone.engine.cuda_graphs import CaptureReport, StepGraphs
-from intone.models.base import Prompt, SamplingParams, StepBatch, StepOutput, TTSModel
+from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel
 from intone.ops import paged_decode
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
 from intone.ops.sampling import SamplingBatch
 from intone.ops.token_history import CAPACITY, TokenHistory
+from intone.protocol import SamplingParams
 
 
 @dataclass

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import resolve_params
-from intone.models.base import Prompt, SamplingParams, TTSModel
+from intone.models.base import Prompt, TTSModel
 from intone.ops.kv_cache import BlockManager, KVCache
+from intone.protocol import SamplingParams
 
 BLOCK_SIZE = 16
 

@@ -1,4 +1,4 @@
-"""What a client submits, what it gets back, and the engine's own per-request state."""
+"""The engine's own per-request state (what crosses the process boundary is in `intone.protocol`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import enum
 import secrets
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from intone.errors import InvalidRequestError
-from intone.models.base import Prompt, SamplingParams, VoiceReference
+from intone.models.base import Prompt
+from intone.protocol import SamplingParams
 
 
 def resolve_params(params: SamplingParams, prompt: Prompt, max_seq_len: int) -> SamplingParams:
@@ -28,46 +28,6 @@ def resolve_params(params: SamplingParams, prompt: Prompt, max_seq_len: int) -> 
     max_new = min(params.max_new_tokens, budget)
     min_new = min(max(params.min_new_tokens, prompt.min_new_tokens), max_new)
     return dataclasses.replace(params, seed=seed, max_new_tokens=max_new, min_new_tokens=min_new)
-
-
-@dataclass
-class SynthesisRequest:
-    """A client's request. Picklable: it crosses the process boundary as is."""
-
-    request_id: str
-    text: str
-    references: list[VoiceReference] = field(default_factory=list)
-    params: SamplingParams = field(default_factory=SamplingParams)
-    initial_chunk_frames: int | None = None  # per-request override of the profile's first chunk
-    speed: float = 1.0  # tempo, for models that support it in a single (full-response) chunk
-    instructions: str | None = None  # a style instruction, for models that take one
-    # False: the client takes the whole audio at once, so the codec decodes the utterance in one pass
-    # when it ends (the official non-streamed decode, and the cheapest) instead of in chunks.
-    stream: bool = True
-
-
-@dataclass
-class AudioChunk:
-    """The engine's answer, in order per request: audio for frames [start_frame, end_frame)."""
-
-    request_id: str
-    seq: int
-    start_frame: int
-    end_frame: int
-    # float32 mono. A codec without look-ahead releases (end_frame - start_frame) * samples_per_frame
-    # samples; one that looks ahead (CosyVoice3's HiFT) holds the audio of the last few frames
-    # back until a later chunk. Over a whole request the total is always frames * samples_per_frame.
-    audio: np.ndarray
-    sample_rate: int
-    finished: bool = False
-    stop_reason: str | None = None  # on the terminal chunk: stop, length, abort or error
-    error: str | None = None
-    error_code: str | None = None  # invalid_request, queue_full, too_large or internal
-    error_field: str | None = None  # the request field an invalid_request error is about
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    # On the terminal chunk: where the request's time went in the engine (RequestTimes.summary).
-    timings: dict[str, float] | None = None
 
 
 @dataclass

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from intone.audio import resample
-from intone.eval.meta import MetaItem
 from intone.errors import ModelLoadError
 from intone.eval.ecapa import EcapaTdnnSmall
+from intone.eval.meta import MetaItem
+from intone.ops.resample import resample
 
 SAMPLE_RATE = 16000
 # sha256 of the released wavlm_large_finetune.pth (1,301,926,579 bytes), see the reference §3.2.

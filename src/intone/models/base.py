@@ -17,29 +17,7 @@ from intone.errors import InvalidRequestError
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
-from intone.sampling_bounds import SAMPLING_BOUNDS, describe, within
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.8
-    top_p: float = 0.8
-    top_k: int = 30
-    repetition_penalty: float = 1.0
-    max_new_tokens: int = 2048
-    min_new_tokens: int = 0  # the stop token is not sampled before this many frames
-    seed: int | None = None
-    ignore_eos: bool = False  # never sample the stop token: exactly max_new_tokens frames (benchmarks)
-    mode: str | None = None  # the model's sampling mode ("ras" or "standard"); None: the model's default
-
-    def validate(self) -> "SamplingParams":
-        checks = [(name, getattr(self, name) is None or within(name, getattr(self, name)), describe(name))
-                  for name in SAMPLING_BOUNDS]
-        checks.append(("mode", self.mode in (None, "ras", "standard"), "must be 'ras' or 'standard'"))
-        for name, ok, why in checks:
-            if not ok:
-                raise InvalidRequestError(name, f"{why}, got {getattr(self, name)!r}")
-        return self
+from intone.protocol import VoiceReference
 
 
 @dataclass
@@ -85,17 +63,6 @@ class Prompt:
         return self.tokens.shape[0]
 
 
-@dataclass
-class VoiceReference:
-    """Reference audio (mono float32, any rate) with its transcript, or its stored encoding."""
-
-    text: str
-    audio: Tensor | None = None
-    sample_rate: int | None = None
-    codes: Tensor | None = None  # [K, T]
-    features: dict[str, Tensor] | None = None  # what `TTSModel.reference_features` returned
-
-
 class TTSModel(abc.ABC):
     name: str
     sample_rate: int
@@ -110,7 +77,10 @@ class TTSModel(abc.ABC):
 
     @abc.abstractmethod
     def build_prompt(self, text: str, references: list[VoiceReference], instructions: str | None = None) -> Prompt:
-        """instructions: a style instruction for models that take one (else refused, naming the field)."""
+        """instructions: a style instruction for models that take one (else refused, naming the field).
+
+        A reference's arrays are numpy as they crossed the process boundary (`intone.protocol`);
+        the model makes the tensors it needs of them (tensors are taken too)."""
 
     @abc.abstractmethod
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:

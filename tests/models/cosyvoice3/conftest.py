@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from intone.models.base import VoiceReference
 from intone.models.cosyvoice3.vocoder_stage import StreamState  # noqa: F401  (import check)
+from intone.protocol import VoiceReference
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +17,7 @@ def tiny_cosy_dir(tiny_cache):
 
 @pytest.fixture(scope="session")
 def tiny_cosy(tiny_cosy_dir):
-    from intone.models import load_model
+    from intone.models.registry import load_model
 
     return load_model(str(tiny_cosy_dir))
 
@@ -25,7 +25,7 @@ def tiny_cosy(tiny_cosy_dir):
 @pytest.fixture(scope="session")
 def cosy64(tiny_cosy_dir):
     """float64 talker, flow and HiFT, so batching can never flip a sample and audio compares exactly."""
-    from intone.models import load_model
+    from intone.models.registry import load_model
 
     return load_model(str(tiny_cosy_dir), dtype=torch.float64, codec_dtype=torch.float64)
 

@@ -197,7 +197,7 @@ def test_prompt_mel_matches_numpy_stft():
 
 
 def test_official_resample_matches_recorded_torchaudio_transform():
-    from intone.audio import resample
+    from intone.ops.resample import resample
 
     audio = _tone(4410, 44100)
     # torchaudio.transforms.Resample(44100, rate)(wav[None])[0] at indices 0, 1, 100, 777, last
@@ -207,7 +207,7 @@ def test_official_resample_matches_recorded_torchaudio_transform():
         out = fx.official_resample(audio, 44100, rate)
         assert out.shape == (rate // 10,)
         assert out[[0, 1, 100, 777, -1]].tolist() == pytest.approx(values, abs=2e-6)
-        # intone.audio.resample (= torchaudio.functional.resample) differs only by float rounding
+        # intone.ops.resample.resample (= torchaudio.functional.resample) differs only by float rounding
         assert torch.allclose(out, resample(audio, 44100, rate), atol=5e-5)
     assert torch.equal(fx.official_resample(audio, 16000, 16000), audio)
 

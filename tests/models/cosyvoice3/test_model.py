@@ -8,10 +8,10 @@ import soundfile as sf
 import torch
 
 from intone.errors import InvalidRequestError, ModelLoadError
-from intone.models import load_model
-from intone.models.base import VoiceReference
 from intone.models.cosyvoice3.config import read_model_yaml
 from intone.models.cosyvoice3.prompt import SOS, SYSTEM_PROMPT, TASK_ID
+from intone.models.registry import load_model
+from intone.protocol import VoiceReference
 
 from tests.procs import run_all
 

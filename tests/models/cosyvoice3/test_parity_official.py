@@ -20,9 +20,9 @@ import torch
 from intone.engine.chunk_planner import ChunkPlanner
 from intone.engine.config import load_profile
 from intone.engine.request import EngineRequest, resolve_params
-from intone.models.base import SamplingParams, VoiceReference
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.prompt import SOS, TASK_ID
+from intone.protocol import SamplingParams, VoiceReference
 from tests import parity
 
 from .test_talker import run_steps

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from intone.engine.model_runner import sampling_batch
-from intone.models.base import SamplingParams
 from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
+from intone.protocol import SamplingParams
 
 VOCAB = 6761
 

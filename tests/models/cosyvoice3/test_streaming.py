@@ -10,9 +10,8 @@ from tests.procs import frame_audit_alongside
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.engine.offline import OfflineRequest, run_to_completion
-from intone.engine.request import SynthesisRequest
 from intone.engine.trace import FrameTracer
-from intone.models.base import SamplingParams, VoiceReference
+from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
 
 from .conftest import voice_audio
 from .official_stream import official_full, official_stream

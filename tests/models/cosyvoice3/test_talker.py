@@ -4,9 +4,9 @@ static-shape decode step (the CUDA-graph path) against the eager paged step."""
 import pytest
 import torch
 
-from intone.models.base import VoiceReference
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
+from intone.protocol import VoiceReference
 
 from .conftest import voice_audio
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.models import load_model
 from intone.models.fish_s2.codec_stream import StreamingDecoder
+from intone.models.registry import load_model
 
 HOP = 2048
 

@@ -5,7 +5,7 @@ import torch
 
 from intone.engine.offline import OfflineRequest, run_to_completion
 from intone.errors import InvalidRequestError
-from intone.models.base import SamplingParams, VoiceReference
+from intone.protocol import SamplingParams, VoiceReference
 
 
 def generate(model, text="Hello world", seed=1, refs=(), **kw):

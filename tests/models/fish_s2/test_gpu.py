@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from intone.engine.offline import OfflineRequest, run_to_completion
-from intone.models import load_model
-from intone.models.base import SamplingParams
+from intone.models.registry import load_model
+from intone.protocol import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -61,7 +61,7 @@ def test_real_size_step_runs_in_bf16(tiny_fish_dir):
 def test_engine_with_graphs_gives_the_same_tokens_as_without(tiny_fish_dir):
     from intone.engine.config import load_profile
     from intone.engine.core import EngineCore
-    from intone.engine.request import SynthesisRequest
+    from intone.protocol import SynthesisRequest
 
     results = []
     for graphs in (False, True):

@@ -7,12 +7,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from intone.errors import ModelLoadError
-from intone.models import load_model
 from intone.models.fish_s2 import FishS2
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, unfold_weight_norm
 from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.transformer import DualARTransformer
+from intone.models.registry import load_model
 
 REAL_CONFIG = S2_PRO_CONFIG
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from intone.engine.offline import OfflineRequest, run_to_completion
-from intone.models.base import SamplingParams, VoiceReference
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
+from intone.protocol import SamplingParams, VoiceReference
 from tests import parity
 
 LOGIT_ATOL = 5e-6

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from intone.errors import InvalidRequestError
-from intone.models.base import VoiceReference
+from intone.protocol import VoiceReference
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ frontend computes with a third-party library:
   fmin 0, fmax None, center False; 50 frames/s.
 
 `official_resample` reproduces `torchaudio.transforms.Resample(orig, new)` (the official loader's
-resampler) bit for bit; see its docstring for how it differs from `intone.audio.resample`.
+resampler) bit for bit; see its docstring for how it differs from `intone.ops.resample.resample`.
 
 Every function runs on the device of its input. Filter banks, windows and resampling kernels are
 built once on the CPU (so their values never depend on the device) and cached per device.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intone.audio import bank_fits, resample_direct
+from intone.ops.resample import bank_fits, resample_direct
 
 # speech tokenizer features (whisper front end)
 WHISPER_N_FFT = 400
@@ -243,7 +243,7 @@ def official_resample(audio: Tensor, orig_rate: int, new_rate: int, bucket: int 
     samples beyond what it needs (outputs past the kept ones read the extra zeros and are
     dropped), so clips of nearby lengths share a shape; the kept samples are unchanged.
 
-    `intone.audio.resample` equals `torchaudio.functional.resample`, whose float32 bank differs
+    `intone.ops.resample.resample` equals `torchaudio.functional.resample`, whose float32 bank differs
     from the transform's by float rounding (up to ~1e-5 on the output for 22.05/44.1 kHz input);
     the official frontend uses the transform, so reference features use this.
     """

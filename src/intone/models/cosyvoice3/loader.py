@@ -22,8 +22,8 @@ from intone.models.cosyvoice3.flow import CosyFlow
 from intone.models.cosyvoice3.frontend import ReferenceFrontend
 from intone.models.cosyvoice3.hift import CausalHiFT, fold_hift_weight_norm
 from intone.models.cosyvoice3.noise import FLOW_NOISE_KEY, HIFT_RAND_INI_KEY, HIFT_SINE_NOISE_KEY, official_noise
-from intone.models.cosyvoice3.prompt import BLANK_EN, CosyTokenizer
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
+from intone.models.cosyvoice3.tokenizer import BLANK_EN, CosyTokenizer
 
 
 def qwen_shape(model_dir: Path) -> QwenShape:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from intone.errors import InvalidRequestError
-from intone.models.base import Prompt, TTSModel, VoiceReference
+from intone.models.base import Prompt, TTSModel
 from intone.models.cosyvoice3.codec_config import flow_sizes
 from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest
 from intone.models.cosyvoice3.frontend import (
@@ -18,16 +18,16 @@ from intone.models.cosyvoice3.frontend import (
 from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
 from intone.models.cosyvoice3.loader import install_noise, load_cosyvoice3
 from intone.models.cosyvoice3.noise import official_noise
-from intone.models.cosyvoice3.prompt import (
-    BLANK_EN, MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, CosyTokenizer, talker_prompt,
-)
+from intone.models.cosyvoice3.prompt import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, talker_prompt
 from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
+from intone.models.cosyvoice3.tokenizer import BLANK_EN, CosyTokenizer
 from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage, stretch
 from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
+from intone.protocol import VoiceReference
 
 # FSQ codes of silence and breath: after 5 in a row, further ones are not vocoded (official).
 SILENT_TOKENS = frozenset({1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323})
@@ -82,7 +82,7 @@ class CosyVoice3(TTSModel):
 
     def _features(self, ref: VoiceReference, field: str) -> ReferenceFeatures:
         if ref.audio is not None and ref.sample_rate is not None:
-            f = self.reference_features(ref.audio, ref.sample_rate, field)
+            f = self.reference_features(torch.as_tensor(ref.audio), ref.sample_rate, field)
         elif ref.features is not None and {"speech_tokens", "prompt_mel", "speaker"} <= ref.features.keys():
             f = ref.features
         elif ref.features is not None:

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from intone.models.cosyvoice3.codec_config import tiny_codec, yaml_text
-from intone.models.cosyvoice3.prompt import SPECIAL_TOKENS
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.tiny_onnx import export_tiny_campplus, export_tiny_speech_tokenizer
+from intone.models.cosyvoice3.tokenizer import SPECIAL_TOKENS
 from intone.models.fish_s2.tiny import CORPUS, QWEN_SPLIT
 
 QWEN_OWN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

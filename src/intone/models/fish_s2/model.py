@@ -7,9 +7,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from intone.audio import resample
 from intone.errors import InvalidRequestError, ModelLoadError
-from intone.models.base import Prompt, TTSModel, VoiceReference
+from intone.models.base import Prompt, TTSModel
 from intone.models.checkpoint import load_strict
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
 from intone.models.fish_s2.codec_stream import StreamingDecoder
@@ -21,8 +20,10 @@ from intone.models.fish_s2.transformer import DualARTransformer
 from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
+from intone.ops.resample import resample
 from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, sample
 from intone.ops.token_history import last_tokens
+from intone.protocol import VoiceReference
 
 # Repetition-aware sampling (official): if the normal draw repeats one of the last 10 main
 # tokens, take a second draw made at temperature 1.0 / top-p 0.9 instead.
@@ -108,12 +109,12 @@ class FishS2(TTSModel):
             if codes is None and ref.features is not None:
                 if "codes" not in ref.features:
                     raise InvalidRequestError("voice", "this voice was stored for another model; upload it again")
-                codes = torch.as_tensor(ref.features["codes"])
+                codes = ref.features["codes"]
             if codes is None:
                 if ref.audio is None or ref.sample_rate is None:
                     raise InvalidRequestError(f"references[{i}]", "needs audio (with its sample rate) or codes")
-                codes = self.encode_reference(ref.audio, ref.sample_rate)
-            refs.append(Reference(text=ref.text, codes=codes.cpu()))
+                codes = self.encode_reference(torch.as_tensor(ref.audio), ref.sample_rate)
+            refs.append(Reference(text=ref.text, codes=torch.as_tensor(codes).cpu()))
         return build_prompt(self.tokenizer, text, refs, self.num_codebooks)
 
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
