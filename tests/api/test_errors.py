@@ -249,7 +249,7 @@ def speech_ok(server, **body) -> bool:
 
 
 def test_the_openapi_schema_documents_the_400_the_server_answers(server):
-    from intone.api.protocol import ErrorBody
+    from intone.api.schema import ErrorBody
 
     spec = httpx.get(server.url("/openapi.json"), timeout=30).json()
     operations = [op for path in spec["paths"].values() for op in path.values()]

@@ -166,6 +166,6 @@ def test_unknown_voice_is_a_400_naming_voice(client, voice, words):
     ({}, "audio", "file"),
 ])
 def test_dialects_per_request(fields, dialect, kind):
-    from intone.api.protocol import SpeechRequest
+    from intone.api.schema import SpeechRequest
     from intone.api.speech import answer_kind
     assert answer_kind(SpeechRequest(input="x", **fields), dialect) == kind

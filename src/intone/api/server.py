@@ -22,7 +22,7 @@ from intone.api.encoding import CONTENT_TYPES
 from intone.api.engine_pool import EnginePool, EngineSlot, merge_stats, place_engines
 from intone.api.media import MediaPolicy
 from intone.api.metrics import ServerMetrics
-from intone.api.protocol import ErrorBody, SpeechRequest, error_body
+from intone.api.schema import ErrorBody, SpeechRequest, error_body
 from intone.api.speech import answer
 from intone.api.websocket import speech_stream
 from intone.api.voices import UnknownVoice, VoiceExists, VoiceStore

@@ -17,7 +17,7 @@ from starlette.background import BackgroundTask
 
 from intone.api.encoding import CONTENT_TYPES, encode_file, pcm_headers, stream_encoder, wav_bytes
 from intone.api.media import load_reference
-from intone.api.protocol import SpeechRequest, error_body
+from intone.api.schema import SpeechRequest, error_body
 from intone.api.segments import generate_segments
 from intone.api.voices import resolve_voice
 from intone.engine.client import EngineDead

@@ -31,7 +31,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from intone.api.encoding import stream_encoder
-from intone.api.protocol import SpeechRequest
+from intone.api.schema import SpeechRequest
 from intone.api.segments import segment_request
 from intone.api.speech import build_request
 from intone.engine.client import EngineDead
