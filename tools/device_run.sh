@@ -16,7 +16,7 @@ summary=()
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
-    tests) timeout 300 python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
+    tests) timeout ${TT:-300} python3 -m pytest -q -m gpu tests -x -p no:cacheprovider 2>&1 | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py tests/models/fish_s2/test_codec_stream.py -p no:cacheprovider 2>&1 | tail -15 ;;
     codec-timing) timeout 300 python3 tools/codec_timing.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec-timing.txt" | grep -v Warning | tail -40 ;;
@@ -37,7 +37,7 @@ for stage in "$@"; do
     cosy-http) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile "$COSY_FULL" \
         --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/cosy-http$TAG/server.log"; grep -A12 "Where the time" "$OUT/cosy-http$TAG/report.md" ;;
-    cosy-stream) timeout 500 $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
+    cosy-stream) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \

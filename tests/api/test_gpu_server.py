@@ -26,6 +26,13 @@ def _metric(text: str, name: str) -> float:
     return float(found.group(1))
 
 
+def _samples(reply: httpx.Response, i: int) -> np.ndarray:
+    """Even requests asked for a WAV file, odd ones for streamed 16-bit PCM; both as floats in [-1, 1]."""
+    if i % 2 == 0:
+        return sf.read(io.BytesIO(reply.content), dtype="float32")[0]
+    return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
+
+
 @pytest.mark.parametrize("model,profile", CASES)
 def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, tiny_cache, tmp_path):
     assert torch.cuda.is_available()
@@ -55,11 +62,15 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
             replies = list(pool.map(speak, range(len(clips))))
         for i, reply in enumerate(replies):
             assert reply.status_code == 200, reply.text
-            if i % 2 == 0:
-                audio, _ = sf.read(io.BytesIO(reply.content))
-            else:
-                audio = np.frombuffer(reply.content, dtype=np.int16)
+            audio = _samples(reply, i)
             assert audio.size > 0 and np.abs(audio).max() > 0
+        # Invariant 3: a seeded request draws the same tokens alone as in the crowd, so its audio is the
+        # same up to the codec's batch rounding (other tokens would give unrelated audio).
+        for i in (0, 1):
+            alone = speak(i)
+            assert alone.status_code == 200, alone.text
+            a, b = _samples(alone, i), _samples(replies[i], i)
+            assert a.shape == b.shape and np.abs(a - b).max() <= 0.02, (i, np.abs(a - b).max())
         metrics = httpx.get(server.url("/metrics"), timeout=10).text
         assert _metric(metrics, "intone_graph_replays") > 0
         assert _metric(metrics, "intone_eager_decode_steps") == 0
