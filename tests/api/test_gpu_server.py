@@ -65,12 +65,13 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
             audio = _samples(reply, i)
             assert audio.size > 0 and np.abs(audio).max() > 0
         # Invariant 3: a seeded request draws the same tokens alone as in the crowd, so its audio is the
-        # same up to the codec's batch rounding (other tokens would give unrelated audio).
+        # same up to the codec's batch rounding (other tokens would give unrelated audio, an error near 1.4x its RMS).
         for i in (0, 1):
             alone = speak(i)
             assert alone.status_code == 200, alone.text
             a, b = _samples(alone, i), _samples(replies[i], i)
-            assert a.shape == b.shape and np.abs(a - b).max() <= 0.02, (i, np.abs(a - b).max())
+            rms = float(np.sqrt(np.mean(b**2)))
+            assert a.shape == b.shape and np.sqrt(np.mean((a - b) ** 2)) <= 0.05 * rms, (i, np.abs(a - b).max(), rms)
         metrics = httpx.get(server.url("/metrics"), timeout=10).text
         assert _metric(metrics, "intone_graph_replays") > 0
         assert _metric(metrics, "intone_eager_decode_steps") == 0

@@ -182,21 +182,31 @@ def _serve(name: str, profile: str, graphs: bool) -> tuple[dict, dict]:
     from intone.engine.core import EngineCore
     from intone.protocol import SynthesisRequest
 
+    from intone.ops import fused
+    from intone.protocol import VoiceReference
+
     model = load_model(str(resolve_model_dir(f"tiny:{name}")), device="cuda", dtype=torch.float32)
     # The codec on the core's thread: its batches are then the same in both runs, not timing's choice.
     overrides = {"ar.cuda_graphs": graphs, "device": "cuda", "codec.compile": False, "codec.overlap": False}
     core = EngineCore(model, load_profile(profile, **overrides))
+    t = np.arange(24000 * 2) / 24000
     for i in range(6):
+        voice = VoiceReference("A reference voice.", (0.3 * np.sin(2 * np.pi * (140 + 20 * i) * t)).astype(np.float32),
+                               24000)
         params = SamplingParams(seed=i, max_new_tokens=20 + 7 * i)
-        core.add_request(SynthesisRequest(f"r{i}", f"Hello graphs number {i}", params=params))
+        core.add_request(SynthesisRequest(f"r{i}", f"Hello graphs number {i}", [voice], params=params))
     spans, audio = {}, {}
-    while core.has_work():
-        for c in core.step():
-            assert c.error is None, c.error
-            spans.setdefault(c.request_id, []).append((c.start_frame, c.end_frame, c.completion_tokens))
-            audio.setdefault(c.request_id, []).append(c.audio)
-    if graphs:
-        assert core.snapshot()["graph_replays"] > 0 and core.snapshot()["captured_graphs"] > 0
+    try:
+        while core.has_work():
+            for c in core.step():
+                assert c.error is None, c.error
+                spans.setdefault(c.request_id, []).append((c.start_frame, c.end_frame, c.completion_tokens))
+                audio.setdefault(c.request_id, []).append(c.audio)
+        if graphs:
+            assert core.snapshot()["graph_replays"] > 0 and core.snapshot()["captured_graphs"] > 0
+    finally:
+        core.close()
+        fused.use_compiled(False)  # the profile's ar.fuse_elementwise is process-wide
     return spans, {k: np.concatenate(v) for k, v in audio.items()}
 
 
