@@ -37,7 +37,10 @@ def thread_cpu() -> dict[str, float]:
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        name = names.get(int(tid), "other")
+        name = names.get(int(tid))
+        if name is None:  # a native thread (OpenMP, CUDA, compile workers): its kernel name
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = "native:" + f.read().strip()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 

@@ -18,7 +18,7 @@ from intone.bench.runner import forced_frames
 from intone.engine.config import default_params, load_profile
 from intone.engine.core import EngineCore
 from intone.protocol import SynthesisRequest
-from engine_probe import thread_cpu  # tools/ is the script's directory
+from engine_probe import thread_cpu, value  # tools/ is the script's directory
 
 SPENT = collections.defaultdict(float)
 
@@ -148,8 +148,10 @@ def main():
     ap.add_argument("--frames", default="normal:86:30")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--stream", action="store_true", help="streamed requests (chunks), not whole responses")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="profile overrides")
     args = ap.parse_args()
-    core = EngineCore.build(args.model, load_profile(args.profile))
+    overrides = {k: value(v) for k, v in (s.split("=", 1) for s in args.set)}
+    core = EngineCore.build(args.model, load_profile(args.profile, **overrides))
     items = synthetic_items(600, Path("/tmp/step-profile"), seed=3)
     work = Workload(items, None, False, core.model)
     lengths = forced_frames(args.frames, 600, 0)

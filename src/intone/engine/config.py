@@ -110,6 +110,8 @@ class Profile(_Strict):
     name: str = "default"
     device: str = "auto"
     tf32: bool = Field(False, description="allow TF32 for float32 matmuls on CUDA (faster, ~1e-3 relative error)")
+    host_threads: int | None = Field(None, ge=1, description="torch's CPU threads in an engine process on a GPU "
+                                                            "(None: torch's default, one per core)")
     ar: ARConfig = ARConfig()
     codec: CodecStageConfig = CodecStageConfig()
     frontend: FrontendConfig = FrontendConfig()

@@ -20,6 +20,10 @@ def load_for_profile(model_spec: str, profile: Profile):
         dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = profile.tf32
+        if profile.host_threads is not None:
+            # The host side of a GPU engine is small tensors and Python; idle OpenMP workers spin on
+            # cores that the loop, the frontend and the codec threads (and the API) need.
+            torch.set_num_threads(profile.host_threads)
         # A stream of its own, so the other threads' streams can overlap it (the legacy default
         # stream would serialise them).
         torch.cuda.set_stream(torch.cuda.Stream(torch.device(device)))
