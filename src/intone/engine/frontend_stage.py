@@ -4,8 +4,9 @@ Requests that bring reference audio are handed to one worker thread, and so are 
 (which must never pause the engine loop either). It takes every job
 queued at that moment, looks each clip up in the reference cache (keyed by a hash of its samples
 and rate), encodes the misses in one batched call on its own CUDA stream (so running streams
-keep stepping meanwhile), builds the prompts and hands the requests back to the engine loop.
-A clip that fails refuses its own request only.
+keep stepping meanwhile), and hands each request back to the engine loop, with its prompt, as
+soon as its own clips are done (a model may finish the clips of a batch one by one). A clip
+that fails refuses its own request only.
 """
 
 from __future__ import annotations
@@ -100,13 +101,11 @@ class FrontendStage:
         self._thread: threading.Thread | None = None
         self._stream = torch.cuda.Stream(model.device, priority=priority) if model.device.type == "cuda" else None
         self.batches = self.clips = 0
-        self.pending = 0  # submitted, not yet collected
         self.pending_encodes = 0  # voice uploads submitted, not yet collected
 
     # ---- engine side ------------------------------------------------------------------------
 
     def submit(self, request) -> None:
-        self.pending += 1
         self._put(_Job(request))
 
     def submit_encode(self, token: str, audio, sample_rate: int) -> None:
@@ -139,7 +138,6 @@ class FrontendStage:
             out = [p for p in done if p.request.request_id not in self._cancelled]
             for p in done:
                 self._cancelled.discard(p.request.request_id)
-        self.pending -= len(done)
         return out
 
     def wait(self, timeout: float) -> None:
@@ -157,7 +155,7 @@ class FrontendStage:
         cached = self.cache.get(key)
         if cached is not None:
             return cached
-        result = self._encode([(torch.as_tensor(audio, dtype=torch.float32), int(sample_rate))])[0]
+        (_, result), = self._encode([(torch.as_tensor(audio, dtype=torch.float32), int(sample_rate))])
         if isinstance(result, Exception):
             raise result
         self.cache.put(key, result)
@@ -180,24 +178,36 @@ class FrontendStage:
                     self._inbox.put(None)
                     break
                 jobs.append(nxt)
+            published: set[int] = set()
             try:
-                prepared, encoded = self._prepare(jobs)
+                self._prepare(jobs, published)
             except Exception as e:  # a bug here must refuse these requests, not kill the thread
                 log.exception("reference frontend failed")
-                prepared = [Prepared(j.request, None, e, time.perf_counter() - j.submitted)
-                            for j in jobs if j.voice is None]
-                encoded = [(j.voice[0], None, str(e)) for j in jobs if j.voice is not None]
-            with self._lock:
-                self._done.extend(prepared)
-                self._encoded.extend(encoded)
-                self._ready.set()
+                for j, job in enumerate(jobs):
+                    if j not in published:
+                        self._publish(job, Prepared(job.request, None, e, time.perf_counter() - job.submitted)
+                                      if job.voice is None else (job.voice[0], None, str(e)))
 
-    def _prepare(self, jobs: list[_Job]) -> tuple[list[Prepared], list[tuple]]:
-        live = [j for j in jobs if j.voice is not None or j.request.request_id not in self._cancelled]
-        wanted: dict[bytes, tuple[torch.Tensor, int]] = {}
+    def _publish(self, job: _Job, result) -> None:
+        """Hand one job's result to the engine loop (a Prepared request or an encoded voice)."""
+        with self._lock:
+            (self._done if job.voice is None else self._encoded).append(result)
+            self._ready.set()
+
+    def _prepare(self, jobs: list[_Job], published: set[int]) -> None:
+        """Encode the jobs' uncached clips in one batch and publish each job as soon as all of its
+        clips are known (cached, encoded or failed), adding its index to `published`."""
         keys: dict[tuple[int, int], bytes] = {}
         found: dict[bytes, dict | Exception] = {}
-        for j, job in enumerate(live):
+        wanted: dict[bytes, tuple[torch.Tensor, int]] = {}
+        waiting: dict[int, set[bytes]] = {}  # job index -> keys it still needs
+        for j, job in enumerate(jobs):
+            if job.voice is None and job.request.request_id in self._cancelled:
+                with self._lock:
+                    self._cancelled.discard(job.request.request_id)
+                published.add(j)  # dropped: the engine forgot it already
+                continue
+            waiting[j] = set()
             for r, clip in enumerate(job.clips()):
                 if clip is None:
                     continue
@@ -209,23 +219,42 @@ class FrontendStage:
                         found[key] = cached
                     else:
                         wanted[key] = (torch.as_tensor(audio, dtype=torch.float32), int(rate or 0))
-        if wanted:
-            for key, result in zip(wanted, self._encode(list(wanted.values()))):
-                found[key] = result
-                if not isinstance(result, Exception):
-                    self.cache.put(key, result)
-        prepared = [self._build(job, j, keys, found) for j, job in enumerate(live) if job.voice is None]
-        encoded = [_encoded(job.voice[0], found[keys[j, 0]]) for j, job in enumerate(live) if job.voice is not None]
-        return prepared, encoded
+                if key not in found:
+                    waiting[j].add(key)
 
-    def _encode(self, clips: list) -> list:
+        def release(ready: list[int]) -> None:
+            for j in ready:
+                del waiting[j]
+                job = jobs[j]
+                self._publish(job, self._build(job, j, keys, found) if job.voice is None
+                              else _encoded(job.voice[0], found[keys[j, 0]]))
+                published.add(j)
+
+        release([j for j, need in waiting.items() if not need])
+        order = list(wanted)
+        for i, result in self._encode(list(wanted.values())):
+            key = order[i]
+            found[key] = result
+            if not isinstance(result, Exception):
+                self.cache.put(key, result)
+            for need in waiting.values():
+                need.discard(key)
+            release([j for j, need in waiting.items() if not need])
+        if waiting:  # a model that gave no result for some clip
+            raise RuntimeError(f"the reference frontend returned no features for {len(waiting)} request(s)")
+
+    def _encode(self, clips: list):
+        """(index, features or exception) per clip, as the model finishes each; nothing for no clips."""
+        if not clips:
+            return
         self.batches += 1
         self.clips += len(clips)
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if self._stream is None:
-                return self.model.reference_features_batch(clips)
+                yield from self.model.reference_features_as_ready(clips)
+                return
             with torch.cuda.stream(self._stream):
-                return self.model.reference_features_batch(clips)
+                yield from self.model.reference_features_as_ready(clips)
 
     def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:
         request = job.request

@@ -104,6 +104,11 @@ class TTSModel(abc.ABC):
                 out.append(e)
         return out
 
+    def reference_features_as_ready(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio"):
+        """(index, features or exception) per clip, each as soon as the model has it, so a request
+        whose clip is done need not wait for the rest of the batch. Default: the batch's results."""
+        yield from enumerate(self.reference_features_batch(clips, field))
+
     def warm_up_frontend(self, graphs=None) -> None:
         """Run the reference frontend once per shape it will see, at start-up (default: nothing).
 

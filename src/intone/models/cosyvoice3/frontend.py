@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ __all__ = [
     "SpeakerEncoder",
     "SpeechTokenizer",
     "extract_batch",
+    "extract_each",
     "extract_reference",
     "warm_up",
     "kaldi_fbank",
@@ -162,15 +164,15 @@ def _assemble(tokens, mel: Tensor, speaker, field: str) -> ReferenceFeatures:
                              prompt_mel=mel[: 2 * n].to("cpu").contiguous(), speaker=speaker)
 
 
-def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
-                  field: str = "ref_audio") -> list[ReferenceFeatures | Exception]:
-    """Reference recordings (audio, sample rate), as for `extract_reference` -> per item its
-    features (CPU tensors) or the error it raised (`InvalidRequestError(field, ...)` for bad
-    audio); one bad clip does not affect the others. The feature math runs on the tokenizer's
-    device; the two networks run batched (each clip's result equals it alone, to float rounding).
-    """
+def extract_each(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
+                 field: str = "ref_audio") -> Iterator[tuple[int, ReferenceFeatures | Exception]]:
+    """Reference recordings (audio, sample rate), as for `extract_reference` -> (index, features
+    as CPU tensors, or the error that item raised) as each item is ready: bad audio at once, then
+    the rest one by one after the speech tokenizer's batched call, so a clip's request need not
+    wait for the whole batch's speaker vectors. One bad clip does not affect the others. The
+    feature math runs on the tokenizer's device; each clip's result equals it alone, to float
+    rounding."""
     device = getattr(tokenizer, "device", torch.device("cpu"))
-    results: list = [None] * len(items)
     todo, clips16, mels = [], [], []
     for i, (audio, rate) in enumerate(items):
         try:
@@ -179,18 +181,27 @@ def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
             clips16.append(official_resample(audio, int(rate), TOKENIZER_RATE, bucket=int(rate)))
             todo.append(i)
         except InvalidRequestError as e:
-            results[i] = e
-    if todo:
-        tokens = _each(tokenizer, "tokenize_batch", clips16)
+            yield i, e
+    if not todo:
+        return
+    tokens = _each(tokenizer, "tokenize_batch", clips16)
+    for i, tok, mel, clip in zip(todo, tokens, mels, clips16):
         # The x-vector conditions every flow frame, and a padded batch moves it by float rounding:
         # each clip is embedded alone (CAM++ is cheap), so a request's audio never depends on
         # which other references arrived with it. Tokens are discrete and stay batched.
-        speakers = [_each(speaker_encoder, "embed_batch", [clip])[0] for clip in clips16]
-        for i, tok, mel, spk in zip(todo, tokens, mels, speakers):
-            try:
-                results[i] = _assemble(tok, mel, spk, field)
-            except Exception as e:  # noqa: BLE001 - this item's error, in its slot
-                results[i] = e
+        speaker = _each(speaker_encoder, "embed_batch", [clip])[0]
+        try:
+            yield i, _assemble(tok, mel, speaker, field)
+        except Exception as e:  # noqa: BLE001 - this item's error, in its slot
+            yield i, e
+
+
+def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
+                  field: str = "ref_audio") -> list[ReferenceFeatures | Exception]:
+    """`extract_each` gathered: per item (in order) its features or its error."""
+    results: list = [None] * len(items)
+    for i, result in extract_each(items, tokenizer, speaker_encoder, field):
+        results[i] = result
     return results
 
 

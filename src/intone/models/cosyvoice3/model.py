@@ -12,7 +12,7 @@ from intone.models.base import Prompt, TTSModel
 from intone.models.cosyvoice3.codec_config import flow_sizes
 from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest
 from intone.models.cosyvoice3.frontend import (
-    ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_batch, extract_reference, random_frontend,
+    ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_each, extract_reference, random_frontend,
     warm_up as frontend_warm_up,
 )
 from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
@@ -71,11 +71,18 @@ class CosyVoice3(TTSModel):
             frontend_warm_up(self.speech_tokenizer, self.speaker_encoder, graphs)
 
     def reference_features_batch(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio") -> list:
+        out: list = [None] * len(clips)
+        for i, features in self.reference_features_as_ready(clips, field):
+            out[i] = features
+        return out
+
+    def reference_features_as_ready(self, clips: list[tuple[Tensor, int]], field: str = "ref_audio"):
         """Many clips through the frontend's networks together (on the model's device when they
-        were ported to torch); a bad clip gets its own error."""
-        out = extract_batch(clips, self.speech_tokenizer, self.speaker_encoder, field=field)
-        return [r if isinstance(r, Exception) else
-                {"speech_tokens": r.speech_tokens, "prompt_mel": r.prompt_mel, "speaker": r.speaker} for r in out]
+        were ported to torch), each clip's (index, features) given as soon as it is done; a bad
+        clip gets its own error."""
+        for i, r in extract_each(clips, self.speech_tokenizer, self.speaker_encoder, field=field):
+            yield i, r if isinstance(r, Exception) else {
+                "speech_tokens": r.speech_tokens, "prompt_mel": r.prompt_mel, "speaker": r.speaker}
 
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
         return self.reference_features(audio, sample_rate)["speech_tokens"].unsqueeze(0)

@@ -1,0 +1,90 @@
+"""CosyVoice3's reference frontend hands each clip back when it is done, not when its batch is."""
+
+import threading
+import time
+
+import torch
+
+from intone.engine.frontend_stage import FrontendStage
+from intone.protocol import SynthesisRequest, VoiceReference
+
+
+def clip(seconds: float, pitch: float, rate: int = 16000) -> torch.Tensor:
+    t = torch.arange(int(seconds * rate)) / rate
+    return (0.3 * torch.sin(2 * torch.pi * pitch * t)).float()
+
+
+class GatedSpeakerEncoder:
+    """The real CAM++ calls, counted; the calls numbered in `gates` wait until their event is set."""
+
+    def __init__(self, encoder, gates: dict[int, threading.Event]):
+        self.encoder, self.gates, self.calls = encoder, gates, 0
+        self.real = encoder.embed_batch
+
+    def __call__(self, clips):
+        self.calls += 1
+        gate = self.gates.get(self.calls)
+        assert gate is None or gate.wait(60), f"CAM++ call {self.calls} was never released"
+        return self.real(clips)
+
+    def __enter__(self):
+        self.encoder.embed_batch = self
+        return self
+
+    def __exit__(self, *exc):
+        for gate in self.gates.values():
+            gate.set()
+        self.encoder.embed_batch = self.real
+
+
+def wait_until(condition, seconds: float = 30.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_the_model_yields_a_clip_before_embedding_the_next(tiny_cosy):
+    clips = [(clip(1.0 + 0.2 * i, 140 + 30 * i), 16000) for i in range(3)]
+    with GatedSpeakerEncoder(tiny_cosy.speaker_encoder, {}) as encoder:
+        seen = []
+        for i, features in tiny_cosy.reference_features_as_ready(clips):
+            seen.append((i, encoder.calls))
+            assert not isinstance(features, Exception)
+    assert seen == [(0, 1), (1, 2), (2, 3)]
+    alone = tiny_cosy.reference_features_batch(clips[2:])[0]
+    together = tiny_cosy.reference_features_batch(clips)[2]
+    assert torch.equal(alone["speech_tokens"], together["speech_tokens"])
+    assert torch.equal(alone["speaker"], together["speaker"])
+
+
+def test_the_stage_hands_back_a_request_while_its_batch_is_still_encoding(tiny_cosy):
+    stage = FrontendStage(tiny_cosy, cache_bytes=1 << 20)
+    first, last = threading.Event(), threading.Event()
+    requests = [SynthesisRequest(f"r{i}", "Hello there.", [VoiceReference("Ref.", clip(1.0 + 0.2 * i, 150 + 20 * i),
+                                                                             16000)]) for i in range(4)]
+    collected: list[str] = []
+
+    def collect() -> list[str]:
+        for prepared in stage.collect():
+            assert prepared.error is None, prepared.error
+            collected.append(prepared.request.request_id)
+        return collected
+
+    try:
+        with GatedSpeakerEncoder(tiny_cosy.speaker_encoder, {1: first, 4: last}) as encoder:
+            stage.submit(requests[0])  # the worker takes r0 alone and waits in its CAM++ call
+            assert wait_until(lambda: encoder.calls == 1)
+            for r in requests[1:]:  # queued meanwhile: the next batch is r1, r2, r3
+                stage.submit(r)
+            first.set()
+            # r1 comes back while r3's speaker vector (CAM++ call 4) is still held
+            assert wait_until(lambda: "r1" in collect()), collected
+            assert wait_until(lambda: encoder.calls == 4) and "r3" not in collect()
+            last.set()
+            assert wait_until(lambda: len(collect()) == 4)
+        assert collected == ["r0", "r1", "r2", "r3"] and stage.batches == 2 and stage.clips == 4
+    finally:
+        stage.close()
