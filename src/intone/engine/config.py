@@ -70,6 +70,9 @@ class FrontendConfig(_Strict):
     cache_mb: int = Field(256, ge=0, description="reference features kept by clip hash (MiB; 0: no cache)")
     cuda_graphs: bool = Field(False, description="capture the frontend's networks per input shape at start-up and "
                                                  "replay them (GPU)")
+    hand_back: Literal["each", "batch"] = Field(
+        "each", description="a request goes back to the engine as soon as its own clips are encoded, or with its "
+                            "whole batch (the behaviour before session 10; kept to measure the difference)")
     high_priority: bool = Field(False, description="experimental: the frontend's CUDA stream, and the stream its graphs "
                                                    "are captured on, at the highest priority (GPU)")
 

@@ -88,8 +88,10 @@ class _Job:
 
 
 class FrontendStage:
-    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0):
-        """priority: of the stage's CUDA stream (lower is more urgent, as CUDA counts)."""
+    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0, each: bool = True):
+        """priority: of the stage's CUDA stream (lower is more urgent, as CUDA counts). each: hand a
+        request back as soon as its own clips are done (else when its whole batch is)."""
+        self.each = each
         self.model = model
         self.cache = ReferenceCache(cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
@@ -230,7 +232,8 @@ class FrontendStage:
                               else _encoded(job.voice[0], found[keys[j, 0]]))
                 published.add(j)
 
-        release([j for j, need in waiting.items() if not need])
+        if self.each:
+            release([j for j, need in waiting.items() if not need])
         order = list(wanted)
         for i, result in self._encode(list(wanted.values())):
             key = order[i]
@@ -239,7 +242,9 @@ class FrontendStage:
                 self.cache.put(key, result)
             for need in waiting.values():
                 need.discard(key)
-            release([j for j, need in waiting.items() if not need])
+            if self.each:
+                release([j for j, need in waiting.items() if not need])
+        release([j for j, need in waiting.items() if not need])
         if waiting:  # a model that gave no result for some clip
             raise RuntimeError(f"the reference frontend returned no features for {len(waiting)} request(s)")
 

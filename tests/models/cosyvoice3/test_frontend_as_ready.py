@@ -88,3 +88,33 @@ def test_the_stage_hands_back_a_request_while_its_batch_is_still_encoding(tiny_c
         assert collected == ["r0", "r1", "r2", "r3"] and stage.batches == 2 and stage.clips == 4
     finally:
         stage.close()
+
+
+
+def test_hand_back_batch_keeps_a_batch_together(tiny_cosy):
+    """`frontend.hand_back: batch` (the behaviour before, kept for A/B runs): no request of a batch
+    goes back before its last clip is done."""
+    stage = FrontendStage(tiny_cosy, cache_bytes=0, each=False)
+    first, last = threading.Event(), threading.Event()
+    requests = [SynthesisRequest(f"r{i}", "Hi.", [VoiceReference("Ref.", clip(1.0, 150 + 20 * i), 16000)])
+                for i in range(4)]
+    got: list[str] = []
+
+    def collect() -> list[str]:
+        got.extend(p.request.request_id for p in stage.collect())
+        return got
+
+    try:
+        with GatedSpeakerEncoder(tiny_cosy.speaker_encoder, {1: first, 4: last}) as encoder:
+            stage.submit(requests[0])
+            assert wait_until(lambda: encoder.calls == 1)
+            for r in requests[1:]:
+                stage.submit(r)
+            first.set()
+            assert wait_until(lambda: encoder.calls == 4)  # r1 and r2 are encoded, r3's CAM++ is held
+            assert collect() == ["r0"]
+            last.set()
+            assert wait_until(lambda: len(collect()) == 4)
+        assert got == ["r0", "r1", "r2", "r3"]
+    finally:
+        stage.close()
