@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig, fold_hift_weight_norm
+from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.models.cosyvoice3.noise import (
     FLOW_NOISE_KEY,
     HIFT_RAND_INI_KEY,
@@ -216,6 +217,38 @@ def test_streaming_emits_each_sample_once_and_matches_one_call(hift64):
     assert [p.shape[1] for p in pieces] == [12 * HOP, 1 * HOP, 14 * HOP, 15 * HOP, 12 * HOP, 16 * HOP]
     assert stream.shape == reference.shape == (1, 70 * HOP)
     torch.testing.assert_close(stream, reference, rtol=0, atol=1e-12)
+
+
+def _phase_before(hift, mel_rows, frame: int) -> torch.Tensor:
+    """The excitation's phase sum over the frames before `frame`, from one call on the whole mel."""
+    window = SourceWindow([0], [0], torch.zeros(1, TINY.nb_harmonics + 1, dtype=torch.float64), [frame])
+    hift.vocode_batch([mel_rows], [True], window)
+    return window.recorded[0]
+
+
+def test_a_window_with_the_carried_phase_gives_the_whole_calls_samples(hift64):
+    """CosyVoice3's streamed HiFT runs over a window: `stream_context_frames` before the first
+    sample wanted, with the phase carried from the stream's earlier frames. Rows of one batch may be
+    windows of different streams or whole streams; a window that starts too late is visibly wrong."""
+    full = mel(120, seed=5)[0]
+    whole = hift64.inference(full[None], True)[0]
+    context, history = TINY.stream_context_frames, TINY.f0_history_frames
+    got = {}
+    for wanted in (context, 64, 80):
+        first = wanted - context
+        at = first + history if first else 0
+        carried = _phase_before(hift64, full, at)
+        window = SourceWindow([first, 0], [at, 0], torch.stack([carried, torch.zeros_like(carried)]), [at + 10, 30])
+        rows = hift64.vocode_batch([full[:, first:], full[:, :100]], [True, False], window)
+        got[wanted] = rows[0][(wanted - first) * HOP :]
+        torch.testing.assert_close(got[wanted], whole[wanted * HOP :], rtol=0, atol=1e-12)
+        torch.testing.assert_close(rows[1], whole[: 92 * HOP], rtol=0, atol=1e-12)
+        torch.testing.assert_close(window.recorded[0], _phase_before(hift64, full, at + 10), rtol=0, atol=1e-12)
+        torch.testing.assert_close(window.recorded[1], _phase_before(hift64, full, 30), rtol=0, atol=1e-12)
+    late = 80 - context // 2  # half the context: the window's edge reaches the samples wanted
+    window = SourceWindow([late], [late + history], _phase_before(hift64, full, late + history)[None], [late + history])
+    short = hift64.vocode_batch([full[:, late:]], [True], window)[0][(80 - late) * HOP :]
+    assert (short - whole[80 * HOP :]).abs().max() > 1e-10  # far outside the 1e-12 the windows above keep
 
 
 def test_nonfinal_call_is_prefix_of_longer_calls_fp32(hift32):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intone.models.cosyvoice3.hift_config import RAND_INI_KEY, SINE_NOISE_KEY, HiFTConfig
-from intone.models.cosyvoice3.hift_source import CausalF0Predictor, HarmonicSource, PaddedConv1d
+from intone.models.cosyvoice3.hift_source import CausalF0Predictor, HarmonicSource, PaddedConv1d, SourceWindow
 from intone.models.cosyvoice3.noise import FlowSizes, official_noise
 from intone.ops.snake import snake
 
@@ -181,7 +181,7 @@ class CausalHiFT(nn.Module):
         return self._run(mel, [frames] * batch, [finalize] * batch, pad=finalize)
 
     @torch.inference_mode()
-    def vocode_batch(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
+    def vocode_batch(self, mels: list[Tensor], finalize: list[bool], window: SourceWindow | None = None) -> list[Tensor]:
         """Rows [in_channels, T_i] (or [1, in_channels, T_i]) of any lengths, each with its own
         `finalize`, vocoded as one right-padded batch. Row i's audio [S_i] equals
         `inference(row_i[None], finalize[i])[0]` up to float rounding.
@@ -191,6 +191,10 @@ class CausalHiFT(nn.Module):
         the per-row parts with edge effects (excitation length, the source STFT's reflect padding,
         the iSTFT) are taken at each row's own official length, and a non-final row keeps the
         official non-final frames and drops its last 480 samples.
+
+        `window`: rows that are windows of longer streams (see SourceWindow; its `recorded` is set,
+        zeros for a row that gives no samples): a row's samples from `STREAM_CONTEXT_FRAMES` frames
+        into its window on equal those of the whole stream's call.
         """
         if len(mels) != len(finalize):
             raise ValueError("mels and finalize differ in length")
@@ -203,18 +207,25 @@ class CausalHiFT(nn.Module):
                 out[i] = rows[i].new_zeros(0, dtype=self._excitation_dtype())
             else:
                 live.append(i)
+        sub = window.rows(live) if window is not None else None
         if live:
             if len({(lengths[i], finalize[i]) for i in live}) == 1:
-                audio = self.inference(torch.stack([rows[i] for i in live]), finalize[live[0]])
+                fin, t = finalize[live[0]], lengths[live[0]]
+                audio = self._run(torch.stack([rows[i] for i in live]), [t] * len(live), [fin] * len(live), fin, sub)
             else:
                 t_max = max(lengths[i] for i in live)
                 mel = torch.stack([F.pad(rows[i], (0, t_max - lengths[i])) for i in live])
-                audio = self._run(mel, [lengths[i] for i in live], [finalize[i] for i in live], pad=True)
+                audio = self._run(mel, [lengths[i] for i in live], [finalize[i] for i in live], True, sub)
             for j, i in enumerate(live):
                 out[i] = audio[j, : self.cfg.output_samples(lengths[i], finalize[i])]
+        if window is not None:  # a row that consumed no frames carries its phase on unchanged
+            window.recorded = window.carried.to(self._excitation_dtype(), copy=True)
+            for j, i in enumerate(live):
+                window.recorded[i] = sub.recorded[j]
         return out  # type: ignore[return-value]
 
-    def _run(self, mel: Tensor, lengths: list[int], finals: list[bool], pad: bool) -> Tensor:
+    def _run(self, mel: Tensor, lengths: list[int], finals: list[bool], pad: bool,
+             stream: SourceWindow | None = None) -> Tensor:
         """Vocode a batch whose row b has `lengths[b]` real frames. `pad`: zero look-ahead padding
         (official final call; rows may differ); without it every row is a non-final call of the
         batch's full length. Returns [B, max samples]; row b is valid up to its official length."""
@@ -236,8 +247,13 @@ class CausalHiFT(nn.Module):
 
         # Source STFT per group of equal rows: [B, n_fft + 2, n_conv*120 + 1], zeros past a row's frames.
         spec = mel.new_zeros(batch, cfg.n_fft + 2, n_conv * frames_per_mel + 1, dtype=compute)
+        if stream is not None:
+            stream.recorded = torch.zeros(batch, stream.carried.shape[1], dtype=compute, device=mel.device)
         for (n_src, n_keep), idx in _groups(zip(src_frames, conv_frames)).items():
-            source = self.m_source(f0[idx, :n_src])
+            rows = stream.rows(idx) if stream is not None else None
+            source = self.m_source(f0[idx, :n_src], rows)
+            if rows is not None:
+                stream.recorded[idx] = rows.recorded
             stft = torch.stft(source, cfg.n_fft, stft_hop, cfg.n_fft, window=window, return_complex=True)
             stft = torch.view_as_real(stft)
             keep = n_keep * frames_per_mel + 1

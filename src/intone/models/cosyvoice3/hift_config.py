@@ -48,6 +48,31 @@ class HiFTConfig:
         return self.f0_look_right + self.conv_pre_look_right + 1
 
     @property
+    def f0_history_frames(self) -> int:
+        """Mel frames before a frame that its F0 depends on (the predictor's four causal convs)."""
+        return 2 * 4
+
+    @property
+    def stream_context_frames(self) -> int:
+        """Mel frames before the first sample wanted that a windowed call must see (its left receptive
+        field, rounded up, + 1): the F0 predictor's four causal convs, then the source's STFT, its
+        downsampling and resblocks and every later stage's upsampling and resblocks, at their rates."""
+        stage_rates = [math.prod(self.upsample_rates[: i + 1]) for i in range(len(self.upsample_rates))]
+        spec_rate = self.hop // self.hop_len  # source STFT frames per mel frame
+
+        def resblock(kernels, dilations) -> int:
+            return max(sum((k - 1) * d + (k - 1) for d in ds) for k, ds in zip(kernels, dilations))
+
+        later = [(k - 1 + resblock(self.resblock_kernel_sizes, self.resblock_dilation_sizes)) / rate
+                 for k, rate in zip(self.upsample_kernel_sizes, stage_rates)]
+        source = max(
+            (2 * math.prod(self.upsample_rates[i + 1 :]) + resblock([k], [d]) * spec_rate / stage_rates[i]) / spec_rate
+            + sum(later[i:])
+            for i, (k, d) in enumerate(zip(self.source_resblock_kernel_sizes, self.source_resblock_dilation_sizes)))
+        tail = (7 + self.n_fft) / spec_rate  # conv_post and the STFTs, in mel frames
+        return self.f0_history_frames + math.ceil(source + tail) + 1
+
+    @property
     def max_frames(self) -> int:
         return self.noise_samples // self.hop
 

@@ -10,6 +10,7 @@ Two parts keep a fixed dtype whatever the rest of the vocoder is cast to:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,30 @@ class SineNoise(PinnedDtype):
         self.register_buffer("sine_waves", torch.zeros(1, samples, channels), persistent=False)
 
 
+@dataclass
+class SourceWindow:
+    """Rows that continue a stream from a window of its mel (CosyVoice3's carried HiFT state).
+
+    Row b's frame 0 is absolute frame `first[b]` (the fixed noise is read from there). Its phase
+    is the carried sum `carried[b]` (per harmonic, in cycles) of the wrapped per-frame increments
+    of every frame before absolute frame `carried_at[b]`, continued over the window's frames from
+    there; the window's frames before `carried_at[b]` are context whose phase is not used. After
+    the call, `recorded[b]` is the same sum over the frames before `record_at[b]`, for the row's
+    next window. `carried_at[b] == first[b] == 0` starts a stream.
+    """
+
+    first: list[int]
+    carried_at: list[int]
+    carried: Tensor  # [B, harmonics + 1]
+    record_at: list[int]
+    recorded: Tensor | None = None
+
+    def rows(self, idx: list[int] | slice) -> SourceWindow:
+        pick = range(len(self.first))[idx] if isinstance(idx, slice) else idx
+        return SourceWindow([self.first[i] for i in pick], [self.carried_at[i] for i in pick],
+                            self.carried[list(pick)], [self.record_at[i] for i in pick])
+
+
 class HarmonicSource(nn.Module):
     """Official `m_source` (SourceModuleHnNSF with the causal SineGen2): F0 at frame rate ->
     excitation at sample rate, made of `harmonics + 1` sines merged by `l_linear` and tanh.
@@ -155,30 +180,56 @@ class HarmonicSource(nn.Module):
         self.l_sin_gen = SineNoise(harmonics + 1, noise_samples)
         self.l_linear = nn.Linear(harmonics + 1, 1)
 
-    def forward(self, f0: Tensor) -> Tensor:
-        """f0 [B, T] Hz (float32 or float64) -> excitation [B, T * hop], same dtype."""
+    def forward(self, f0: Tensor, window: SourceWindow | None = None) -> Tensor:
+        """f0 [B, T] Hz (float32 or float64) -> excitation [B, T * hop], same dtype. With `window`,
+        each row continues its stream (see SourceWindow; `window.recorded` is set)."""
         batch, frames = f0.shape
         samples = frames * self.hop
         noise = self.l_sin_gen.sine_waves
-        if samples > noise.shape[1]:
-            raise ValueError(
-                f"HiFT input of {frames} frames needs {samples} noise samples; the fixed noise holds {noise.shape[1]}"
-            )
+        first = window.first if window is not None else [0]
+        if (max(first) + frames) * self.hop > noise.shape[1]:
+            raise ValueError(f"HiFT input up to frame {max(first) + frames} needs more noise samples than the "
+                             f"fixed noise holds ({noise.shape[1]})")
         # The official code multiplies by a float32 tensor of harmonic numbers (float64 F0 stays float64).
         harm = torch.arange(1, self.harmonics + 2, dtype=torch.float32, device=f0.device)
         # Per-frame phase increment of each harmonic in cycles per sample, wrapped to [0, 1).
         step = (f0.unsqueeze(-1) * harm / self.sampling_rate) % 1  # [B, T, H]
+        if window is not None:
+            # The carried sum takes the place of the frames before carried_at, so the running sum
+            # from there adds the same terms in the same order as over the whole stream.
+            for b, (start, at) in enumerate(zip(window.first, window.carried_at)):
+                if at > start:
+                    step[b, : at - start] = 0
+                    step[b, at - start - 1] = window.carried[b].to(step.dtype)
+        cycles = torch.cumsum(step, dim=1)
+        if window is not None:
+            window.recorded = torch.stack([self._recorded(window, b, cycles[b]) for b in range(batch)])
         # Phase at frame rate, in radians; then scaled by hop and held (nearest) over each frame.
-        phase = torch.cumsum(step, dim=1) * 2 * math.pi
+        phase = cycles * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * self.hop, scale_factor=float(self.hop), mode="nearest")
         sines = torch.sin(phase.transpose(1, 2)) * self.sine_amp  # [B, L, H]
 
         f0_up = F.interpolate(f0[:, None], scale_factor=float(self.hop), mode="nearest").transpose(1, 2)  # [B, L, 1]
         voiced = (f0_up > self.voiced_threshold).type(torch.float32)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        excitation = sines * voiced + noise_amp * noise[:, :samples]
+        if window is not None and any(window.first):
+            noise = torch.stack([noise[0, f * self.hop : f * self.hop + samples] for f in window.first])
+        else:
+            noise = noise[:, :samples]
+        excitation = sines * voiced + noise_amp * noise
         del sines, phase
         weight = self.l_linear.weight.to(excitation.dtype)
         bias = self.l_linear.bias.to(excitation.dtype)
         merged = torch.tanh(F.linear(excitation, weight, bias))  # [B, L, 1]
         return merged.squeeze(-1).view(batch, samples)
+
+    @staticmethod
+    def _recorded(window: SourceWindow, b: int, cycles: Tensor) -> Tensor:
+        """Row b's phase sum over the frames before record_at (cycles: the row's running sums)."""
+        start, at, carried_at = window.first[b], window.record_at[b], window.carried_at[b]
+        if at == carried_at:
+            return window.carried[b].to(cycles.dtype) if at else torch.zeros_like(cycles[0])
+        if not carried_at <= at <= start + cycles.shape[0]:
+            raise ValueError(f"cannot record the phase before frame {at}: the window covers frames "
+                             f"{start}..{start + cycles.shape[0]} with its phase known from {carried_at}")
+        return cycles[at - start - 1]

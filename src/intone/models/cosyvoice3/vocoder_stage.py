@@ -6,8 +6,13 @@ Per chunk it does what the official streaming loop (`CosyVoice2Model.tts` with
     tokens, read as context) with the chunk-causal mask; the final chunk runs with full
     attention and no lookahead, as officially;
   - the chunk's new mel frames (2 per token) are appended to the request's mel history;
-  - HiFT over the whole history (finalize only on the last chunk); the samples beyond those
-    already released are the chunk's audio.
+  - officially, HiFT runs over the whole history (finalize only on the last chunk) and the
+    samples beyond those already released are the chunk's audio. HiFT is causal with a
+    bounded receptive field except for its excitation's running phase, so here it runs over
+    a window: the last `stream_context_frames` (40) frames before the first sample wanted,
+    plus the new ones, with the phase carried from the request's previous window. The samples
+    are the same (float64: to rounding; the window's are computed in another order), and a
+    hop's HiFT work no longer grows with the utterance (O(n) instead of O(n^2)).
 So the audio a request receives is the official streaming output for the same tokens and
 the same hop schedule (the planner's); the test suite checks this against a plain
 re-run of that loop, request by request.
@@ -23,13 +28,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.ops.batching import group_jobs
 
 
 @dataclass
 class StreamState:
-    mel: Tensor  # [80, n] mel frames handed to HiFT so far
-    released: int = 0  # audio samples sent so far
+    """What a request's next chunk needs from its earlier ones: the mel frames of HiFT's window
+    (from absolute frame `start`), the samples already released, and HiFT's phase sum over the
+    frames before `phase_at` (None: nothing carried yet)."""
+
+    mel: Tensor  # [80, n]
+    start: int = 0
+    released: int = 0
+    phase: Tensor | None = None
+    phase_at: int = 0
 
 
 def stretch(mel: Tensor, speed: float) -> Tensor:
@@ -62,23 +75,35 @@ class CosyCodecStage:
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
         new_mel = self._flow(items)
-        # Histories are built aside and committed only once the batch succeeded, so a failed batch
-        # can be retried chunk by chunk. A request may have two chunks here (regular + terminal).
+        # Every chunk's HiFT window starts where its request's committed state does (a request may
+        # have two chunks here: regular + terminal), and states are committed only once the batch
+        # succeeded, so a failed batch can be retried chunk by chunk.
+        hift = self.model.hift
+        context, held_back, hop = hift.cfg.stream_context_frames, hift.cfg.held_back_frames, hift.cfg.hop
         latest: dict[int, Tensor] = {}
-        histories = []
+        mels, finals, starts, windows = [], [], [], []
         for (req, chunk), mel in zip(items, new_mel):
-            state = req.codec_state
-            before = latest.get(id(req), state.mel if state is not None else mel.new_zeros(mel.shape[0], 0))
-            latest[id(req)] = torch.cat([before, mel], dim=1)
-            histories.append(latest[id(req)])
+            state = req.codec_state or StreamState(mel.new_zeros(mel.shape[0], 0))
+            history = latest[id(req)] = torch.cat([latest.get(id(req), state.mel), mel], dim=1)
             if req.speed != 1.0:  # one whole-utterance chunk (checked at admission): stretch as officially
-                histories[-1] = stretch(histories[-1], req.speed)
-        audio = self._hift(histories, [c.finished for _, c in items])
-        out = []
-        for (req, _), history, wav in zip(items, histories, audio):
-            state = req.codec_state = req.codec_state or StreamState(history)
-            out.append(np.ascontiguousarray(wav[state.released :].float().cpu().numpy(), dtype=np.float32))
-            state.mel, state.released = history, max(state.released, wav.shape[0])
+                history = stretch(history, req.speed)
+            end = state.start + (history.shape[1] if chunk.finished else max(history.shape[1] - held_back, 0))
+            after = max(0, end - context)  # where the next window starts
+            mels.append(history)
+            finals.append(chunk.finished)
+            starts.append(after)
+            # The next window's phase is carried from the first frame whose F0 it computes correctly.
+            record_at = max(state.phase_at, after + hift.cfg.f0_history_frames if after else 0)
+            windows.append((state.start, state.phase_at, state.phase, record_at))
+        audio, phases = self._hift(mels, finals, windows)
+        out, released = [], {}
+        for (req, _), history, wav, after, phase, (first, _, _, record_at) in zip(
+                items, mels, audio, starts, phases, windows):
+            state = req.codec_state
+            done = released.get(id(req), state.released if state is not None else 0)
+            out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
+            released[id(req)] = max(done, first * hop + wav.shape[0])
+            req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at)
         return out
 
     def _flow(self, items: list) -> list[Tensor]:
@@ -98,13 +123,21 @@ class CosyCodecStage:
                 out[i] = mel[:, model.flow.config.token_mel_ratio * items[i][1].start :]
         return out
 
-    def _hift(self, mels: list[Tensor], finalize: list[bool]) -> list[Tensor]:
+    def _hift(self, mels: list[Tensor], finalize: list[bool], windows: list[tuple]) -> tuple[list, list]:
+        """HiFT over each chunk's window: (first frame, phase_at, phase or None, record_at) ->
+        the window's audio and the phase to carry, per chunk."""
         out: list[Tensor] = [mels[0].new_zeros(0)] * len(mels)
+        phases: list[Tensor | None] = [w[2] for w in windows]
         live = [i for i, m in enumerate(mels) if m.shape[1] > 0]
         lengths = [mels[i].shape[1] // self.model.flow.config.token_mel_ratio for i in live]
+        harmonics = self.model.hift.cfg.nb_harmonics + 1
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
-            audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx])
-            for i, wav in zip(idx, audio):
-                out[i] = wav
-        return out
+            zero = mels[idx[0]].new_zeros(harmonics, dtype=torch.float64)
+            window = SourceWindow([windows[i][0] for i in idx], [windows[i][1] for i in idx],
+                                  torch.stack([zero if windows[i][2] is None else windows[i][2].to(zero) for i in idx]),
+                                  [windows[i][3] for i in idx])
+            audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx], window)
+            for j, (i, wav) in enumerate(zip(idx, audio)):
+                out[i], phases[i] = wav, window.recorded[j]
+        return out, phases
