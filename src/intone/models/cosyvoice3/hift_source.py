@@ -197,13 +197,14 @@ class HarmonicSource(nn.Module):
         if window is not None:
             # The carried sum takes the place of the frames before carried_at, so the running sum
             # from there adds the same terms in the same order as over the whole stream.
-            for b, (start, at) in enumerate(zip(window.first, window.carried_at)):
-                if at > start:
-                    step[b, : at - start] = 0
-                    step[b, at - start - 1] = window.carried[b].to(step.dtype)
+            local = torch.tensor([at - start for start, at in zip(window.first, window.carried_at)], device=f0.device)
+            before = torch.arange(frames, device=f0.device)[None, :, None] < local[:, None, None]
+            step = step.masked_fill(before, 0)
+            rows = (local > 0).nonzero().squeeze(1)
+            step[rows, local[rows] - 1] = window.carried.to(device=f0.device, dtype=step.dtype)[rows]
         cycles = torch.cumsum(step, dim=1)
         if window is not None:
-            window.recorded = torch.stack([self._recorded(window, b, cycles[b]) for b in range(batch)])
+            window.recorded = self._recorded(window, cycles)
         # Phase at frame rate, in radians; then scaled by hop and held (nearest) over each frame.
         phase = cycles * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * self.hop, scale_factor=float(self.hop), mode="nearest")
@@ -213,7 +214,8 @@ class HarmonicSource(nn.Module):
         voiced = (f0_up > self.voiced_threshold).type(torch.float32)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
         if window is not None and any(window.first):
-            noise = torch.stack([noise[0, f * self.hop : f * self.hop + samples] for f in window.first])
+            first = torch.tensor(window.first, device=f0.device) * self.hop
+            noise = noise[0][first[:, None] + torch.arange(samples, device=f0.device)]  # [B, L, H]
         else:
             noise = noise[:, :samples]
         excitation = sines * voiced + noise_amp * noise
@@ -224,12 +226,16 @@ class HarmonicSource(nn.Module):
         return merged.squeeze(-1).view(batch, samples)
 
     @staticmethod
-    def _recorded(window: SourceWindow, b: int, cycles: Tensor) -> Tensor:
-        """Row b's phase sum over the frames before record_at (cycles: the row's running sums)."""
-        start, at, carried_at = window.first[b], window.record_at[b], window.carried_at[b]
-        if at == carried_at:
-            return window.carried[b].to(cycles.dtype) if at else torch.zeros_like(cycles[0])
-        if not carried_at <= at <= start + cycles.shape[0]:
-            raise ValueError(f"cannot record the phase before frame {at}: the window covers frames "
-                             f"{start}..{start + cycles.shape[0]} with its phase known from {carried_at}")
-        return cycles[at - start - 1]
+    def _recorded(window: SourceWindow, cycles: Tensor) -> Tensor:
+        """Each row's phase sum over the frames before its record_at (cycles: [B, T, H] running sums)."""
+        picks = []
+        for start, at, carried_at in zip(window.first, window.record_at, window.carried_at):
+            if at != carried_at and not carried_at <= at <= start + cycles.shape[1]:
+                raise ValueError(f"cannot record the phase before frame {at}: the window covers frames "
+                                 f"{start}..{start + cycles.shape[1]} with its phase known from {carried_at}")
+            picks.append(at - start - 1 if at > start else -1)  # -1: nothing summed in this window
+        pick = torch.tensor(picks, device=cycles.device)
+        inside = cycles[torch.arange(cycles.shape[0], device=cycles.device), pick.clamp(min=0)]
+        # record_at == carried_at <= first: the carried sum itself (zeros when nothing was carried).
+        carried = window.carried.to(device=cycles.device, dtype=cycles.dtype)
+        return torch.where((pick >= 0)[:, None], inside, carried)
