@@ -124,6 +124,28 @@ def test_waiting_chunks_are_decoded_earliest_deadline_first_in_full_calls(tiny_f
     assert worker.in_flight == 0 and worker.queued == 0
 
 
+def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(tiny_fish):
+    """codec.schedule: first: while first chunks wait beside later ones, a call takes only the first
+    chunks (in the order handed over); the rest go in the next call, whole."""
+    from intone.engine.chunk_planner import Chunk
+
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None)
+    worker.close()
+    from intone.engine.codec_worker import CodecWorker
+
+    worker = CodecWorker(worker.stage, tiny_fish.device, first_alone=True)
+    later = {rid: (req, Chunk(rid, 6, req.codes.shape[1], 4, True)) for rid, (req, _) in items.items()}
+    worker.submit([items["r0"]], [12])
+    _until_busy(calls)
+    worker.submit([later["r1"], items["r3"], items["r2"], later["r2"]], [13, 15, 14, 14])
+    gate.set()
+    got = _drain(worker, 5)
+    assert calls == [["r0"], ["r3", "r2"], ["r1", "r2"]]
+    for d in got:
+        for item, audio in zip(d.items, d.audio):
+            assert np.allclose(audio, decode([item])[0], atol=1e-4)  # the same audio whatever the call
+
+
 def test_a_streams_later_chunks_are_due_when_its_earlier_audio_has_played(tiny_fish):
     profile = load_profile("fish-s2-default", device="cpu", **{"codec.schedule": "deadline"})
     core = EngineCore(tiny_fish, profile)

@@ -186,7 +186,8 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
             torch.backends.cudnn.benchmark = c.cudnn_benchmark
             warm_up_codec(stage, profile, model.max_seq_len)
         push.send(pickle.dumps(("ready", None)))
-        _loop(stage, ChunkQueue(c.max_batch if c.schedule == "deadline" else None), pull, push)
+        first = (lambda item: item[1].chunk.start == 0) if c.schedule == "first" else None
+        _loop(stage, ChunkQueue(c.max_batch if c.schedule == "deadline" else None, first), pull, push)
 
 
 def _loop(stage, queue: ChunkQueue, pull: zmq.Socket, push: zmq.Socket) -> None:

@@ -52,10 +52,14 @@ def decode_batch(stage, items: list) -> list:
 
 class ChunkQueue:
     """Chunks waiting for the codec, earliest deadline first (ties: as handed over); `take` hands
-    out one decode call's worth: up to max_call (None: all that wait). Not thread-safe."""
+    out one decode call's worth: up to max_call (None: all that wait). With `first` (a predicate:
+    is this item its request's first chunk?), a call takes only the first chunks while any wait
+    beside others, so a new stream's first audio does not wait for a call over the whole backlog.
+    Not thread-safe."""
 
-    def __init__(self, max_call: int | None = None):
+    def __init__(self, max_call: int | None = None, first=None):
         self.max_call = max_call
+        self.first = first
         self._heap: list = []  # (deadline, order, item, tokens)
         self._order = itertools.count()
 
@@ -64,6 +68,14 @@ class ChunkQueue:
 
     def take(self) -> tuple[list, list[int]]:
         n = len(self._heap) if self.max_call is None else min(self.max_call, len(self._heap))
+        if self.first is not None:
+            firsts = [t for t in self._heap if self.first(t[2])]
+            if 0 < len(firsts) < len(self._heap):
+                taken = sorted(firsts)[:n]
+                chosen = {id(t) for t in taken}
+                self._heap = [t for t in self._heap if id(t) not in chosen]
+                heapq.heapify(self._heap)
+                return [t[2] for t in taken], [t[3] for t in taken]
         taken = [heapq.heappop(self._heap) for _ in range(n)]
         return [t[2] for t in taken], [t[3] for t in taken]
 
@@ -80,9 +92,10 @@ class ChunkQueue:
 
 
 class CodecWorker:
-    def __init__(self, stage, device: torch.device, max_call: int | None = None):
+    def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False):
+        """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue)."""
         self.stage = stage
-        self._waiting = ChunkQueue(max_call)
+        self._waiting = ChunkQueue(max_call, (lambda item: item[1].start == 0) if first_alone else None)
         self._done: list[DecodedBatch] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

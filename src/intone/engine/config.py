@@ -60,10 +60,12 @@ class CodecStageConfig(_Strict):
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
-    schedule: Literal["fifo", "deadline"] = Field(
+    schedule: Literal["fifo", "deadline", "first"] = Field(
         "fifo", description="order of the chunks waiting for the codec worker: as handed over (each call takes "
-                            "all of them), or earliest listener deadline first (each call takes up to max_batch; "
-                            "experimental: CosyVoice3 streaming hit an illegal memory access with it on the H200)")
+                            "all of them); earliest listener deadline first (each call takes up to max_batch; "
+                            "experimental, not measured since the H200 crash that session 10 saw fixed); or "
+                            "first: as handed over, but while new streams' first chunks wait beside others, a "
+                            "call takes only those (a new stream's first audio skips the backlog's call)")
 
 
 class FrontendConfig(_Strict):
