@@ -17,6 +17,13 @@ from intone.errors import InvalidRequestError
 from intone.sampling_bounds import SAMPLING_BOUNDS, describe, within
 
 SAMPLING_MODES = ("ras", "standard")
+
+# Where a finished request's time went, in pipeline order. The engine core's stages travel as the
+# terminal chunk's `timings` (keys: these names + "_s"); the API adds its own two. first_hop: end of
+# the prefill step -> the first chunk handed to the codec; first_codec: that -> its audio delivered
+# (with api_in, frontend, queue and prefill: a stream's first audio, stage by stage).
+ENGINE_STAGES = ("frontend", "queue", "prefill", "first_hop", "first_codec", "decode", "codec", "total")
+REQUEST_STAGES = ("api_in", *ENGINE_STAGES[:-1], "api_out", "total")
 StopReason = Literal["stop", "length", "abort", "error"]
 # The engine's refusals and failures; "aborted" and "engine_dead" are the API's own (its engine
 # shutting down, or gone).

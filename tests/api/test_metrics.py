@@ -47,11 +47,16 @@ def test_bench_reports_where_the_time_goes(server, tmp_path):
     srv = level["server"]
     assert srv["available"] and srv["stages"]["total"]["requests"] == 6
     assert all(srv["stages"][s]["mean_s"] is not None for s in STAGES)
+    stages = {s: srv["stages"][s]["mean_s"] for s in STAGES}
+    # A whole response's first (only) chunk goes to the codec after its last frame, within its span.
+    assert stages["first_codec"] > 0 and stages["first_hop"] <= stages["decode"] + 0.05
+    assert stages["first_hop"] + stages["first_codec"] <= stages["total"]
     assert srv["counters"]["reference_cache_hits"] == 0 and srv["counters"]["reference_cache_misses"] == 6
     report = (tmp_path / "unique" / "report.md").read_text()
     assert "## Where the time goes" in report and "a distinct clip for every request" in report
-    assert "| concurrency | api_in s | frontend s | queue s | prefill s | decode s | codec s | api_out s | total s |" in report
-    row = next(line for line in report.splitlines() if line.startswith("| 2 | ") and line.count("|") == 11)
+    assert "| concurrency | api_in s | frontend s | queue s | prefill s | first_hop s | first_codec s | decode s " \
+           "| codec s | api_out s | total s |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| 2 | ") and line.count("|") == len(STAGES) + 3)
     assert all(cell.strip().replace(".", "").isdigit() for cell in row.split("|")[2:-1])
 
     run(bench_args(server, tmp_path / "pool", reference_pool=2, num_requests=4))

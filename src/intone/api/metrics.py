@@ -8,8 +8,8 @@ reference-cache hits and misses, and the requests routed to it (`reason`: load o
 Per finished request, `intone_request_stage_seconds{stage=...}` says where its time went: the API's
 own stages (`api_in`: HTTP request parsed -> handed to the engine, i.e. reference loading and
 decoding; `api_out`: terminal chunk -> response handed to the server, i.e. encoding of a whole
-file) and the engine core's (the terminal chunk's `timings`: frontend, queue, prefill, decode,
-codec, total). The engine's counters (reference cache, frontend batches, decode graph replays
+file) and the engine core's (the terminal chunk's `timings`: `intone.protocol.ENGINE_STAGES`).
+The engine's counters (reference cache, frontend batches, decode graph replays
 against eager steps, ...) are exported from its snapshot at each scrape, when it has them.
 """
 
@@ -18,14 +18,12 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from intone.protocol import ENGINE_STAGES
+
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20, 30, 60)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
-# Pipeline order. The engine's timings keys are these names + "_s" (frontend_s, ...).
-API_STAGES = ("api_in", "api_out")
-ENGINE_STAGES = ("frontend", "queue", "prefill", "decode", "codec", "total")
-STAGES = ("api_in", "frontend", "queue", "prefill", "decode", "codec", "api_out", "total")
 
 # engine snapshot key -> (metric name, help). Counters render with a `_total` suffix.
 ENGINE_COUNTERS = {
@@ -131,7 +129,7 @@ class ServerMetrics:
         self.engine_restarts = Counter("intone_engine_restarts", "Engine cores replaced after dying or hanging",
                                        registry=r)
         self.stages = Histogram("intone_request_stage_seconds", "Seconds of one finished request spent per stage "
-                                "(api_in, frontend, queue, prefill, decode, codec, api_out; total: the engine's)",
+                                "(intone.protocol.REQUEST_STAGES; total: the engine's)",
                                 ["stage"], buckets=STAGE_BUCKETS, registry=r)
         self.routed = Counter("intone_engine_routed_requests", "Engine requests sent to each engine core, by why it "
                               "was chosen (load: it owed the fewest frames; affinity: it had the reference clip)",

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import numpy as np
 
-STAGES = ("api_in", "frontend", "queue", "prefill", "decode", "codec", "api_out", "total")
+from intone.protocol import REQUEST_STAGES as STAGES
+
 STAGE_NOTE = ("Mean seconds per request in each stage, from the server's own `intone_request_stage_seconds` over "
               "the level (warm-up excluded). api_in: HTTP request parsed -> handed to the engine (reference "
               "loading); frontend: reference features; queue: features ready -> first AR step; prefill: the "
-              "step that ran its prefill; decode: end of that step -> last frame; codec: every codec call that "
+              "step that ran its prefill; first_hop: end of that step -> first chunk handed to the codec; first_codec: "
+              "that -> its audio delivered; decode: end of the prefill step -> last frame; codec: every codec call that "
               "carried its chunks, each in full; api_out: terminal chunk -> response handed over (encoding); "
               "total: the engine core's whole span. Stages overlap; they do not add up.")
 

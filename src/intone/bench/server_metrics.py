@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import httpx
 
-STAGES = ("api_in", "frontend", "queue", "prefill", "decode", "codec", "api_out", "total")
+from intone.protocol import REQUEST_STAGES as STAGES
+
 STAGE_METRIC = "intone_request_stage_seconds"
 # label in results -> sample name on /metrics
 COUNTERS = {

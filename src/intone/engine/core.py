@@ -363,8 +363,11 @@ class EngineCore:
             return
         items = [(self.requests[c.request_id], c) for c in chunks]
         tokens = [len(req.tokens) for req, _ in items]  # as of planning, so chunks never depend on timing
+        now = time.perf_counter()
         for req, _ in items:
             req.codec_in_flight += 1
+            if req.times.first_planned is None:
+                req.times.first_planned = now
         if self.codec_worker is None:
             start = time.perf_counter()
             audio = decode_batch(self.codec, items)
@@ -384,10 +387,8 @@ class EngineCore:
         """When the listener runs out of audio without this chunk: a first chunk is due since the
         request arrived; a later one when the audio before it, played from the first chunk's
         planning on, ends."""
-        now = time.perf_counter()
-        if req.times.first_planned is None:
-            req.times.first_planned = now
-            return req.times.arrived or now
+        if chunk.start == 0:
+            return req.times.arrived or req.times.first_planned
         return req.times.first_planned + chunk.start * self.model.samples_per_frame / self.model.sample_rate
 
     def _deliver(self, decoded: DecodedBatch) -> None:
@@ -404,6 +405,8 @@ class EngineCore:
                 self._fail(req, f"codec failed: {samples}")
                 continue
             self.stats.chunk_sizes[c.end - c.start] += 1
+            if req.times.first_delivered is None:
+                req.times.first_delivered = time.perf_counter()
             self._send(AudioChunk(
                 request_id=c.request_id, seq=req.seq, start_frame=c.start, end_frame=c.end, audio=samples,
                 sample_rate=self.model.sample_rate, finished=c.finished,

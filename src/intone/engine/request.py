@@ -42,14 +42,21 @@ class RequestTimes:
     last_frame: float | None = None
     codec_s: float = 0.0  # wall time of the codec calls that carried its chunks
     first_planned: float | None = None  # when its first chunk went to the codec (playback can start)
+    first_delivered: float | None = None  # when its first chunk's audio was sent
 
     def summary(self, now: float) -> dict[str, float]:
-        """Seconds per stage: frontend, queue (ready -> scheduled), prefill, decode (prefill step
-        end -> last frame), codec, total (arrival -> now)."""
+        """Seconds per stage (`intone.protocol.ENGINE_STAGES`): frontend, queue (ready -> scheduled),
+        prefill, first_hop (prefill step end -> first chunk to the codec), first_codec (-> its audio
+        sent), decode (prefill step end -> last frame), codec, total (arrival -> now). A stage the
+        request never reached counts 0."""
         scheduled = self.scheduled if self.scheduled is not None else now
         prefill = self.prefill_s or 0.0
         last = self.last_frame if self.last_frame is not None else now
+        planned = self.first_planned if self.first_planned is not None else now
+        first_hop = max(0.0, planned - scheduled - prefill) if self.scheduled is not None else 0.0
+        first_codec = max(0.0, (self.first_delivered or now) - planned) if self.first_planned is not None else 0.0
         return dict(frontend_s=self.frontend_s, queue_s=max(0.0, scheduled - self.ready), prefill_s=prefill,
+                    first_hop_s=first_hop, first_codec_s=first_codec,
                     decode_s=max(0.0, last - scheduled - prefill) if self.scheduled is not None else 0.0,
                     codec_s=self.codec_s, total_s=now - self.arrived if self.arrived else 0.0)
 
