@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
 #   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, codec-timing, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
-#                                         cosy-stream, cosy-engine, profile-fish, profile-cosy
+#                                         cosy-stream, cosy-ab (cosy-stream: shipped, frontend.hand_back=batch, codec.schedule=first),
+#                                         cosy-engine, profile-fish, profile-cosy
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -40,6 +41,8 @@ for stage in "$@"; do
     cosy-stream) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
+    cosy-ab) for v in "base:" "batch:--set frontend.hand_back=batch" "first:--set codec.schedule=first"; do
+        N=${AB_N:-256} TAG=-${v%%:*} SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile "$COSY_FULL" --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
