@@ -51,7 +51,7 @@ def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fi
     assert snap["live_requests"] == 0 and snap["kv_tables"] == 0 and snap["planner_requests"] == 0
 
 
-def _gated_worker(tiny_fish, max_call):
+def _gated_worker(tiny_fish, max_call, first_alone=False):
     """A worker whose decode calls wait for `gate`; calls records the request ids of each call."""
     import threading
 
@@ -74,7 +74,7 @@ def _gated_worker(tiny_fish, max_call):
         req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
         req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
         items[req.request_id] = (req, Chunk(req.request_id, 0, 12 + b, 0, True))
-    return CodecWorker(stage, tiny_fish.device, max_call=max_call), gate, calls, items, decode
+    return CodecWorker(stage, tiny_fish.device, max_call=max_call, first_alone=first_alone), gate, calls, items, decode
 
 
 def _drain(worker, count):
@@ -129,11 +129,7 @@ def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(
     chunks (in the order handed over); the rest go in the next call, whole."""
     from intone.engine.chunk_planner import Chunk
 
-    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None)
-    worker.close()
-    from intone.engine.codec_worker import CodecWorker
-
-    worker = CodecWorker(worker.stage, tiny_fish.device, first_alone=True)
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None, first_alone=True)
     later = {rid: (req, Chunk(rid, 6, req.codes.shape[1], 4, True)) for rid, (req, _) in items.items()}
     worker.submit([items["r0"]], [12])
     _until_busy(calls)

@@ -193,8 +193,8 @@ class CausalHiFT(nn.Module):
         official non-final frames and drops its last 480 samples.
 
         `window`: rows that are windows of longer streams (see SourceWindow; its `recorded` is set,
-        zeros for a row that gives no samples): a row's samples from `STREAM_CONTEXT_FRAMES` frames
-        into its window on equal those of the whole stream's call.
+        the carried phase unchanged for a row that gives no samples): a row's samples from
+        `cfg.stream_context_frames` frames into its window on equal those of the whole stream's call.
         """
         if len(mels) != len(finalize):
             raise ValueError("mels and finalize differ in length")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from intone.models.cosyvoice3.hift_source import OFFICIAL_NOISE_SAMPLES
+from intone.models.cosyvoice3.hift_source import F0_CAUSAL_CONVS, F0_CAUSAL_KERNEL, OFFICIAL_NOISE_SAMPLES
 
 RAND_INI_KEY = "m_source.l_sin_gen.rand_ini"
 SINE_NOISE_KEY = "m_source.l_sin_gen.sine_waves"
@@ -49,8 +49,8 @@ class HiFTConfig:
 
     @property
     def f0_history_frames(self) -> int:
-        """Mel frames before a frame that its F0 depends on (the predictor's four causal convs)."""
-        return 2 * 4
+        """Mel frames before a frame that its F0 depends on (the predictor's causal convs)."""
+        return F0_CAUSAL_CONVS * (F0_CAUSAL_KERNEL - 1)
 
     @property
     def stream_context_frames(self) -> int:

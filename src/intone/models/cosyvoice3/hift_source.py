@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# The F0 predictor's left-causal convolutions after its look-ahead one (official CausalConvRNNF0Predictor).
+F0_CAUSAL_CONVS, F0_CAUSAL_KERNEL = 4, 3
+
 # Official SineGen2 uses fixed noise of 300 s at 24 kHz for 9 harmonic channels, whatever the config.
 OFFICIAL_NOISE_SAMPLES = 300 * 24000
 
@@ -94,8 +97,9 @@ class CausalF0Predictor(PinnedDtype):
         f64 = torch.float64
         first = PaddedConv1d(in_channels, cond_channels, look_right + 1, right=look_right, dtype=f64)
         layers: list[nn.Module] = [first, nn.ELU()]
-        for _ in range(4):
-            layers += [PaddedConv1d(cond_channels, cond_channels, 3, left=2, dtype=f64), nn.ELU()]
+        for _ in range(F0_CAUSAL_CONVS):
+            layers += [PaddedConv1d(cond_channels, cond_channels, F0_CAUSAL_KERNEL, left=F0_CAUSAL_KERNEL - 1,
+                                    dtype=f64), nn.ELU()]
         self.condnet = nn.ModuleList(layers)
         self.classifier = nn.Linear(cond_channels, 1, dtype=f64)
         self.look_right = look_right
