@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
 #   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, codec-timing, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
-#                                         cosy-stream, cosy-ab (cosy-stream: shipped, frontend.hand_back=batch, codec.schedule=first),
+#                                         cosy-stream, cosy-ab (cosy-stream once per AB variant: AB='name:serve args;name:serve args'),
 #                                         cosy-engine, profile-fish, profile-cosy
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
@@ -41,8 +41,9 @@ for stage in "$@"; do
     cosy-stream) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
-    cosy-ab) for v in "base:" "batch:--set frontend.hand_back=batch" "first:--set codec.schedule=first"; do
-        N=${AB_N:-256} TAG=-${v%%:*} SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
+    cosy-ab) IFS=';' read -ra variants <<< "${AB:-base:;first:--set codec.schedule=first}"
+      for v in "${variants[@]}"; do
+        NESTED=1 N=${AB_N:-256} TAG=-${v%%:*} SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile "$COSY_FULL" --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
@@ -50,11 +51,13 @@ for stage in "$@"; do
     profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile "$COSY_FULL" --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
-  rm -rf "$OUT"/*/dataset  # the generated clips: too many files to bring back
+  rm -rf "$OUT"/*/dataset "$OUT"/*/*.png  # the generated clips: too many files to bring back
   for log in "$OUT"/*/server.log; do  # the first error of a failed run, small enough to bring back
     [ -f "$log" ] && grep -q -m1 "Traceback\|ERROR" "$log" && grep -m1 -B3 -A40 "Traceback\|ERROR" "$log" > "${log%server.log}first-error.txt" \
       && echo "first error in $log:" && head -20 "${log%server.log}first-error.txt"
   done
   summary+=("$stage: $(( $(date +%s) - start )) s")
 done
+# One archive per result folder: the device tool brings back only a few files per call.
+[ -z "${NESTED:-}" ] && for d in "$OUT"/*/; do [ -d "$d" ] && tar czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
 printf '%s\n' "${summary[@]}"

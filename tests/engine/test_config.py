@@ -38,3 +38,18 @@ def test_bad_profiles_name_the_field(tmp_path, text, field):
 def test_missing_profile():
     with pytest.raises(ProfileError, match="not found"):
         load_profile("no-such-profile")
+
+
+def test_host_switch_interval_is_set_in_the_process_that_loads_the_model(tiny_cache):
+    import sys
+
+    from intone.engine.loading import load_for_profile
+
+    before = sys.getswitchinterval()
+    try:
+        load_for_profile("tiny:fish-s2", load_profile("fish-s2-default", device="cpu", host_switch_interval_ms=0.5))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ProfileError, match="host_switch_interval_ms"):
+        load_profile("fish-s2-default", host_switch_interval_ms=0)

@@ -125,7 +125,9 @@ def sweep(args, base_url: str, out_dir: Path, tag: str = "") -> dict:
                            records=[r.to_dict() for r in records], audio_dir=str(save) if save else None))
         s = levels[-1]["summary"]
         print(f"concurrency {c}: {s['completed']}/{s['requests']} ok, {s['requests_per_s']:.3f} req/s, "
-              f"{s['audio_s_per_s']:.2f} audio-s/s, mean completion {s['completion_s']['mean'] or 0:.2f} s", flush=True)
+              f"{s['audio_s_per_s']:.2f} audio-s/s, mean completion {s['completion_s']['mean'] or 0:.2f} s"
+              + (f", mean first audio {s['first_audio_s']['mean'] or 0:.2f} s" if s.get("first_audio_s") else ""),
+              flush=True)
     return dict(sample_rate=rate, references=plan.summary(), levels=levels)
 
 

@@ -117,6 +117,9 @@ class Profile(_Strict):
     tf32: bool = Field(False, description="allow TF32 for float32 matmuls on CUDA (faster, ~1e-3 relative error)")
     host_threads: int | None = Field(None, ge=1, description="torch's CPU threads in an engine process on a GPU "
                                                             "(None: torch's default, one per core)")
+    host_switch_interval_ms: float | None = Field(
+        None, gt=0, le=100, description="Python's GIL switch interval in an engine process (None: Python's own, "
+                                        "5 ms): how long a thread back from a torch call may wait for the GIL")
     ar: ARConfig = ARConfig()
     codec: CodecStageConfig = CodecStageConfig()
     frontend: FrontendConfig = FrontendConfig()

@@ -145,6 +145,11 @@ class FrontendStage:
     def wait(self, timeout: float) -> None:
         self._ready.wait(timeout)
 
+    def ready(self) -> int:
+        """Requests prepared and not yet collected."""
+        with self._lock:
+            return len(self._done)
+
     def close(self) -> None:
         if self._thread is not None:
             self._inbox.put(None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from intone.engine.config import Profile
@@ -18,6 +20,11 @@ def load_for_profile(model_spec: str, profile: Profile):
     codec_dtype = torch.float32 if profile.codec.dtype == "auto" else getattr(torch, profile.codec.dtype)
     if device == "cpu" and {dtype, codec_dtype} & {torch.float16, torch.bfloat16}:
         dtype, codec_dtype = torch.float32, torch.float32  # half precision is for GPUs: slow on CPUs
+    if profile.host_switch_interval_ms is not None:
+        # The loop, the frontend and the codec are Python threads; one that holds the GIL through
+        # a stretch of pure Python (the step's metadata, the planner) keeps the others waiting up
+        # to one switch interval each time they come back from a torch call.
+        sys.setswitchinterval(profile.host_switch_interval_ms / 1000)
     if device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = profile.tf32
         if profile.host_threads is not None:
