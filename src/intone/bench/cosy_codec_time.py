@@ -18,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.model import random_cosyvoice3
+from intone.models.cosyvoice3.vocoder_stage import compile_dit
 
 
 def timed(fn, repeats: int = 3) -> tuple[float, object]:
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
         "tf32": dict(tf32=True, autocast=None),
         "autocast_bf16": dict(tf32=False, autocast=torch.bfloat16),
         "bf16_weights": dict(tf32=False, autocast=None, weights=torch.bfloat16),
-        "compiled_autocast_bf16": dict(tf32=False, autocast=torch.bfloat16, compiled=True),
+        "compiled_autocast_bf16": dict(tf32=False, autocast=torch.bfloat16, compiled="dit"),
     }
     for b in (int(x) for x in args.batch.split(",")):
         reqs = flow_requests(b, args.tokens, args.prompt, False, "cuda")
@@ -68,8 +69,7 @@ def main(argv=None) -> None:
             torch.backends.cuda.matmul.allow_tf32 = v["tf32"]
             run = flow if "weights" not in v else copy.deepcopy(flow).to(v["weights"])
             if v.get("compiled"):
-                est = flow.decoder.estimator
-                est.forward = torch.compile(est.forward, dynamic=True)
+                compile_dit(flow.decoder.estimator, v["compiled"])
                 start = time.perf_counter()
                 with torch.autocast("cuda", torch.bfloat16):
                     flow.inference(reqs)

@@ -191,3 +191,23 @@ def test_cuda_matches_cpu():
         torch.testing.assert_close(b.cpu(), a, rtol=0, atol=1e-6)
     bf16 = make_flow(torch.bfloat16).cuda().inference(reqs)
     assert all(m.is_cuda and m.dtype == torch.float32 and torch.isfinite(m).all() for m in bf16)
+
+
+@pytest.mark.parametrize("unit", ["dit", "block"])
+def test_a_compiled_dit_gives_the_eager_mel(unit):
+    """`codec.compile_unit`: whichever part is compiled, a batch of streamed and whole rows of
+    different lengths gets the eager flow's mel (float32: to rounding); a second batch of other
+    shapes reuses the compiled code (dynamic shapes)."""
+    from intone.models.cosyvoice3.vocoder_stage import compile_dit
+
+    flow = make_flow(torch.float32, seed=3)
+    g = torch.Generator().manual_seed(5)
+    batches = [[request(g, 8, 30, streaming=True, finalize=False, dtype=torch.float32),
+                request(g, 12, 21, streaming=False, dtype=torch.float32)],
+               [request(g, 10, 44 + i, streaming=bool(i % 2), dtype=torch.float32) for i in range(3)]]
+    eager = [flow.inference(b) for b in batches]
+    compile_dit(flow.decoder.estimator, unit)
+    for batch, want in zip(batches, eager):
+        for got, ref in zip(flow.inference(batch), want):
+            assert got.shape == ref.shape
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

@@ -152,7 +152,7 @@ class CosyVoice3(TTSModel):
             self.flow.to(getattr(torch, config.flow_dtype))
         stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast)
         if config.compile and gpu:
-            stage.compile_flow()
+            stage.compile_flow(config.compile_unit)
         return stage
 
     def mel_zeros(self) -> Tensor:
