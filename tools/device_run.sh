@@ -2,7 +2,7 @@
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
 #   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, kernels, codec-timing, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, cosy-ab (cosy-stream once per AB variant: AB='name:serve args;name:serve args'),
-#                                         cosy-engine, profile-fish, profile-cosy
+#                                         cosy-engine, profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -48,6 +48,8 @@ for stage in "$@"; do
         --profile "$COSY_FULL" --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
     profile-fish) timeout 300 python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile-fish.txt" | tail -45 ;;
+    profile-cosy-stream) timeout ${T:-300} python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-streaming --stream \
+        --frames normal:128:45 --steps 200 ${PROFILE_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/profile-cosy-stream${TAG}.txt" | head -40 ;;
     profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile "$COSY_FULL" --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -55,17 +55,17 @@ class frontend_pieces:
 
     def __init__(self, core):
         from intone.models.cosyvoice3 import frontend as cosy_frontend
+        from intone.models.cosyvoice3 import frontend_networks as cosy_networks
 
         self.spent, self.clips, self.batches = collections.defaultdict(float), 0, 0
         stage, model = core.frontend, core.model
         encode = stage._encode
 
-        def timed_encode(clips):
+        def timed_encode(clips):  # a generator (each clip as it is ready): timed until it is drained
             self.batches, self.clips = self.batches + 1, self.clips + len(clips)
             t = time.perf_counter()
-            out = encode(clips)
+            yield from encode(clips)
             self.spent["batch (whole)"] += time.perf_counter() - t
-            return out
         stage._encode = timed_encode
         if hasattr(model, "speech_tokenizer"):  # CosyVoice3: its pieces, by name
             tok, spk = model.speech_tokenizer, model.speaker_encoder
@@ -73,6 +73,8 @@ class frontend_pieces:
             spk.embed_batch = self.wrap("CAM++ (one clip a call)", spk.embed_batch)
             for name in ("official_resample", "prompt_mel"):
                 setattr(cosy_frontend, name, self.wrap(name, getattr(cosy_frontend, name)))
+            for name in ("kaldi_fbank", "whisper_log_mel"):  # inside CAM++'s and the tokenizer's calls
+                setattr(cosy_networks, name, self.wrap(f"  {name} (in the call above)", getattr(cosy_networks, name)))
 
     def wrap(self, name, fn):
         def wrapper(*a, **k):
