@@ -155,6 +155,26 @@ def test_batch_equals_one_at_a_time(ports):
         assert (batch - one).abs().max().item() < 1e-5
 
 
+def test_speaker_calls_of_several_rows_give_each_clip_what_it_gets_alone(files):
+    """`frontend.speaker_rows`: clips of one length bucket share a CAM++ call of a fixed shape, and a
+    clip's vector is the same bits among others as alone (the one-row default to rounding); the
+    frontend still gives every clip its own features, once."""
+    encoder = SpeakerEncoder(files["campplus"]).load()  # its own: set_batching changes it
+    clips = [_speech(s, seed=20 + i) for i, s in enumerate((3.1, 3.6, 2.2, 3.9, 1.1, 3.3))]
+    one_row = [encoder(c) for c in clips]
+    encoder.set_batching(4, 2)
+    assert encoder.embed_groups(clips) == [[0, 1, 2, 3], [4], [5]]
+    together = encoder.embed_batch(clips)
+    for i, clip in enumerate(clips):
+        alone = encoder.embed_batch([clip])[0]
+        assert torch.equal(together[i], alone), i
+        assert (alone - one_row[i]).abs().max().item() < 1e-5
+    tokenizer = SpeechTokenizer(files["tokenizer"]).load()
+    done = dict(fe.extract_each([(c, 16000) for c in clips], tokenizer, encoder))
+    assert sorted(done) == list(range(len(clips)))
+    assert all(torch.equal(done[i].speaker, together[i]) for i in done)
+
+
 def test_extract_batch_gives_bad_clips_their_own_error(files, ports):
     frontend = ReferenceFrontend.from_models(*ports)
     good = [(_speech(1.3, 44100, seed=1), 44100), (_speech(2.1, seed=2), 16000),

@@ -185,15 +185,19 @@ def extract_each(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
     if not todo:
         return
     tokens = _each(tokenizer, "tokenize_batch", clips16)
-    for i, tok, mel, clip in zip(todo, tokens, mels, clips16):
-        # The x-vector conditions every flow frame, and a padded batch moves it by float rounding:
-        # each clip is embedded alone (CAM++ is cheap), so a request's audio never depends on
-        # which other references arrived with it. Tokens are discrete and stay batched.
-        speaker = _each(speaker_encoder, "embed_batch", [clip])[0]
-        try:
-            yield i, _assemble(tok, mel, speaker, field)
-        except Exception as e:  # noqa: BLE001 - this item's error, in its slot
-            yield i, e
+    # The x-vector conditions every flow frame, and a batch of another shape moves it by float
+    # rounding: CAM++ runs every call at one shape per length bucket (`SpeakerEncoder.set_batching`;
+    # by default one row, i.e. each clip alone), so a request's audio never depends on which other
+    # references arrived with it. Tokens are discrete and stay batched.
+    groups = speaker_encoder.embed_groups(clips16) if hasattr(speaker_encoder, "embed_groups") \
+        else [[k] for k in range(len(clips16))]
+    for group in groups:
+        speakers = _each(speaker_encoder, "embed_batch", [clips16[k] for k in group])
+        for k, speaker in zip(group, speakers):
+            try:
+                yield todo[k], _assemble(tokens[k], mels[k], speaker, field)
+            except Exception as e:  # noqa: BLE001 - this item's error, in its slot
+                yield todo[k], e
 
 
 def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from intone.errors import ModelLoadError
 from intone.models.cosyvoice3.campplus_net import campplus_from_onnx
-from intone.models.cosyvoice3.features import kaldi_fbank, whisper_log_mel
+from intone.models.cosyvoice3.features import fbank_frames, kaldi_fbank, whisper_log_mel
 from intone.models.cosyvoice3.onnx_weights import NotThisArchitecture, OnnxGraph
 from intone.models.cosyvoice3.speech_tokenizer_net import speech_tokenizer_from_onnx
 
@@ -58,10 +58,21 @@ def _groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
-def _padded(items: list[Tensor], dim: int) -> tuple[Tensor, Tensor]:
-    """Stack along a new first axis, zero-padding axis `dim` to a multiple of FRAME_BUCKET; (batch, lengths)."""
+def _fixed_groups(lengths: list[int], rows: int, bucket: int) -> list[list[int]]:
+    """Indices grouped by length bucket, at most `rows` a group, in order of each group's first index."""
+    by_bucket: dict[int, list[list[int]]] = {}
+    for i, n in enumerate(lengths):
+        groups = by_bucket.setdefault(-(-n // bucket), [[]])
+        if len(groups[-1]) == rows:
+            groups.append([])
+        groups[-1].append(i)
+    return sorted((g for groups in by_bucket.values() for g in groups), key=lambda g: g[0])
+
+
+def _padded(items: list[Tensor], dim: int, bucket: int = FRAME_BUCKET) -> tuple[Tensor, Tensor]:
+    """Stack along a new first axis, zero-padding axis `dim` to a multiple of `bucket`; (batch, lengths)."""
     lengths = [int(x.shape[dim]) for x in items]
-    longest = -(-max(lengths) // FRAME_BUCKET) * FRAME_BUCKET
+    longest = -(-max(lengths) // bucket) * bucket
     pads = []
     for x, n in zip(items, lengths):
         pad = [0, 0] * x.dim()
@@ -70,9 +81,9 @@ def _padded(items: list[Tensor], dim: int) -> tuple[Tensor, Tensor]:
     return torch.stack(pads), torch.tensor(lengths, device=items[0].device)
 
 
-def _pad_rows(t: Tensor, rows: int) -> Tensor:
-    """Rows padded to the next power of two with copies of row 0 (dropped from the outputs)."""
-    target = 1 << (rows - 1).bit_length()
+def _pad_rows(t: Tensor, rows: int, target: int | None = None) -> Tensor:
+    """Rows padded to `target` (default: the next power of two) with copies of row 0 (dropped from the outputs)."""
+    target = target or 1 << (rows - 1).bit_length()
     return t if target == rows else torch.cat([t, t[:1].expand(target - rows, *t.shape[1:])])
 
 
@@ -91,6 +102,12 @@ class _FrontendModel:
     """
 
     what = "ONNX model"
+    # A network whose results must not depend on a clip's company runs every call at one shape per
+    # length bucket: `fixed_rows` rows (padded with copies of the first) and frames padded to a
+    # multiple of `frame_bucket`. At a fixed shape each row's arithmetic is the same whatever the
+    # other rows hold, so several clips share a call and each gets what it gets alone.
+    fixed_rows: int | None = None
+    frame_bucket: int = FRAME_BUCKET
 
     def __init__(self, onnx_path: str | Path, num_threads: int = 1, *, backend: str = "auto", verify: bool = True):
         self.path = Path(onnx_path)
@@ -199,10 +216,10 @@ class _FrontendModel:
         if self.net is None:
             return [run_session(f) for f in feats]
         out: list[Tensor | None] = [None] * len(feats)
-        for group in _groups([int(f.shape[dim]) for f in feats]):
-            x, lengths = _padded([feats[i].to(self._device) for i in group], dim)
-            if self.graphs is not None:
-                x, lengths = _pad_rows(x, len(group)), _pad_rows(lengths, len(group))
+        for group in self.call_groups([int(f.shape[dim]) for f in feats]):
+            x, lengths = _padded([feats[i].to(self._device) for i in group], dim, self.frame_bucket)
+            if self.graphs is not None or self.fixed_rows:
+                x, lengths = _pad_rows(x, len(group), self.fixed_rows), _pad_rows(lengths, len(group), self.fixed_rows)
             with torch.no_grad():
                 if self._capturing:
                     self.graphs.capture(self.what, self._forward, x, lengths)
@@ -211,6 +228,12 @@ class _FrontendModel:
             for row, i in zip(split(outputs, len(group)), group):
                 out[i] = row
         return out
+
+    def call_groups(self, lengths: list[int]) -> list[list[int]]:
+        """How items of these lengths (in input frames) are grouped into network calls."""
+        if self.fixed_rows:
+            return _fixed_groups(lengths, self.fixed_rows, self.frame_bucket)
+        return _groups(lengths)
 
     def _forward(self, x: Tensor, lengths: Tensor):
         raise NotImplementedError
@@ -276,6 +299,16 @@ class SpeakerEncoder(_FrontendModel):
     """`campplus.onnx`: 16 kHz audio -> 192-d speaker vector (float32), from the mean-normalised fbank."""
 
     what = "speaker encoder (CAM++)"
+    fixed_rows = 1  # the x-vector conditions every flow frame: a clip's must not depend on its company
+
+    def set_batching(self, rows: int, bucket_seconds: int) -> None:
+        """Clips per CAM++ call (always this many rows) and the length bucket in seconds. More rows
+        let same-bucket clips share a call: one-row calls are ~1500 small kernels each."""
+        self.fixed_rows, self.frame_bucket = rows, bucket_seconds * FRAME_BUCKET
+
+    def embed_groups(self, clips16k: list[Tensor]) -> list[list[int]]:
+        """The indices of 16 kHz clips that `embed_batch` would embed in one call each."""
+        return self.call_groups([fbank_frames(int(c.shape[-1])) for c in clips16k])
 
     def __call__(self, audio16k: Tensor) -> Tensor:
         return self.embed_batch([audio16k])[0]
