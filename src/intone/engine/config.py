@@ -75,6 +75,11 @@ class FrontendConfig(_Strict):
     cache_mb: int = Field(256, ge=0, description="reference features kept by clip hash (MiB; 0: no cache)")
     cuda_graphs: bool = Field(False, description="capture the frontend's networks per input shape at start-up and "
                                                  "replay them (GPU)")
+    speaker_rows: int = Field(1, ge=1, le=32, description="CosyVoice3: clips per CAM++ call, always this many rows "
+                                                         "(padded), so same-bucket clips share a call and each gets "
+                                                         "what it gets alone")
+    speaker_bucket_s: int = Field(1, ge=1, le=30, description="CosyVoice3: CAM++'s length bucket in seconds (coarser: "
+                                                              "more clips share a call, each padded further)")
     hand_back: Literal["each", "batch"] = Field(
         "each", description="a request goes back to the engine as soon as its own clips are encoded, or with its "
                             "whole batch (the behaviour before session 10; kept to measure the difference)")

@@ -86,6 +86,7 @@ class EngineCore:
         self.codec_worker: CodecWorker | CodecProcess | None = codec_process
         # Most urgent: the frontend's small kernels otherwise wait behind the codec's for every SM.
         self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
+        model.configure_frontend(profile.frontend)
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority,
                                       each=profile.frontend.hand_back == "each")
         self.requests: dict[str, EngineRequest] = {}

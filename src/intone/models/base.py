@@ -109,6 +109,10 @@ class TTSModel(abc.ABC):
         whose clip is done need not wait for the rest of the batch. Default: the batch's results."""
         yield from enumerate(self.reference_features_batch(clips, field))
 
+    def configure_frontend(self, config) -> None:
+        """Take the profile's `frontend` settings that concern the model's own networks (before
+        `warm_up_frontend`; default: none)."""
+
     def warm_up_frontend(self, graphs=None) -> None:
         """Run the reference frontend once per shape it will see, at start-up (default: nothing).
 

@@ -5,7 +5,10 @@ import time
 
 import torch
 
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore
 from intone.engine.frontend_stage import FrontendStage
+from intone.models.registry import load_model
 from intone.protocol import SynthesisRequest, VoiceReference
 
 
@@ -118,3 +121,24 @@ def test_hand_back_batch_keeps_a_batch_together(tiny_cosy):
         assert got == ["r0", "r1", "r2", "r3"]
     finally:
         stage.close()
+
+
+def test_the_profile_lets_same_bucket_clips_share_a_campplus_call_with_their_alone_features(tiny_cosy_dir):
+    """`frontend.speaker_rows` / `speaker_bucket_s` reach the model through the engine: five clips of
+    2.5-3.7 s (one 2 s bucket) take two CAM++ calls instead of five, and each clip's features are
+    the bits it gets alone."""
+    model = load_model(str(tiny_cosy_dir))  # its own: the profile reconfigures its CAM++
+    profile = load_profile("cosyvoice3-streaming", device="cpu",
+                           **{"frontend.speaker_rows": 4, "frontend.speaker_bucket_s": 2})
+    core = EngineCore(model, profile)
+    try:
+        clips = [(clip(2.5 + 0.3 * i, 120 + 15 * i), 16000) for i in range(5)]
+        with GatedSpeakerEncoder(model.speaker_encoder, {}) as encoder:
+            together = dict(model.reference_features_as_ready(clips))
+        assert encoder.calls == 2 and sorted(together) == list(range(5))
+        for i, c in enumerate(clips):
+            alone = model.reference_features_batch([c])[0]
+            assert torch.equal(alone["speaker"], together[i]["speaker"]), i
+            assert torch.equal(alone["speech_tokens"], together[i]["speech_tokens"]), i
+    finally:
+        core.close()

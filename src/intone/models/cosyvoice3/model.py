@@ -66,6 +66,10 @@ class CosyVoice3(TTSModel):
         f = extract_reference(audio, sample_rate, self.speech_tokenizer, self.speaker_encoder, field=field)
         return {"speech_tokens": f.speech_tokens, "prompt_mel": f.prompt_mel, "speaker": f.speaker}
 
+    def configure_frontend(self, config) -> None:
+        if hasattr(self.speaker_encoder, "set_batching"):
+            self.speaker_encoder.set_batching(config.speaker_rows, config.speaker_bucket_s)
+
     def warm_up_frontend(self, graphs=None) -> None:
         if getattr(self.speech_tokenizer, "device", torch.device("cpu")).type == "cuda":
             frontend_warm_up(self.speech_tokenizer, self.speaker_encoder, graphs)
