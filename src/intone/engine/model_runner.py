@@ -83,14 +83,13 @@ class ModelRunner:
         n_prefill = sum(1 for r in reqs if not r.tokens)
         if any(not r.tokens for r in reqs[n_prefill:]):
             raise ValueError("prefills must come before decodes")
-        tokens, codes = [], []
-        for r in reqs:
-            if not r.tokens:
-                tokens.append(r.prompt.tokens)
-                codes.append(r.prompt.codes)
-            else:
-                tokens.append(torch.tensor(r.tokens[-1:]))
-                codes.append(r.last_codes.cpu().view(1, -1))
+        # A decode's input is its last frame: one tensor for all of them, not one per row.
+        decodes = reqs[n_prefill:]
+        tokens = [r.prompt.tokens for r in reqs[:n_prefill]]
+        codes = [r.prompt.codes for r in reqs[:n_prefill]]
+        if decodes:
+            tokens.append(torch.tensor([r.tokens[-1] for r in decodes], dtype=torch.long))
+            codes.append(torch.stack([r.last_codes.cpu().view(-1) for r in decodes]))
         sampling = sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device)
         seats = self.history.seats_for([r.request_id for r in reqs], [r.tokens for r in reqs])
         return StepBatch(
