@@ -41,15 +41,18 @@ for stage in "$@"; do
     cosy-stream) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
-    cosy-ab) IFS=';' read -ra variants <<< "${AB:-base:;first:--set codec.schedule=first}"
+    cosy-ab) IFS=';' read -ra variants <<< "${AB:-shipped:;fifo:--set codec.schedule=fifo}"
       for v in "${variants[@]}"; do
-        NESTED=1 N=${AB_N:-256} TAG=-${v%%:*} SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
+        [[ $v == *:* ]] || v="$v:"
+        name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-')
+        N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile "$COSY_FULL" --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
     profile-fish) timeout 300 python3 tools/step_profile.py --model random:fish-s2 --profile fish-s2-high-concurrency ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile-fish.txt" | tail -45 ;;
     profile-cosy-stream) timeout ${T:-300} python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-streaming --stream \
-        --frames normal:128:45 --steps 200 ${PROFILE_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/profile-cosy-stream${TAG}.txt" | head -40 ;;
+        --frames normal:128:45 --steps 200 ${PROFILE_ARGS:-} 2>&1 | grep -v Warn > "$OUT/profile-cosy-stream${TAG}.txt"
+      head -40 "$OUT/profile-cosy-stream${TAG}.txt" ;;
     profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile "$COSY_FULL" --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
@@ -58,8 +61,9 @@ for stage in "$@"; do
     [ -f "$log" ] && grep -q -m1 "Traceback\|ERROR" "$log" && grep -m1 -B3 -A40 "Traceback\|ERROR" "$log" > "${log%server.log}first-error.txt" \
       && echo "first error in $log:" && head -20 "${log%server.log}first-error.txt"
   done
+  # One archive per result folder, as soon as its stage ends: the device tool brings back only a
+  # few files per call, and a call cut short keeps what its finished stages wrote.
+  for d in "$OUT"/*/; do [ -d "$d" ] && tar czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
   summary+=("$stage: $(( $(date +%s) - start )) s")
 done
-# One archive per result folder: the device tool brings back only a few files per call.
-[ -z "${NESTED:-}" ] && for d in "$OUT"/*/; do [ -d "$d" ] && tar czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
 printf '%s\n' "${summary[@]}"

@@ -70,7 +70,7 @@ class frontend_pieces:
         if hasattr(model, "speech_tokenizer"):  # CosyVoice3: its pieces, by name
             tok, spk = model.speech_tokenizer, model.speaker_encoder
             tok.tokenize_batch = self.wrap("speech tokenizer (batched)", tok.tokenize_batch)
-            spk.embed_batch = self.wrap("CAM++ (one clip a call)", spk.embed_batch)
+            spk.embed_batch = self.wrap("CAM++ (embed_batch calls)", spk.embed_batch)
             for name in ("official_resample", "prompt_mel"):
                 setattr(cosy_frontend, name, self.wrap(name, getattr(cosy_frontend, name)))
             for name in ("kaldi_fbank", "whisper_log_mel"):  # inside CAM++'s and the tokenizer's calls

@@ -204,6 +204,7 @@ def _serve(name: str, profile: str, graphs: bool) -> tuple[dict, dict]:
         deadline = time.monotonic() + 120
         while core.frontend.ready() < 6 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert core.frontend.ready() == 6, "the frontend did not prepare the six requests in time"
         while core.has_work():
             for c in core.step():
                 assert c.error is None, c.error

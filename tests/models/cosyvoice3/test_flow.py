@@ -206,8 +206,11 @@ def test_a_compiled_dit_gives_the_eager_mel(unit):
                 request(g, 12, 21, streaming=False, dtype=torch.float32)],
                [request(g, 10, 44 + i, streaming=bool(i % 2), dtype=torch.float32) for i in range(3)]]
     eager = [flow.inference(b) for b in batches]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compile_dit(flow.decoder.estimator, unit)
     for batch, want in zip(batches, eager):
         for got, ref in zip(flow.inference(batch), want):
             assert got.shape == ref.shape
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    # compiled for real, once: one graph whatever the unit (the blocks share theirs), none for the second batch
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1

@@ -125,19 +125,26 @@ def test_hand_back_batch_keeps_a_batch_together(tiny_cosy):
 
 def test_the_profile_lets_same_bucket_clips_share_a_campplus_call_with_their_alone_features(tiny_cosy_dir):
     """`frontend.speaker_rows` / `speaker_bucket_s` reach the model through the engine: five clips of
-    2.5-3.7 s (one 2 s bucket) take two CAM++ calls instead of five, and each clip's features are
-    the bits it gets alone."""
+    2.5-3.7 s (one 2 s bucket) take two CAM++ network calls of four rows instead of five calls, a bad
+    clip among them gets its own error, and each good clip's features are the bits it gets alone
+    (on a CPU; on a GPU, see the gpu test of row positions)."""
     model = load_model(str(tiny_cosy_dir))  # its own: the profile reconfigures its CAM++
     profile = load_profile("cosyvoice3-streaming", device="cpu",
                            **{"frontend.speaker_rows": 4, "frontend.speaker_bucket_s": 2})
     core = EngineCore(model, profile)
     try:
         clips = [(clip(2.5 + 0.3 * i, 120 + 15 * i), 16000) for i in range(5)]
-        with GatedSpeakerEncoder(model.speaker_encoder, {}) as encoder:
+        clips.insert(2, (torch.zeros(0), 16000))  # a bad clip: its own error, the others' indices unmoved
+        network, forwards = model.speaker_encoder._forward, []
+        model.speaker_encoder._forward = lambda x, lengths: forwards.append(x.shape) or network(x, lengths)
+        try:
             together = dict(model.reference_features_as_ready(clips))
-        assert encoder.calls == 2 and sorted(together) == list(range(5))
-        for i, c in enumerate(clips):
-            alone = model.reference_features_batch([c])[0]
+        finally:
+            model.speaker_encoder._forward = network
+        assert [shape[0] for shape in forwards] == [4, 4] and sorted(together) == list(range(6))
+        assert isinstance(together.pop(2), Exception)
+        for i in together:
+            alone = model.reference_features_batch([clips[i]])[0]
             assert torch.equal(alone["speaker"], together[i]["speaker"]), i
             assert torch.equal(alone["speech_tokens"], together[i]["speech_tokens"]), i
     finally:

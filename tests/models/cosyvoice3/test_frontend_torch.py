@@ -391,3 +391,29 @@ def test_frontend_graphs_give_the_eager_features_bitwise(files):
             assert torch.equal(a.speaker, b.speaker)
             assert torch.equal(a.prompt_mel, b.prompt_mel)
     assert graphs.replays >= 6 and graphs.eager == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True])
+def test_a_shared_campplus_call_gives_a_clip_its_alone_bits_in_every_row_on_the_gpu(graphed):
+    """`frontend.speaker_rows` > 1 on the GPU: real-size CAM++, a clip in each of the four rows of a
+    shared call, each time with other company, has the bits it has alone (kernels whose rounding
+    depended on a row's place in the batch would break the promise that a request's audio does not
+    depend on which references arrived with it)."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+    from intone.models.cosyvoice3.frontend import warm_up
+
+    encoder = SpeakerEncoder.from_net(random_campplus(CamShape(), seed=5, device="cuda"))
+    tokenizer = fe.random_frontend("cuda").tokenizer
+    encoder.set_batching(4, 2)
+    if graphed:
+        graphs = FunctionGraphs()
+        warm_up(tokenizer, encoder, graphs)
+    target = _speech(3.3, seed=40).cuda()
+    alone = encoder.embed_batch([target])[0]
+    others = [_speech(s, seed=41 + i).cuda() for i, s in enumerate((3.1, 3.9, 2.6, 3.5, 2.2, 3.7))]
+    for row in range(4):
+        company = [others[(2 * row + j) % 6] for j in range(3)]
+        batch = company[:row] + [target] + company[row:]
+        assert encoder.embed_groups(batch) == [[0, 1, 2, 3]]
+        assert torch.equal(encoder.embed_batch(batch)[row], alone), row
