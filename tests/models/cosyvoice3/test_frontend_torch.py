@@ -175,6 +175,17 @@ def test_speaker_calls_of_several_rows_give_each_clip_what_it_gets_alone(files):
     assert all(torch.equal(done[i].speaker, together[i]) for i in done)
 
 
+def test_a_long_bucket_takes_fewer_rows_per_call(files):
+    """With many rows and a coarse bucket, a call still stays within MAX_BATCH_FRAMES padded frames
+    (fewer rows for longer buckets: still one fixed shape per bucket)."""
+    encoder = SpeakerEncoder(files["campplus"]).load()
+    encoder.set_batching(32, 30)
+    shapes, network = [], encoder._forward
+    encoder._forward = lambda x, lengths: shapes.append(tuple(x.shape[:2])) or network(x, lengths)
+    encoder.embed_batch([_speech(12.0, seed=3)])
+    assert shapes == [(networks.MAX_BATCH_FRAMES // 3000, 3000)]
+
+
 def test_extract_batch_gives_bad_clips_their_own_error(files, ports):
     frontend = ReferenceFrontend.from_models(*ports)
     good = [(_speech(1.3, 44100, seed=1), 44100), (_speech(2.1, seed=2), 16000),

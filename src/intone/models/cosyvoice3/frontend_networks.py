@@ -58,12 +58,17 @@ def _groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+def _fixed_rows(rows: int, padded_frames: int) -> int:
+    """Rows of every call over this padded length: `rows`, fewer where they would pass MAX_BATCH_FRAMES."""
+    return max(1, min(rows, MAX_BATCH_FRAMES // max(padded_frames, 1)))
+
+
 def _fixed_groups(lengths: list[int], rows: int, bucket: int) -> list[list[int]]:
-    """Indices grouped by length bucket, at most `rows` a group, in order of each group's first index."""
+    """Indices grouped by length bucket, at most `_fixed_rows` a group, in order of each group's first index."""
     by_bucket: dict[int, list[list[int]]] = {}
     for i, n in enumerate(lengths):
         groups = by_bucket.setdefault(-(-n // bucket), [[]])
-        if len(groups[-1]) == rows:
+        if len(groups[-1]) == _fixed_rows(rows, -(-n // bucket) * bucket):
             groups.append([])
         groups[-1].append(i)
     return sorted((g for groups in by_bucket.values() for g in groups), key=lambda g: g[0])
@@ -219,7 +224,8 @@ class _FrontendModel:
         for group in self.call_groups([int(f.shape[dim]) for f in feats]):
             x, lengths = _padded([feats[i].to(self._device) for i in group], dim, self.frame_bucket)
             if self.graphs is not None or self.fixed_rows:
-                x, lengths = _pad_rows(x, len(group), self.fixed_rows), _pad_rows(lengths, len(group), self.fixed_rows)
+                rows = _fixed_rows(self.fixed_rows, x.shape[dim + 1 if dim >= 0 else dim]) if self.fixed_rows else None
+                x, lengths = _pad_rows(x, len(group), rows), _pad_rows(lengths, len(group), rows)
             with torch.no_grad():
                 if self._capturing:
                     self.graphs.capture(self.what, self._forward, x, lengths)
