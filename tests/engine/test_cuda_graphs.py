@@ -1,11 +1,13 @@
 """The model runner's CUDA graphs: captured at start-up, replayed bit for bit like the eager step."""
 
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
+from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.models import resolve_model_dir
 from intone.models.base import Prompt
@@ -226,3 +228,33 @@ def test_the_engine_gives_the_same_spans_and_audio_bytes_with_graphs_as_without(
     assert graph_spans == eager_spans and len(graph_spans) == 6
     for rid, audio in eager_audio.items():
         assert audio.size > 0 and np.array_equal(graph_audio[rid], audio), rid
+
+
+def test_frontend_graph_copies_replay_side_by_side_with_the_eager_bits():
+    """`frontend.workers` > 1: every shape captured once per worker; two threads, each on its own
+    stream, replay at the same time and get the eager result's bits from either copy."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda().eval()
+    fn = lambda x: net(x)  # noqa: E731
+    graphs = FunctionGraphs(replicas=2)
+    inputs = [torch.randn(8, 256, device="cuda") for _ in range(6)]
+    with torch.no_grad():
+        graphs.capture("net", fn, inputs[0])
+        eager = [fn(x) for x in inputs]
+    assert len(graphs) == 1 and graphs.report.graphs == 1
+    results: dict[int, list] = {}
+
+    def worker(w: int) -> None:
+        with torch.no_grad(), torch.cuda.stream(torch.cuda.Stream()):
+            results[w] = [graphs.run("net", fn, x)[0] for _ in range(20) for x in inputs]
+            torch.cuda.current_stream().synchronize()
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w in range(2):
+        for i, out in enumerate(results[w]):
+            assert torch.equal(out, eager[i % len(inputs)]), (w, i)
+    assert graphs.replays == 240 and graphs.eager == 0

@@ -80,6 +80,8 @@ class FrontendConfig(_Strict):
                                                          "what it gets alone")
     speaker_bucket_s: int = Field(1, ge=1, le=30, description="CosyVoice3: CAM++'s length bucket in seconds (coarser: "
                                                               "more clips share a call, each padded further)")
+    workers: int = Field(1, ge=1, le=8, description="frontend threads, each on its own CUDA stream (and, with "
+                                                   "cuda_graphs, its own copy of the graphs), taking batches side by side")
     hand_back: Literal["each", "batch"] = Field(
         "each", description="a request goes back to the engine as soon as its own clips are encoded, or with its "
                             "whole batch (the behaviour before session 10; kept to measure the difference)")

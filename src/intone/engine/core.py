@@ -88,7 +88,7 @@ class EngineCore:
         self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
         model.configure_frontend(profile.frontend)
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority,
-                                      each=profile.frontend.hand_back == "each")
+                                      each=profile.frontend.hand_back == "each", workers=profile.frontend.workers)
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
@@ -111,7 +111,8 @@ class EngineCore:
             log.info("start-up: warming the reference frontend's shapes")
             # Graphs of the frontend's networks: their eager launches (thousands of small kernels
             # per clip) would hold the GIL the engine loop needs.
-            self.frontend_graphs = FunctionGraphs(self.frontend_priority) if self.profile.frontend.cuda_graphs else None
+            self.frontend_graphs = FunctionGraphs(self.frontend_priority, self.profile.frontend.workers) \
+                if self.profile.frontend.cuda_graphs else None
             self.model.warm_up_frontend(self.frontend_graphs)
             if self.codec is not None:
                 log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)

@@ -257,21 +257,58 @@ def _tensors(tree) -> list[Tensor]:
     return list(tree) if isinstance(tree, (tuple, list)) else [tree]
 
 
+class _GraphSet:
+    """One copy of every captured function: its graphs share a memory pool, so they are replayed
+    one at a time (its lock), on whatever stream the replaying thread is on."""
+
+    def __init__(self, priority: int):
+        self.priority = priority
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], list[Tensor]]] = {}
+        self.lock = threading.Lock()
+        self.last: torch.cuda.Event | None = None
+        self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
+
+    def capture(self, key: tuple, fn: Callable, inputs) -> None:
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(priority=self.priority)
+        static = [t.clone() for t in inputs]
+        graph, out = capture_graph(lambda: fn(*static), self.pool, self.capture_stream)
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, static, _tensors(out))
+
+    def replay(self, key: tuple, inputs) -> list[Tensor]:
+        graph, static, out = self.graphs[key]
+        with self.lock:
+            if self.last is not None:  # the previous replay (maybe on another stream) is done with the buffers
+                torch.cuda.current_stream().wait_event(self.last)
+            for buffer, value in zip(static, inputs):
+                buffer.copy_(value)
+            graph.replay()
+            result = [t.clone() for t in out]
+            self.last = torch.cuda.Event()
+            self.last.record()
+            return result
+
+
 class FunctionGraphs:
     """CUDA graphs of a model's fixed-shape functions outside the AR step (the reference frontend's
     networks), keyed by name and input shapes. The engine makes one and hands it to the model at
     start-up; the model captures each shape it will see (`capture`), and later calls `run`, which
-    replays the graph for those shapes or, for any other shape, calls the function eagerly. The
-    graphs share one memory pool of their own, so they are replayed one at a time (a lock)."""
+    replays the graph for those shapes or, for any other shape, calls the function eagerly.
 
-    def __init__(self, priority: int = 0):
-        """priority: of the stream the graphs are captured on (lower is more urgent, as CUDA counts)."""
+    With `replicas` > 1 every shape is captured that many times, each copy with its memory pool of
+    its own, and each thread that replays takes one copy (round robin at its first call): several
+    frontend workers then replay concurrently, each on its own stream. The copies are the same
+    kernels on the same shapes, so a clip gets the same bits from any of them."""
+
+    def __init__(self, priority: int = 0, replicas: int = 1):
+        """priority: of the streams the graphs are captured on (lower is more urgent, as CUDA counts)."""
         self.priority = priority
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor], list[Tensor]]] = {}
-        self._lock = threading.Lock()
-        self._last: torch.cuda.Event | None = None
-        self._pool = None
-        self._capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
+        self._sets = [_GraphSet(priority) for _ in range(max(1, replicas))]
+        self._assigned = threading.local()
+        self._next = 0
+        self._assign_lock = threading.Lock()
         self.replays = self.eager = 0
         self.report = CaptureReport()
 
@@ -280,43 +317,40 @@ class FunctionGraphs:
         return (name, *((tuple(t.shape), t.dtype) for t in inputs))
 
     def capture(self, name: str, fn: Callable, *inputs: Tensor) -> None:
-        """Capture fn(*inputs) for these shapes (start-up only: nothing else may use the GPU)."""
+        """Capture fn(*inputs) for these shapes in every copy (start-up only: nothing else may use the GPU)."""
         key = self.key(name, inputs)
-        if key in self._graphs or not inputs[0].is_cuda:
+        if key in self._sets[0].graphs or not inputs[0].is_cuda:
             return
         start = time.perf_counter()
-        static = [t.clone() for t in inputs]
         try:
-            if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream(priority=self.priority)
-            graph, out = capture_graph(lambda: fn(*static), self._pool, self._capture_stream)
-            self._pool = graph.pool()
-            self._graphs[key] = (graph, static, _tensors(out))
+            for graph_set in self._sets:
+                graph_set.capture(key, fn, inputs)
             self.report.graphs += 1
         except Exception:  # this shape runs eagerly instead
             log.exception("cannot capture a CUDA graph for %s; it will run eagerly", key)
+            for graph_set in self._sets:
+                graph_set.graphs.pop(key, None)
             self.report.failed += 1
             torch.cuda.synchronize()
         self.report.seconds += time.perf_counter() - start
 
     def run(self, name: str, fn: Callable, *inputs: Tensor) -> list[Tensor]:
         """fn(*inputs) as a list of tensors: replayed when these shapes were captured."""
-        entry = self._graphs.get(self.key(name, inputs))
-        if entry is None:
+        key = self.key(name, inputs)
+        if key not in self._sets[0].graphs:
             self.eager += 1
             return _tensors(fn(*inputs))
-        graph, static, out = entry
-        with self._lock:
-            if self._last is not None:  # the previous replay (maybe on another stream) is done with the buffers
-                torch.cuda.current_stream().wait_event(self._last)
-            for buffer, value in zip(static, inputs):
-                buffer.copy_(value)
-            graph.replay()
+        with self._assign_lock:  # workers count side by side
             self.replays += 1
-            result = [t.clone() for t in out]
-            self._last = torch.cuda.Event()
-            self._last.record()
-            return result
+        return self._mine().replay(key, inputs)
+
+    def _mine(self) -> _GraphSet:
+        index = getattr(self._assigned, "index", None)
+        if index is None:
+            with self._assign_lock:
+                index = self._assigned.index = self._next % len(self._sets)
+                self._next += 1
+        return self._sets[index]
 
     def __len__(self) -> int:
-        return len(self._graphs)
+        return len(self._sets[0].graphs)

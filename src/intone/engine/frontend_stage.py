@@ -1,7 +1,7 @@
 """The reference frontend as a batched stage: reference audio -> the model's features -> a prompt.
 
-Requests that bring reference audio are handed to one worker thread, and so are voice uploads
-(which must never pause the engine loop either). It takes every job
+Requests that bring reference audio are handed to a worker thread (one, or `workers`), and so are
+voice uploads (which must never pause the engine loop either). A worker takes every job
 queued at that moment, looks each clip up in the reference cache (keyed by a hash of its samples
 and rate), encodes the misses in one batched call on its own CUDA stream (so running streams
 keep stepping meanwhile), and hands each request back to the engine loop, with its prompt, as
@@ -88,10 +88,12 @@ class _Job:
 
 
 class FrontendStage:
-    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0, each: bool = True):
-        """priority: of the stage's CUDA stream (lower is more urgent, as CUDA counts). each: hand a
-        request back as soon as its own clips are done (else when its whole batch is)."""
-        self.each = each
+    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0, each: bool = True, workers: int = 1):
+        """priority: of the stage's CUDA streams (lower is more urgent, as CUDA counts). each: hand a
+        request back as soon as its own clips are done (else when its whole batch is). workers:
+        threads taking batches from the queue, each on a CUDA stream of its own (several let the
+        frontend's chains of small kernels run side by side on the GPU)."""
+        self.each, self.workers, self.priority = each, max(1, workers), priority
         self.model = model
         self.cache = ReferenceCache(cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
@@ -100,8 +102,8 @@ class FrontendStage:
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
         self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stream = torch.cuda.Stream(model.device, priority=priority) if model.device.type == "cuda" else None
+        self._threads: list[threading.Thread] = []
+        self._local = threading.local()  # each thread's CUDA stream
         self.batches = self.clips = 0
         self.pending_encodes = 0  # voice uploads submitted, not yet collected
 
@@ -116,9 +118,11 @@ class FrontendStage:
         self._put(_Job(None, (token, audio, sample_rate)))
 
     def _put(self, job: _Job) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="intone-frontend", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._work, name="intone-frontend" + (f"-{i}" if i else ""),
+                                              daemon=True) for i in range(self.workers)]
+            for thread in self._threads:
+                thread.start()
         self._inbox.put(job)
 
     def collect_encoded(self) -> list[tuple]:
@@ -151,10 +155,11 @@ class FrontendStage:
             return len(self._done)
 
     def close(self) -> None:
-        if self._thread is not None:
+        for _ in self._threads:
             self._inbox.put(None)
-            self._thread.join(timeout=10)
-            self._thread = None
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads = []
 
     def features(self, audio, sample_rate: int) -> dict:
         """One clip's features through the cache (for stored voices); raises what encoding raises."""
@@ -260,11 +265,21 @@ class FrontendStage:
         self.batches += 1
         self.clips += len(clips)
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
-            if self._stream is None:
+            stream = self._stream()
+            if stream is None:
                 yield from self.model.reference_features_as_ready(clips)
                 return
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(stream):
                 yield from self.model.reference_features_as_ready(clips)
+
+    def _stream(self) -> torch.cuda.Stream | None:
+        """The calling thread's CUDA stream for the frontend's work (None on a CPU)."""
+        if self.model.device.type != "cuda":
+            return None
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.model.device, priority=self.priority)
+        return stream
 
     def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:
         request = job.request

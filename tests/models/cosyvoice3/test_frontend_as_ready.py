@@ -149,3 +149,36 @@ def test_the_profile_lets_same_bucket_clips_share_a_campplus_call_with_their_alo
             assert torch.equal(alone["speech_tokens"], together[i]["speech_tokens"]), i
     finally:
         core.close()
+
+
+def test_two_workers_prepare_a_request_while_the_other_is_held_and_close_joins_both(tiny_cosy):
+    """`frontend.workers: 2`: while one worker is held inside its CAM++ call, the other takes the
+    next request and hands it back; each request gets the features it gets alone; close() ends
+    both threads."""
+    stage = FrontendStage(tiny_cosy, cache_bytes=0, workers=2)
+    held = threading.Event()
+    requests = [SynthesisRequest(f"r{i}", "Hello there.", [VoiceReference("Ref.", clip(1.0 + 0.3 * i, 150 + 20 * i),
+                                                                             16000)]) for i in range(2)]
+    prepared: dict[str, object] = {}
+
+    def collect() -> dict:
+        for p in stage.collect():
+            assert p.error is None, p.error
+            prepared[p.request.request_id] = p
+        return prepared
+
+    try:
+        with GatedSpeakerEncoder(tiny_cosy.speaker_encoder, {1: held}) as encoder:
+            stage.submit(requests[0])  # one worker takes r0 and waits in CAM++ call 1
+            assert wait_until(lambda: encoder.calls == 1)
+            stage.submit(requests[1])  # the other worker takes r1
+            assert wait_until(lambda: "r1" in collect()) and "r0" not in prepared
+            held.set()
+            assert wait_until(lambda: len(collect()) == 2)
+        for r in requests:
+            alone = tiny_cosy.reference_features_batch([(r.references[0].audio, 16000)])[0]
+            got = prepared[r.request_id].request.references[0].features
+            assert torch.equal(torch.as_tensor(got["speaker"]), alone["speaker"])
+    finally:
+        stage.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("intone-frontend")]
