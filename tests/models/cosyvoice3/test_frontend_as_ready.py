@@ -155,6 +155,7 @@ def test_two_workers_prepare_a_request_while_the_other_is_held_and_close_joins_b
     """`frontend.workers: 2`: while one worker is held inside its CAM++ call, the other takes the
     next request and hands it back; each request gets the features it gets alone; close() ends
     both threads."""
+    before = set(threading.enumerate())
     stage = FrontendStage(tiny_cosy, cache_bytes=0, workers=2)
     held = threading.Event()
     requests = [SynthesisRequest(f"r{i}", "Hello there.", [VoiceReference("Ref.", clip(1.0 + 0.3 * i, 150 + 20 * i),
@@ -181,4 +182,5 @@ def test_two_workers_prepare_a_request_while_the_other_is_held_and_close_joins_b
             assert torch.equal(torch.as_tensor(got["speaker"]), alone["speaker"])
     finally:
         stage.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("intone-frontend")]
+    started = [t for t in threading.enumerate() if t not in before and t.name.startswith("intone-frontend")]
+    assert not started, started
