@@ -52,6 +52,8 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=150)
     ap.add_argument("--prompt", type=int, default=75)
     ap.add_argument("--kernels", type=int, default=0, help="print the top N CUDA kernels of one bf16 flow call")
+    ap.add_argument("--compile-unit", choices=["dit", "block"], default="dit",
+                    help="what the compiled variant compiles (codec.compile_unit)")
     args = ap.parse_args(argv)
     model = random_cosyvoice3("cuda")
     flow, hift = model.flow, model.hift
@@ -60,26 +62,29 @@ def main(argv=None) -> None:
         "tf32": dict(tf32=True, autocast=None),
         "autocast_bf16": dict(tf32=False, autocast=torch.bfloat16),
         "bf16_weights": dict(tf32=False, autocast=None, weights=torch.bfloat16),
-        "compiled_autocast_bf16": dict(tf32=False, autocast=torch.bfloat16, compiled="dit"),
+        "compiled_autocast_bf16": dict(tf32=False, autocast=torch.bfloat16, compiled=args.compile_unit),
     }
     for b in (int(x) for x in args.batch.split(",")):
         reqs = flow_requests(b, args.tokens, args.prompt, False, "cuda")
         reference = None
         for name, v in variants.items():
             torch.backends.cuda.matmul.allow_tf32 = v["tf32"]
-            run = flow if "weights" not in v else copy.deepcopy(flow).to(v["weights"])
+            # A variant that changes the flow (weights, compilation) gets a copy: the others stay plain.
+            run = copy.deepcopy(flow) if "weights" in v or "compiled" in v else flow
+            if "weights" in v:
+                run.to(v["weights"])
             if v.get("compiled"):
-                compile_dit(flow.decoder.estimator, v["compiled"])
+                compile_dit(run.decoder.estimator, v["compiled"])
                 start = time.perf_counter()
                 with torch.autocast("cuda", torch.bfloat16):
-                    flow.inference(reqs)
+                    run.inference(reqs)
                 torch.cuda.synchronize()
                 print(json.dumps(dict(piece="flow", variant=name, compile_s=round(time.perf_counter() - start, 1))))
             with torch.autocast("cuda", v["autocast"] or torch.float32, enabled=v["autocast"] is not None):
                 ms, mels = timed(lambda: run.inference(reqs))
             if run is not flow:
                 if args.kernels:
-                    top_kernels(run, reqs, args.kernels, autocast=False)
+                    top_kernels(run, reqs, args.kernels, autocast=v["autocast"] is not None)
                 del run
             reference = reference if reference is not None else mels
             diff = max(float((a - r).abs().max()) for a, r in zip(mels, reference))

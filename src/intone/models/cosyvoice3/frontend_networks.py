@@ -67,8 +67,9 @@ def _fixed_groups(lengths: list[int], rows: int, bucket: int) -> list[list[int]]
     """Indices grouped by length bucket, at most `_fixed_rows` a group, in order of each group's first index."""
     by_bucket: dict[int, list[list[int]]] = {}
     for i, n in enumerate(lengths):
-        groups = by_bucket.setdefault(-(-n // bucket), [[]])
-        if len(groups[-1]) == _fixed_rows(rows, -(-n // bucket) * bucket):
+        padded = -(-n // bucket) * bucket
+        groups = by_bucket.setdefault(padded, [[]])
+        if len(groups[-1]) == _fixed_rows(rows, padded):
             groups.append([])
         groups[-1].append(i)
     return sorted((g for groups in by_bucket.values() for g in groups), key=lambda g: g[0])
@@ -223,9 +224,11 @@ class _FrontendModel:
         out: list[Tensor | None] = [None] * len(feats)
         for group in self.call_groups([int(f.shape[dim]) for f in feats]):
             x, lengths = _padded([feats[i].to(self._device) for i in group], dim, self.frame_bucket)
-            if self.graphs is not None or self.fixed_rows:
-                rows = _fixed_rows(self.fixed_rows, x.shape[dim + 1 if dim >= 0 else dim]) if self.fixed_rows else None
+            if self.fixed_rows:  # the bucket's one shape
+                rows = _fixed_rows(self.fixed_rows, x.shape[dim + 1 if dim >= 0 else dim])
                 x, lengths = _pad_rows(x, len(group), rows), _pad_rows(lengths, len(group), rows)
+            elif self.graphs is not None:  # a power of two: a captured shape
+                x, lengths = _pad_rows(x, len(group)), _pad_rows(lengths, len(group))
             with torch.no_grad():
                 if self._capturing:
                     self.graphs.capture(self.what, self._forward, x, lengths)
