@@ -64,14 +64,24 @@ def stage_tables(results: dict) -> list[str]:
         lines.append(f"| {lvl['concurrency']} | " + " | ".join(_fmt(st[s]["mean_s"], 4) for s in STAGES)
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
-              "graph replays | eager decode steps | engine steps | mean step ms |", "|---|---|---|---|---|---|---|---|---|"]
+              "frontend busy s | queued s per batch job | graph replays | eager decode steps | engine steps | "
+              "mean step ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
         lines.append(f"| {lvl['concurrency']} | " + " | ".join(_count(k.get(key)) for key in (
-            "reference_cache_hits", "reference_cache_misses", "frontend_clips", "frontend_batches",
-            "graph_replays", "eager_decode_steps", "engine_steps")) + f" | {_fmt(srv.get('mean_step_ms'), 2)} |")
-    return lines + [""]
+            "reference_cache_hits", "reference_cache_misses", "frontend_clips", "frontend_batches"))
+            + f" | {_fmt(k.get('frontend_busy_seconds'), 2)} | {_fmt(_per(k, 'frontend_queued_seconds'), 3)} | "
+            + " | ".join(_count(k.get(key)) for key in ("graph_replays", "eager_decode_steps", "engine_steps"))
+            + f" | {_fmt(srv.get('mean_step_ms'), 2)} |")
+    return lines + ["frontend busy s: the workers' time on batches over the level (near the level's wall time: "
+                    "saturated); queued: a request's wait for a worker before its batch began.", ""]
+
+
+def _per(counters: dict, key: str) -> float | None:
+    """A summed counter per frontend job (request or voice upload) of the level."""
+    total, jobs = counters.get(key), counters.get("frontend_jobs")
+    return total / jobs if total is not None and jobs else None
 
 
 def _count(value) -> str:

@@ -105,6 +105,10 @@ class FrontendStage:
         self._threads: list[threading.Thread] = []
         self._local = threading.local()  # each thread's CUDA stream
         self.batches = self.clips = 0
+        # Seconds the workers spent on batches, and jobs spent queued before their batch began
+        # (summed): busy near the wall time means the stage is saturated; queued says what it costs.
+        self.busy_s = self.queued_s = 0.0
+        self.jobs = 0  # requests and voice uploads taken by the workers
         self.pending_encodes = 0  # voice uploads submitted, not yet collected
 
     # ---- engine side ------------------------------------------------------------------------
@@ -191,6 +195,7 @@ class FrontendStage:
                     break
                 jobs.append(nxt)
             published: set[int] = set()
+            began = time.perf_counter()
             try:
                 self._prepare(jobs, published)
             except Exception as e:  # a bug here must refuse these requests, not kill the thread
@@ -199,6 +204,10 @@ class FrontendStage:
                     if j not in published:
                         self._publish(job, Prepared(job.request, None, e, time.perf_counter() - job.submitted)
                                       if job.voice is None else (job.voice[0], None, str(e)))
+            with self._lock:
+                self.busy_s += time.perf_counter() - began
+                self.jobs += len(jobs)
+                self.queued_s += sum(began - job.submitted for job in jobs)
 
     def _publish(self, job: _Job, result) -> None:
         """Hand one job's result to the engine loop (a Prepared request or an encoded voice)."""

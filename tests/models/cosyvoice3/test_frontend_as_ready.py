@@ -184,3 +184,30 @@ def test_two_workers_prepare_a_request_while_the_other_is_held_and_close_joins_b
         stage.close()
     started = [t for t in threading.enumerate() if t not in before and t.name.startswith("intone-frontend")]
     assert not started, started
+
+
+def test_a_request_queued_behind_a_held_worker_is_counted_as_queued_and_the_worker_as_busy(tiny_cosy):
+    """The stage's saturation counters: with its one worker held 0.3 s inside a CAM++ call, the
+    request submitted meanwhile waits for it (queued), and the worker's batches count as busy."""
+    stage = FrontendStage(tiny_cosy, cache_bytes=0)
+    held = threading.Event()
+    requests = [SynthesisRequest(f"r{i}", "Hello there.", [VoiceReference("Ref.", clip(1.0 + 0.3 * i, 150 + 20 * i),
+                                                                             16000)]) for i in range(2)]
+    try:
+        with GatedSpeakerEncoder(tiny_cosy.speaker_encoder, {1: held}) as encoder:
+            stage.submit(requests[0])
+            assert wait_until(lambda: encoder.calls == 1)
+            stage.submit(requests[1])
+            time.sleep(0.3)
+            held.set()
+            done: list = []
+
+            def all_back() -> bool:
+                done.extend(stage.collect())
+                return len(done) == 2
+            assert wait_until(all_back)
+        assert stage.jobs == 2 and stage.batches == 2
+        assert stage.queued_s >= 0.3  # r1 waited for r0's held batch
+        assert stage.busy_s >= 0.3
+    finally:
+        stage.close()
