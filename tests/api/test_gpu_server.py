@@ -44,6 +44,8 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     # request 0 (session 12: audio equal up to some frame, then unrelated).
     settings["tf32"] = False
     settings["ar"]["dtype"] = settings["codec"]["dtype"] = "float32"
+    codec_graphs = model == "tiny:cosyvoice3"  # the flow's solve replayed from graphs captured at start-up
+    settings["codec"]["cuda_graphs"] = codec_graphs
     if settings["codec"].get("autocast", "none") != "none":
         settings["codec"]["autocast"] = "none"
     path = tmp_path / "profile.yaml"
@@ -85,6 +87,9 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
         assert _metric(metrics, "intone_eager_decode_steps") == 0
         assert _metric(metrics, "intone_frontend_graph_replays") > 0  # the shipped profiles replay the frontend
         assert _metric(metrics, "intone_reference_cache_misses") >= len(clips)
+        if codec_graphs:
+            assert _metric(metrics, "intone_codec_graph_replays") > 0
+            assert _metric(metrics, "intone_codec_eager_runs") == 0
         log = server.log.read_text()
         assert "cannot capture" not in log and "Traceback" not in log
     finally:

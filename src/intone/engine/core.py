@@ -254,6 +254,7 @@ class EngineCore:
     def snapshot(self) -> dict:
         """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
         cache, graphs, front = self.frontend.cache, self.runner.graphs, self.frontend_graphs
+        codec_graphs = getattr(self.codec, "graphs", None)  # in this process (not with codec.process)
         return dict(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             live_requests=len(self.requests), planner_requests=len(self.planner), preparing=len(self._preparing),
@@ -270,6 +271,8 @@ class EngineCore:
             graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
             captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
             frontend_graph_replays=front.replays if front else 0, frontend_eager_runs=front.eager if front else 0,
+            codec_graph_replays=codec_graphs.replays if codec_graphs else 0,
+            codec_eager_runs=codec_graphs.eager if codec_graphs else 0,
         )
 
     def close(self) -> None:

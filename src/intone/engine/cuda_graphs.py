@@ -293,8 +293,8 @@ class _GraphSet:
 
 class FunctionGraphs:
     """CUDA graphs of a model's fixed-shape functions outside the AR step (the reference frontend's
-    networks), keyed by name and input shapes. The engine makes one and hands it to the model at
-    start-up; the model captures each shape it will see (`capture`), and later calls `run`, which
+    networks, CosyVoice3's flow solve), keyed by name and input shapes. The engine makes one and hands
+    it to the model at start-up; the model captures each shape it will see (`capture`), and later calls `run`, which
     replays the graph for those shapes or, for any other shape, calls the function eagerly.
 
     With `replicas` > 1 every shape is captured that many times, each copy with its memory pool of
@@ -334,12 +334,13 @@ class FunctionGraphs:
             torch.cuda.synchronize()
         self.report.seconds += time.perf_counter() - start
 
-    def run(self, name: str, fn: Callable, *inputs: Tensor) -> list[Tensor]:
-        """fn(*inputs) as a list of tensors: replayed when these shapes were captured."""
+    def run(self, name: str, fn: Callable, *inputs: Tensor, eager: Callable | None = None) -> list[Tensor]:
+        """fn(*inputs) as a list of tensors: replayed when these shapes were captured, else computed
+        eagerly by `eager()` (default: fn(*inputs); e.g. the call before its inputs were padded)."""
         key = self.key(name, inputs)
         if key not in self._sets[0].graphs:
             self.eager += 1
-            return _tensors(fn(*inputs))
+            return _tensors(eager() if eager is not None else fn(*inputs))
         with self._assign_lock:  # workers count side by side
             self.replays += 1
         return self._mine().replay(key, inputs)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
 
 from intone.engine.config import Profile
+from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models.registry import load_model
+
+log = logging.getLogger(__name__)
 
 
 def load_for_profile(model_spec: str, profile: Profile):
@@ -38,8 +42,14 @@ def load_for_profile(model_spec: str, profile: Profile):
 
 
 def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
-    """Decode every bucketed window shape the profile's chunks can reach (start-up, GPU)."""
+    """Decode every bucketed window shape the profile's chunks can reach, and capture the codec's
+    graphs where the profile asks for them (start-up, GPU: nothing else may use it meanwhile)."""
     if hasattr(stage, "warm_up"):
         c = profile.chunking
         chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
         stage.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
+    if profile.codec.cuda_graphs and hasattr(stage, "capture_graphs") and stage.model.codec_device.type == "cuda":
+        graphs = FunctionGraphs()
+        stage.capture_graphs(graphs, profile.codec.graph_frames)
+        r = graphs.report
+        log.info("captured %d codec graphs in %.1f s (%d failed and run eagerly)", r.graphs, r.seconds, r.failed)

@@ -9,8 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models.cosyvoice3.dit import DiTConfig, RotaryEmbedding, apply_rope
-from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest, cosine_euler_steps
+from intone.models.cosyvoice3.flow import (GRAPH_FRAME_BUCKET, CosyFlow, FlowConfig, FlowRequest, cosine_euler_steps,
+                                          graph_shape, pad_solve_inputs)
 
 TINY = FlowConfig(pre_lookahead_channels=32, dit=DiTConfig(dim=64, depth=2, heads=4, dim_head=16))
 CHUNK = TINY.dit.static_chunk_size
@@ -214,3 +216,56 @@ def test_a_compiled_dit_gives_the_eager_mel(unit):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
     # compiled for real, once: one graph whatever the unit (the blocks share theirs), none for the second batch
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(4, 40), st.booleans(), st.booleans()), min_size=1, max_size=5),
+       st.integers(0, 3), st.integers(0, 2))
+def test_a_solve_padded_to_its_graph_shape_leaves_every_valid_frame_as_it_was(flow, rows, more_rows, more_buckets):
+    """What the flow's CUDA graphs rely on: the ODE solve at a bucket shape (rows copied from row 0,
+    zero frames past every length) gives each real row's valid frames exactly what the unpadded solve
+    gives them (float64), streaming rows and finalized ones alike."""
+    g = torch.Generator().manual_seed(len(rows))
+    reqs = [request(g, prompt=p, tokens=n, streaming=s, finalize=f) for p, n, s, f in rows]
+    inputs = flow.solve_inputs(reqs)
+    shape_rows, shape_frames = graph_shape(len(reqs) + more_rows, inputs[0].shape[1])
+    shape_frames += more_buckets * GRAPH_FRAME_BUCKET
+    padded = pad_solve_inputs(*inputs, shape_rows, shape_frames)
+    assert padded[0].shape[:2] == (shape_rows, shape_frames) and shape_rows & (shape_rows - 1) == 0
+    with torch.inference_mode():
+        plain, wide = flow.decoder(*inputs), flow.decoder(*padded)
+    for i, n in enumerate(flow.mel_lengths(reqs)):
+        torch.testing.assert_close(wide[i, :n], plain[i, :n], rtol=0, atol=1e-12)
+
+
+def test_graphed_inference_on_a_cpu_runs_the_unpadded_solve(flow):
+    """Off the GPU nothing is captured: `inference` with graphs runs the plain solve and counts it eager."""
+    g = torch.Generator().manual_seed(5)
+    reqs = [request(g, prompt=6, tokens=20), request(g, prompt=9, tokens=33, streaming=False)]
+    graphs = FunctionGraphs()
+    got = flow.inference(reqs, graphs, capture=True)
+    want = flow.inference(reqs)
+    assert len(graphs) == 0 and graphs.eager == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel():
+    """A captured solve (tiny flow, fp32, on the GPU) against the eager one at the unpadded shape: the
+    same mel to fp32 rounding, for a batch that is padded in rows and frames."""
+    assert torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    flow = make_flow(torch.float32).cuda()
+    g = torch.Generator().manual_seed(7)
+    reqs = [request(g, prompt=p, tokens=n, streaming=s, dtype=torch.float32) for p, n, s in
+            ((8, 30, True), (12, 41, False), (5, 17, True))]
+    reqs = [FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(), r.streaming,
+                        r.finalize) for r in reqs]
+    graphs = FunctionGraphs()
+    flow.inference(reqs, graphs, capture=True)
+    assert len(graphs) == 1
+    replayed, eager = flow.inference(reqs, graphs), flow.inference(reqs)
+    assert graphs.replays == 2 and graphs.eager == 0
+    for a, b in zip(replayed, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -165,10 +165,10 @@ def test_a_failing_codec_batch_fails_only_the_request_that_fails_alone(cosy64):
     flow = cosy64.flow
     real = flow.inference
 
-    def failing(jobs):
+    def failing(jobs, *graphs):
         if any(j.prompt_tokens.shape[0] == bad_prompt_len for j in jobs):
             raise RuntimeError("injected flow failure")
-        return real(jobs)
+        return real(jobs, *graphs)
 
     flow.inference = failing
     try:

@@ -18,6 +18,29 @@ from torch.nn.utils.rnn import pad_sequence
 from intone.models.cosyvoice3.dit import DiT, DiTConfig
 
 
+GRAPH_FRAME_BUCKET = 128  # mel frames: a graphed solve's length is padded to a multiple of this
+
+
+def graph_shape(rows: int, frames: int) -> tuple[int, int]:
+    """The (rows, frames) of the graph a solve of this shape replays: rows up to a power of two,
+    frames up to a multiple of GRAPH_FRAME_BUCKET."""
+    return 1 << max(0, rows - 1).bit_length(), -(-frames // GRAPH_FRAME_BUCKET) * GRAPH_FRAME_BUCKET
+
+
+def pad_solve_inputs(mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
+                     rows: int, frames: int) -> tuple[Tensor, ...]:
+    """The solve's inputs at (rows, frames): added rows copy row 0 (their output is dropped), added
+    frames are zeros past every row's length, which the attention mask hides from every valid frame
+    (the DiT's convolutions are causal), so no valid frame's value changes."""
+    extra = rows - mu.shape[0]
+
+    def more_rows(t: Tensor) -> Tensor:
+        return torch.cat((t, t[:1].expand(extra, *t.shape[1:]))) if extra else t
+
+    mu, cond = (F.pad(y, (0, 0, 0, frames - y.shape[1])) for y in (mu, cond))
+    return tuple(more_rows(t) for t in (mu, cond, spks, lengths, streaming))
+
+
 @dataclass(frozen=True)
 class FlowConfig:
     """Defaults are the `flow:` block of the official cosyvoice3.yaml."""
@@ -149,25 +172,34 @@ class CosyFlow(nn.Module):
         spk = spk.to(torch.promote_types(spk.dtype, torch.promote_types(weight.dtype, torch.float32)))
         return self.spk_embed_affine_layer(F.normalize(spk, dim=1).to(weight.dtype))
 
-    @torch.inference_mode()
-    def inference(self, requests: list[FlowRequest]) -> list[Tensor]:
-        """Per request, fp32 mel [80, T_out] with T_out = mel_lengths - M (= 2N, or 2(N-3) when not finalize)."""
+    def solve_inputs(self, requests: list[FlowRequest]) -> tuple[Tensor, ...]:
+        """(mu, cond, spks, lengths, streaming): the ODE solve's inputs, rows right-padded to the longest."""
         lengths = self.mel_lengths(requests)
-        starts = [r.prompt_mel.shape[0] for r in requests]
-        for n, m in zip(lengths, starts):
-            if not 0 <= m <= n:
-                raise ValueError(f"prompt mel of {m} frames does not fit {n} conditioned frames")
-        total = max(lengths)
-        mu = self._mu(requests, total)
+        for n, r in zip(lengths, requests):
+            if not 0 <= r.prompt_mel.shape[0] <= n:
+                raise ValueError(f"prompt mel of {r.prompt_mel.shape[0]} frames does not fit {n} conditioned frames")
+        mu = self._mu(requests, max(lengths))
         cond = torch.zeros_like(mu)
         prompt = pad_sequence([r.prompt_mel for r in requests], batch_first=True)
         cond[:, : prompt.shape[1]] = prompt.to(cond)  # zero rows past each M_i stay zero
         dev = mu.device
-        mel = self.decoder(
-            mu,
-            cond,
-            self._speakers(requests),
-            torch.tensor(lengths, device=dev),
-            torch.tensor([r.streaming for r in requests], device=dev),
-        )
-        return [mel[i, m:n].T.contiguous() for i, (m, n) in enumerate(zip(starts, lengths))]
+        return (mu, cond, self._speakers(requests), torch.tensor(lengths, device=dev),
+                torch.tensor([r.streaming for r in requests], device=dev))
+
+    @torch.inference_mode()
+    def inference(self, requests: list[FlowRequest], graphs=None, capture: bool = False) -> list[Tensor]:
+        """Per request, fp32 mel [80, T_out] with T_out = mel_lengths - M (= 2N, or 2(N-3) when not finalize).
+
+        graphs: an engine's FunctionGraphs: the ODE solve (ten DiT passes, thousands of launches) is
+        replayed from the graph of its padded shape when one was captured; `capture` captures it
+        first (start-up only)."""
+        inputs = self.solve_inputs(requests)
+        if graphs is None:
+            mel = self.decoder(*inputs)
+        else:
+            padded = pad_solve_inputs(*inputs, *graph_shape(len(requests), inputs[0].shape[1]))
+            if capture:
+                graphs.capture("flow", self.decoder, *padded)
+            mel = graphs.run("flow", self.decoder, *padded, eager=lambda: self.decoder(*inputs))[0]
+        ends = self.mel_lengths(requests)
+        return [mel[i, r.prompt_mel.shape[0]: n].T.contiguous() for i, (r, n) in enumerate(zip(requests, ends))]

@@ -27,9 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest
 from intone.models.cosyvoice3.hift_source import SourceWindow
-from intone.ops.batching import group_jobs
+from intone.ops.batching import bucket_rows, group_jobs
+
+MAX_GRAPH_CELLS = 64 * 1024  # rows x mel frames of the largest flow graph (its activations, x2 for CFG)
 
 
 @dataclass
@@ -70,6 +72,30 @@ class CosyCodecStage:
         gpu = model.codec_device.type == "cuda"
         self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
+        self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
+
+    def _autocast(self):
+        # No cast cache with graphs: a weight cast cached by the warm-up run would be read, not
+        # recomputed, by the captured graph (torch's rule for graphing under autocast).
+        return torch.autocast(self.model.codec_device.type, self.autocast or torch.float32,
+                              enabled=self.autocast is not None, cache_enabled=self.graphs is None)
+
+    def capture_graphs(self, graphs, max_frames: int) -> None:
+        """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to, up to
+        `max_frames` conditioned mel frames and MAX_GRAPH_CELLS rows x frames (start-up only: nothing
+        else may use the GPU); longer calls run eagerly. Largest first: the pool is sized once."""
+        self.graphs = graphs
+        dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
+        rows = [1 << i for i in range(bucket_rows(self.max_batch).bit_length())]
+        shapes = [(r, f) for r in rows for f in range(GRAPH_FRAME_BUCKET, max_frames + 1, GRAPH_FRAME_BUCKET)
+                  if r * f <= MAX_GRAPH_CELLS]
+        for r, frames in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
+            tokens = frames // ratio  # prompt + output tokens of a finalized row: exactly `frames` mel frames
+            dummy = FlowRequest(torch.zeros(tokens - 1, dtype=torch.long, device=dev),
+                                torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
+                                torch.ones(192, device=dev), streaming=False, finalize=True)
+            with self._autocast():
+                self.model.flow.inference([dummy] * r, graphs, capture=True)
 
     def compile_flow(self, unit: str = "dit") -> None:
         """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on a small dummy
@@ -79,7 +105,7 @@ class CosyCodecStage:
         dummy = [FlowRequest(torch.zeros(40 + 10 * i, dtype=torch.long, device=dev),
                              torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
                              torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
-        with torch.autocast(dev.type, self.autocast or torch.float32, enabled=self.autocast is not None):
+        with self._autocast():
             self.model.flow.inference(dummy)
 
     def run(self, items: list) -> list[np.ndarray]:
@@ -126,8 +152,8 @@ class CosyCodecStage:
         lengths = [jobs[i].prompt_tokens.shape[0] + jobs[i].tokens.shape[0] for i in live]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
-            with torch.autocast(model.codec_device.type, self.autocast, enabled=self.autocast is not None):
-                mels = model.flow.inference([jobs[i] for i in idx])
+            with self._autocast():
+                mels = model.flow.inference([jobs[i] for i in idx], self.graphs)
             self.calls += 1
             for i, mel in zip(idx, mels):
                 out[i] = mel[:, model.flow.config.token_mel_ratio * items[i][1].start :]
