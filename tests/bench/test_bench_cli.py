@@ -54,6 +54,12 @@ def test_sweep_writes_results_report_and_plots(benches):
     for plot in ("completion_cdf.png", "first_audio_cdf.png", "throughput.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     assert len(list((tmp_path / "wavs" / "c3").glob("*.wav"))) == 6
+    # Every request the server answered (2 levels x (1 warm-up + 6)) was traced and audited exact, and
+    # the engine's per-request tables were empty once the load was gone.
+    after = results["after_run"]
+    assert after["audit"] == {"requests": 14, "not_exact": []} and after["tables_empty"] and after["clean"]
+    assert after["engine_tables"]["engine_kv_tables"] == 0 and after["engine_tables"]["engine_live_requests"] == 0
+    assert "After the run: clean: frame audit of 14 requests: every one exact" in report
 
 
 def test_forced_lengths_and_failures_are_counted(benches):

@@ -88,6 +88,19 @@ def _count(value) -> str:
     return "—" if value is None else str(int(round(value)))
 
 
+def after_run_line(after: dict) -> str:
+    """The after-run check (runner.after_run) in one line."""
+    audit = after.get("audit")
+    if audit is None:
+        frames = "no frame trace (--no-audit)"
+    elif audit["not_exact"]:
+        frames = f"frame audit of {audit['requests']} requests: NOT EXACT: {', '.join(audit['not_exact'])}"
+    else:
+        frames = f"frame audit of {audit['requests']} requests: every one exact"
+    tables = ", ".join(f"{name} {value:g}" for name, value in after["engine_tables"].items())
+    return f"{'clean' if after['clean'] else '**NOT CLEAN**'}: {frames}; after the load: {tables}"
+
+
 def write_report(results: dict, out_dir: Path) -> Path:
     lines = [f"# intone bench: {results['title']}", ""]
     if reference_line(results):
@@ -106,6 +119,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
         lines.append(f"| {level['concurrency']} | {_fmt(c['p50'])} | {_fmt(c['p90'])} | {_fmt(c['p99'])} | "
                      f"{_fmt(f.get('p50'))} | {_fmt(f.get('p90'))} | {_fmt(f.get('p99'))} | "
                      f"{_fmt(s['rtf']['p50'])} | {_fmt(s.get('streams_with_underrun'))} |")
+    if results.get("after_run"):
+        lines += ["", "After the run: " + after_run_line(results["after_run"])]
     lines += [""] + stage_tables(results)
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     path = out_dir / "report.md"

@@ -16,9 +16,11 @@ from intone.bench.client import LoadSpec, ReferencePlan, run_load
 from intone.bench.dataset import synthetic_items
 from intone.bench.metrics import summarize
 from intone.bench.presets import apply_preset
-from intone.bench.report import write_plots, write_report
+from intone.bench.report import after_run_line, write_plots, write_report
 from intone.bench.server_metrics import level_breakdown, scrape
 from intone.bench.server_process import GpuMemorySampler, ServerProcess
+from intone.bench.soak import settle
+from intone.engine.trace import audit_file
 from intone.errors import IntoneError
 from intone.eval.meta import MetaItem, parse_meta_list
 
@@ -159,14 +161,18 @@ def run(args) -> dict:
     apply_preset(args)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    server = None
+    server, trace = None, out_dir / "frames.jsonl"
     if not args.base_url:
         if not args.model:
             raise IntoneError("give --base-url URL or --model M")
-        server = ServerProcess(serve_args(args), out_dir / "server.log")
+        trace.unlink(missing_ok=True)  # the server appends
+        audit = ["--trace-frames", str(trace)] if getattr(args, "audit", True) else []
+        server = ServerProcess(serve_args(args) + audit, out_dir / "server.log")
     gpu = GpuMemorySampler()
     try:
         result = sweep(args, args.base_url or server.base_url, out_dir)
+        if server:
+            result["after_run"] = after_run(server.base_url, trace, args)
     finally:
         peak = gpu.stop()
         if server:
@@ -174,6 +180,21 @@ def run(args) -> dict:
     results = dict(title=args.title or (args.model or args.base_url), run=_provenance(args, peak), **result)
     _evaluate_quality(args, results)
     return _write(results, out_dir)
+
+
+def after_run(base_url: str, trace: Path, args) -> dict:
+    """What every run of our own server must leave: each request's chunks cover its frames exactly
+    once, in order, with one terminal chunk (the frame audit of the server's trace, warm-up included),
+    and the engine's per-request tables empty again once the load is gone."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    tables = settle(base_url, headers=headers)
+    out = dict(engine_tables=tables, tables_empty=all(v == 0 for v in tables.values()))
+    if trace.exists():
+        report = audit_file(trace)
+        out["audit"] = dict(requests=len(report), not_exact=sorted(r for r, a in report.items() if not a.exact)[:20])
+    out["clean"] = out["tables_empty"] and not out.get("audit", {}).get("not_exact")
+    print(f"after the run: {after_run_line(out)}", flush=True)
+    return out
 
 
 def _provenance(args, peak_mib) -> dict:

@@ -76,11 +76,11 @@ async def soak(base: str, streams: int, concurrency: int, leave: float, seed: in
     return counts
 
 
-def settle(base: str, seconds: float = 30) -> dict:
+def settle(base: str, seconds: float = 30, headers: dict | None = None) -> dict:
     """/metrics once the engine's tables are empty (or after `seconds`)."""
     deadline = time.time() + seconds
     while True:
-        text = httpx.get(base + "/metrics", timeout=10).text
+        text = httpx.get(base + "/metrics", headers=headers, timeout=10).text
         values = {name: gauge(text, f"intone_{name}") for name in (
             "requests_in_flight", "requests_running", "requests_waiting", "kv_cache_blocks_used",
             "engine_live_requests", "engine_preparing_requests", "engine_planner_requests", "engine_kv_tables")}

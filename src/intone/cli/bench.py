@@ -22,6 +22,9 @@ def add_parser(sub) -> None:
     target.add_argument("--device", default=None)
     target.add_argument("--serve-args", default=None, help="more `intone serve` arguments, as one string")
     target.add_argument("--api-key", default=None)
+    target.add_argument("--no-audit", dest="audit", action="store_false",
+                        help="with --model: skip the frame trace and its audit (by default every chunk the server "
+                             "sends is traced and audited after the run, and the engine's tables must be empty)")
     target.add_argument("--a", default=None, help="abba: `intone serve` arguments of arm A")
     target.add_argument("--b", default=None, help="abba: `intone serve` arguments of arm B")
     load = p.add_argument_group("load (a flag given here overrides the preset's value)")
