@@ -336,7 +336,7 @@ class EngineCore:
         out = self.runner.run([
             StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in batch
         ])
-        tokens, stopped, codes = out.tokens.tolist(), out.stopped.tolist(), out.codes.cpu()
+        tokens, stopped, codes = out.to_host()
         now = time.perf_counter()
         prefilled = False
         for i, req in enumerate(batch):

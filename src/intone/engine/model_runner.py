@@ -34,7 +34,7 @@ class StepInput:
     prompt: Prompt
     params: SamplingParams
     tokens: list[int]  # main tokens generated so far
-    last_codes: torch.Tensor | None  # [K] codes of the last generated frame (None before the first)
+    last_codes: np.ndarray | None  # [K] codes of the last generated frame on the host (None before the first)
 
 
 MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
@@ -89,7 +89,7 @@ class ModelRunner:
         codes = [r.prompt.codes for r in reqs[:n_prefill]]
         if decodes:
             tokens.append(torch.tensor([r.tokens[-1] for r in decodes], dtype=torch.long))
-            codes.append(torch.stack([r.last_codes.cpu().view(-1) for r in decodes]))
+            codes.append(torch.from_numpy(np.stack([r.last_codes for r in decodes])))
         sampling = sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device)
         seats = self.history.seats_for([r.request_id for r in reqs], [r.tokens for r in reqs])
         return StepBatch(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import resolve_params
@@ -27,17 +27,17 @@ class OfflineRequest:
     params: SamplingParams
     request_id: str = ""
     tokens: list[int] = field(default_factory=list)  # main token of each generated frame
-    frames: list[Tensor] = field(default_factory=list)  # [K] codes of each frame forwarded to the codec
-    last_codes: Tensor | None = None
+    frames: list[np.ndarray] = field(default_factory=list)  # [K] codes of each frame forwarded to the codec
+    last_codes: np.ndarray | None = None
     finished: bool = False
     stop_reason: str = ""
 
     @property
-    def codes(self) -> Tensor:
+    def codes(self) -> torch.Tensor:
         """[K, n] codes of the frames for the codec (the stop step makes no frame)."""
         if not self.frames:
             return torch.zeros(0, 0, dtype=torch.long)
-        return torch.stack(self.frames, dim=1)
+        return torch.from_numpy(np.stack(self.frames, axis=1))
 
 
 def run_to_completion(model: TTSModel, requests: list[OfflineRequest]) -> list[OfflineRequest]:
@@ -61,7 +61,7 @@ def _step(runner: ModelRunner, active: list[OfflineRequest]) -> None:
     out = runner.run([
         StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in active
     ])
-    out_tokens, out_codes, stopped = out.tokens.tolist(), out.codes.cpu(), out.stopped.tolist()
+    out_tokens, stopped, out_codes = out.to_host()
     for i, r in enumerate(active):
         if stopped[i]:
             r.finished, r.stop_reason = True, "stop"

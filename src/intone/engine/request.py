@@ -7,6 +7,7 @@ import enum
 import secrets
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -77,7 +78,7 @@ class EngineRequest:
     initial_chunk_frames: int | None = None
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)  # main token of each generated frame
-    last_codes: Tensor | None = None  # [K] codes of the last generated frame (the next step's input)
+    last_codes: np.ndarray | None = None  # [K] codes of the last generated frame (the next step's input)
     codes: Tensor | None = None  # [K, max_new_tokens] codec frames; [0, num_frames) are valid
     num_frames: int = 0  # generated frames forwarded to the codec (a model may trim some)
     codec_state: object = None  # the codec stage's per-request state (dropped with the request)
@@ -92,14 +93,16 @@ class EngineRequest:
     def kv_tokens_needed(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
 
-    def append_frame(self, token: int, frame: Tensor, forwards=lambda generated: True) -> None:
-        """forwards(tokens generated so far) says whether this frame goes to the codec."""
+    def append_frame(self, token: int, frame: np.ndarray, forwards=lambda generated: True) -> None:
+        """frame: [K] codes (numpy, from StepOutput.to_host). forwards(tokens generated so far) says
+        whether this frame goes to the codec."""
         self.tokens.append(token)
         self.last_codes = frame
         if forwards(self.tokens):
-            self.codes[:, self.num_frames] = frame
+            self._codes_np[:, self.num_frames] = frame  # the tensor's memory, written without a torch call
             self.num_frames += 1
 
     def allocate_codes(self, num_codebooks: int) -> None:
         """On the CPU: frames arrive there once per step, and the codec stage moves windows over."""
         self.codes = torch.zeros(num_codebooks, self.params.max_new_tokens, dtype=torch.long)
+        self._codes_np = self.codes.numpy()

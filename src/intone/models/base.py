@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,6 +48,13 @@ class StepOutput:
     codes: Tensor  # [R, K] codes of the new frame (meaningless where stopped)
     stopped: Tensor  # [R] bool: the stop token was sampled; this step made no frame
 
+    def to_host(self) -> tuple[list[int], list[bool], np.ndarray]:
+        """(tokens, stopped, codes [R, K] int64) on the host through one device-to-host copy: the
+        loop then reads them without a torch call per row (each call would give up the GIL)."""
+        packed = torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(), self.codes.long()), 1)
+        packed = packed.cpu().numpy()
+        return packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:]
+
 
 @dataclass
 class Prompt:
@@ -59,8 +67,11 @@ class Prompt:
     min_new_tokens: int = 0  # the model's own length rules for this prompt
     max_new_tokens: int | None = None
 
+    def __post_init__(self):
+        self._length = int(self.tokens.shape[0])  # read per request every step: a Python int, not a tensor call
+
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return self._length
 
 
 class TTSModel(abc.ABC):

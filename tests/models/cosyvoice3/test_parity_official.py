@@ -130,7 +130,7 @@ def our_stream(model, prompt, tokens: list[int]) -> list[tuple[int, int, np.ndar
     req.allocate_codes(model.num_codebooks)
     chunks = []
     for i, token in enumerate(tokens):
-        req.append_frame(token, torch.tensor([token]), model.forwards_frame)
+        req.append_frame(token, np.array([token]), model.forwards_frame)
         for chunk in planner.plan({"r": req.num_frames}, ["r"] if i == len(tokens) - 1 else []):
             chunks.append((chunk.start, chunk.end, stage.run([(req, chunk)])[0]))
     return chunks
