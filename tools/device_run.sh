@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
 export PYTHONUNBUFFERED=1 INTONE_CACHE=/tmp/intone-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-N=${N:-320}
+N=${N:-320}  # requests per bench stage; CosyVoice3's stages time out after 150 s + N/4 s unless T is set
 COSY_FULL=${COSY_FULL:-cosyvoice3-full-response}  # the profile of cosy-http, cosy-engine and profile-cosy
 TAG=${TAG:-}  # suffix of the bench output folders (e.g. -process), with SERVE_ARGS for `intone serve`
 INTONE="python3 -m intone.cli.main"
@@ -36,10 +36,10 @@ for stage in "$@"; do
     fish-engine) timeout 420 python3 -m intone.bench.engine_throughput --model random:fish-s2 \
         --profile fish-s2-high-concurrency --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:86:30 --out "$OUT/fish-engine.json" 2>&1 | tail -20 ;;
-    cosy-http) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile "$COSY_FULL" \
+    cosy-http) timeout ${T:-$((150 + N / 4))} $INTONE bench --model random:cosyvoice3 --profile "$COSY_FULL" \
         --preset seedtts-cosyvoice3 --num-requests "$N" --output-dir "$OUT/cosy-http$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/cosy-http$TAG/server.log"; grep -A12 "Where the time" "$OUT/cosy-http$TAG/report.md" ;;
-    cosy-stream) timeout ${T:-500} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
+    cosy-stream) timeout ${T:-$((150 + N / 4))} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
     cosy-ab) IFS=';' read -ra variants <<< "${AB:-shipped:;fifo:--set codec.schedule=fifo}"
