@@ -28,9 +28,8 @@ def _decodes(model, runner, lens, g):
     """Prefill len(lens) requests through `runner`, then return their decode inputs."""
     reqs = [StepInput(f"r{i}", _prompt(model, n, g), SamplingParams(seed=i, top_k=7 + i), [], None)
             for i, n in enumerate(lens)]
-    out = runner.run(reqs)
-    return [StepInput(r.request_id, r.prompt, r.params, [int(t)], c.cpu())
-            for r, t, c in zip(reqs, out.tokens, out.codes)]
+    tokens, _, codes = runner.run(reqs).to_host()
+    return [StepInput(r.request_id, r.prompt, r.params, [t], c) for r, t, c in zip(reqs, tokens, codes)]
 
 
 @pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])

@@ -74,8 +74,9 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(k.get('frontend_busy_seconds'), 2)} | {_fmt(_per(k, 'frontend_queued_seconds'), 3)} | "
             + " | ".join(_count(k.get(key)) for key in ("graph_replays", "eager_decode_steps", "engine_steps"))
             + f" | {_fmt(srv.get('mean_step_ms'), 2)} |")
-    return lines + ["frontend busy s: the workers' time on batches over the level (near the level's wall time: "
-                    "saturated); queued: a request's wait for a worker before its batch began.", ""]
+    return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
+                    "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
+                    "batch began.", ""]
 
 
 def _per(counters: dict, key: str) -> float | None:
@@ -91,13 +92,15 @@ def _count(value) -> str:
 def after_run_line(after: dict) -> str:
     """The after-run check (runner.after_run) in one line."""
     audit = after.get("audit")
-    if audit is None:
+    if after.get("error"):
+        frames = f"the check failed: {after['error']}"
+    elif audit is None:
         frames = "no frame trace (--no-audit)"
     elif audit["not_exact"]:
         frames = f"frame audit of {audit['requests']} requests: NOT EXACT: {', '.join(audit['not_exact'])}"
     else:
         frames = f"frame audit of {audit['requests']} requests: every one exact"
-    tables = ", ".join(f"{name} {value:g}" for name, value in after["engine_tables"].items())
+    tables = ", ".join(f"{name} {'—' if value is None else f'{value:g}'}" for name, value in after["engine_tables"].items())
     return f"{'clean' if after['clean'] else '**NOT CLEAN**'}: {frames}; after the load: {tables}"
 
 

@@ -267,12 +267,14 @@ class EngineCore:
             reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
             reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,
             frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
-            frontend_jobs=self.frontend.jobs, frontend_busy_seconds=self.frontend.busy_s, frontend_queued_seconds=self.frontend.queued_s,
+            frontend_jobs=self.frontend.jobs, frontend_busy_seconds=self.frontend.busy_s,
+            frontend_queued_seconds=self.frontend.queued_s,
             graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
             captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
-            frontend_graph_replays=front.replays if front else 0, frontend_eager_runs=front.eager if front else 0,
-            codec_graph_replays=codec_graphs.replays if codec_graphs else 0,
-            codec_eager_runs=codec_graphs.eager if codec_graphs else 0,
+            frontend_graph_replays=front.replays if front is not None else 0,
+            frontend_eager_runs=front.eager if front is not None else 0,
+            codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,
+            codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
         )
 
     def close(self) -> None:

@@ -74,11 +74,12 @@ class CosyCodecStage:
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
         self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
 
-    def _autocast(self):
-        # No cast cache with graphs: a weight cast cached by the warm-up run would be read, not
-        # recomputed, by the captured graph (torch's rule for graphing under autocast).
+    def _autocast(self, cache: bool = True):
+        """The flow's autocast. cache=False while capturing: a weight cast cached by the warm-up run
+        would be read, not recomputed, by the captured graph (torch's rule for graphing under
+        autocast), so a graph recasts its weights in each DiT pass (a compiled DiT always does)."""
         return torch.autocast(self.model.codec_device.type, self.autocast or torch.float32,
-                              enabled=self.autocast is not None, cache_enabled=self.graphs is None)
+                              enabled=self.autocast is not None, cache_enabled=cache)
 
     def capture_graphs(self, graphs, max_frames: int) -> None:
         """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to, up to
@@ -94,7 +95,7 @@ class CosyCodecStage:
             dummy = FlowRequest(torch.zeros(tokens - 1, dtype=torch.long, device=dev),
                                 torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
                                 torch.ones(192, device=dev), streaming=False, finalize=True)
-            with self._autocast():
+            with self._autocast(cache=False):
                 self.model.flow.inference([dummy] * r, graphs, capture=True)
 
     def compile_flow(self, unit: str = "dit") -> None:
