@@ -1,14 +1,18 @@
 """`--preset` fills in what was not given; `--reference-pool` cycles clips; every other request
-(warm-up, later levels) gets a clip of its own; the stage breakdown without server metrics."""
+(warm-up, later levels) gets a clip of its own; the stage breakdown without server metrics; an
+after-run check that cannot be made."""
 
+import argparse
 import io
+import socket
 
 import soundfile as sf
 
 from intone.bench.client import ClipUse, ReferencePlan, clip_bytes
 from intone.bench.dataset import synthetic_items
 from intone.bench.presets import apply_preset
-from intone.bench.report import stage_tables
+from intone.bench.report import after_run_line, stage_tables
+from intone.bench.runner import after_run
 from intone.bench.server_metrics import level_breakdown
 from intone.cli.main import _parser
 
@@ -57,3 +61,14 @@ def test_no_server_metrics_is_said_not_failed():
     assert server["available"] is False
     lines = stage_tables({"levels": [{"concurrency": 4, "server": server}]})
     assert any("No per-stage breakdown" in line for line in lines)
+
+
+def test_an_after_run_check_that_cannot_be_made_says_why_and_is_not_clean(tmp_path):
+    """The server gone before the check (nothing listens on the port): the run keeps its figures,
+    and the check is reported as failed, not as clean."""
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    after = after_run(f"http://127.0.0.1:{port}", tmp_path, argparse.Namespace(api_key=None))
+    assert after["clean"] is False and "ConnectError" in after["error"]
+    assert after_run_line(after).startswith("**NOT CLEAN**: the check failed: ConnectError")
