@@ -41,8 +41,10 @@ ENGINE_COUNTERS = {
                                "Reference-frontend network calls replayed from a CUDA graph"),
     "frontend_eager_runs": ("intone_frontend_eager_runs",
                             "Reference-frontend network calls run eagerly (a shape without a graph)"),
-    "codec_graph_replays": ("intone_codec_graph_replays", "Codec calls (CosyVoice3: flow solves) replayed from a CUDA graph"),
-    "codec_eager_runs": ("intone_codec_eager_runs", "Codec calls with graphs on that ran eagerly (a shape beyond them)"),
+    "codec_graph_replays": ("intone_codec_graph_replays",
+                            "Codec calls (CosyVoice3: flow solves) replayed from a CUDA graph"),
+    "codec_eager_runs": ("intone_codec_eager_runs",
+                         "Codec calls with graphs on that ran eagerly (a shape beyond them)"),
     "steps": ("intone_engine_steps", "Engine steps"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
 }

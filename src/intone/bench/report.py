@@ -100,7 +100,8 @@ def after_run_line(after: dict) -> str:
         frames = f"frame audit of {audit['requests']} requests: NOT EXACT: {', '.join(audit['not_exact'])}"
     else:
         frames = f"frame audit of {audit['requests']} requests: every one exact"
-    tables = ", ".join(f"{name} {'—' if value is None else f'{value:g}'}" for name, value in after["engine_tables"].items())
+    tables = ", ".join(f"{name} {'—' if value is None else f'{value:g}'}"
+                       for name, value in after["engine_tables"].items())
     return f"{'clean' if after['clean'] else '**NOT CLEAN**'}: {frames}; after the load: {tables}"
 
 

@@ -199,7 +199,8 @@ def after_run(base_url: str, trace_dir: Path | None, args) -> dict:
             report = {}
             for trace in sorted(trace_dir.glob(f"{TRACE}*{TRACE_SUFFIX}")):
                 report.update(audit_file(trace))  # a request runs on one core: ids do not repeat across files
-            out["audit"] = dict(requests=len(report), not_exact=sorted(r for r, a in report.items() if not a.exact)[:20])
+            not_exact = sorted(r for r, a in report.items() if not a.exact)
+            out["audit"] = dict(requests=len(report), not_exact=not_exact[:20])
             if not report:
                 out["error"] = "the server traced no frames"
     except Exception as e:  # noqa: BLE001 - e.g. the server is gone, or a trace line was cut off

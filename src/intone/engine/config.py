@@ -54,8 +54,9 @@ class CodecStageConfig(_Strict):
                            "same code compiled once: start-up ~10x shorter, the kernels between blocks eager)")
     cuda_graphs: bool = Field(False, description="CosyVoice3: replay the flow's ODE solve (ten DiT passes) from CUDA "
                                                  "graphs captured at start-up, one per (rows, frames) bucket (GPU)")
-    graph_frames: int = Field(1024, ge=128, le=15000, description="with cuda_graphs: the longest flow call (reference + output, "
-                                                        "mel frames at 50 per second) with a graph; longer ones run eagerly")
+    graph_frames: int = Field(1024, ge=128, le=15000,
+                              description="with cuda_graphs: the longest flow call (reference + output, mel frames "
+                                          "at 50 per second) with a graph; longer ones run eagerly")
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")
     process: bool = Field(False, description="decode in a child process of the engine core, with its own copy of "

@@ -19,12 +19,21 @@ from intone.models.cosyvoice3.dit import DiT, DiTConfig
 
 
 GRAPH_FRAME_BUCKET = 128  # mel frames: a graphed solve's length is padded to a multiple of this
+GRAPH_ROW_STEP = 8  # rows beyond 8 are padded to a multiple of this (a power of two would waste up to half)
+
+
+def graph_rows(rows: int) -> int:
+    """The rows of the graph a solve of `rows` rows replays: a power of two up to GRAPH_ROW_STEP,
+    then the next multiple of it (a large call is bound by its arithmetic, so little padding)."""
+    if rows <= GRAPH_ROW_STEP:
+        return 1 << max(0, rows - 1).bit_length()
+    return -(-rows // GRAPH_ROW_STEP) * GRAPH_ROW_STEP
 
 
 def graph_shape(rows: int, frames: int) -> tuple[int, int]:
-    """The (rows, frames) of the graph a solve of this shape replays: rows up to a power of two,
-    frames up to a multiple of GRAPH_FRAME_BUCKET."""
-    return 1 << max(0, rows - 1).bit_length(), -(-frames // GRAPH_FRAME_BUCKET) * GRAPH_FRAME_BUCKET
+    """The (rows, frames) of the graph a solve of this shape replays (`graph_rows`; frames up to a
+    multiple of GRAPH_FRAME_BUCKET)."""
+    return graph_rows(rows), -(-frames // GRAPH_FRAME_BUCKET) * GRAPH_FRAME_BUCKET
 
 
 def pad_solve_inputs(mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
@@ -186,20 +195,26 @@ class CosyFlow(nn.Module):
         return (mu, cond, self._speakers(requests), torch.tensor(lengths, device=dev),
                 torch.tensor([r.streaming for r in requests], device=dev))
 
+    def _padded_solve_inputs(self, requests: list[FlowRequest]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        inputs = self.solve_inputs(requests)
+        return inputs, pad_solve_inputs(*inputs, *graph_shape(len(requests), inputs[0].shape[1]))
+
     @torch.inference_mode()
-    def inference(self, requests: list[FlowRequest], graphs=None, capture: bool = False) -> list[Tensor]:
+    def capture_solve(self, requests: list[FlowRequest], graphs) -> None:
+        """Capture the ODE solve in `graphs` at the padded shape of these requests (start-up only)."""
+        graphs.capture("flow", self.decoder, *self._padded_solve_inputs(requests)[1])
+
+    @torch.inference_mode()
+    def inference(self, requests: list[FlowRequest], graphs=None) -> list[Tensor]:
         """Per request, fp32 mel [80, T_out] with T_out = mel_lengths - M (= 2N, or 2(N-3) when not finalize).
 
         graphs: an engine's FunctionGraphs: the ODE solve (ten DiT passes, thousands of launches) is
-        replayed from the graph of its padded shape when one was captured; `capture` captures it
-        first (start-up only)."""
-        inputs = self.solve_inputs(requests)
+        replayed from the graph of its padded shape when one was captured (`capture_solve`)."""
         if graphs is None:
+            inputs = self.solve_inputs(requests)
             mel = self.decoder(*inputs)
         else:
-            padded = pad_solve_inputs(*inputs, *graph_shape(len(requests), inputs[0].shape[1]))
-            if capture:
-                graphs.capture("flow", self.decoder, *padded)
+            inputs, padded = self._padded_solve_inputs(requests)
             mel = graphs.run("flow", self.decoder, *padded, eager=lambda: self.decoder(*inputs))[0]
         ends = self.mel_lengths(requests)
         return [mel[i, r.prompt_mel.shape[0]: n].T.contiguous() for i, (r, n) in enumerate(zip(requests, ends))]

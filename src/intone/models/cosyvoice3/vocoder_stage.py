@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest
+from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows
 from intone.models.cosyvoice3.hift_source import SourceWindow
-from intone.ops.batching import bucket_rows, group_jobs
+from intone.ops.batching import group_jobs
 
 MAX_GRAPH_CELLS = 64 * 1024  # rows x mel frames of the largest flow graph (its activations, x2 for CFG)
 
@@ -82,12 +82,12 @@ class CosyCodecStage:
                               enabled=self.autocast is not None, cache_enabled=cache)
 
     def capture_graphs(self, graphs, max_frames: int) -> None:
-        """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to, up to
+        """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to (`graph_shape`), up to
         `max_frames` conditioned mel frames and MAX_GRAPH_CELLS rows x frames (start-up only: nothing
         else may use the GPU); longer calls run eagerly. Largest first: the pool is sized once."""
         self.graphs = graphs
         dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
-        rows = [1 << i for i in range(bucket_rows(self.max_batch).bit_length())]
+        rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
         shapes = [(r, f) for r in rows for f in range(GRAPH_FRAME_BUCKET, max_frames + 1, GRAPH_FRAME_BUCKET)
                   if r * f <= MAX_GRAPH_CELLS]
         for r, frames in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
@@ -96,7 +96,7 @@ class CosyCodecStage:
                                 torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
                                 torch.ones(192, device=dev), streaming=False, finalize=True)
             with self._autocast(cache=False):
-                self.model.flow.inference([dummy] * r, graphs, capture=True)
+                self.model.flow.capture_solve([dummy] * r, graphs)
 
     def compile_flow(self, unit: str = "dit") -> None:
         """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on a small dummy
