@@ -74,12 +74,14 @@ class CosyCodecStage:
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
         self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
 
-    def _autocast(self, cache: bool = True):
-        """The flow's autocast. cache=False while capturing: a weight cast cached by the warm-up run
+    def _autocast(self):
+        """The flow's autocast, always without its cast cache: a cast cached by a graph's warm-up run
         would be read, not recomputed, by the captured graph (torch's rule for graphing under
-        autocast), so a graph recasts its weights in each DiT pass (a compiled DiT always does)."""
+        autocast), and one setting for every call keeps a compiled DiT at one compiled entry (the
+        cache flag is part of what its guards check). Costs an eager solve a recast of the weights
+        in each of its ten passes (~0.4 ms each at real size); a compiled DiT recasts them anyway."""
         return torch.autocast(self.model.codec_device.type, self.autocast or torch.float32,
-                              enabled=self.autocast is not None, cache_enabled=cache)
+                              enabled=self.autocast is not None, cache_enabled=False)
 
     def capture_graphs(self, graphs, max_frames: int) -> None:
         """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to (`graph_shape`), up to
@@ -95,7 +97,7 @@ class CosyCodecStage:
             dummy = FlowRequest(torch.zeros(tokens - 1, dtype=torch.long, device=dev),
                                 torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
                                 torch.ones(192, device=dev), streaming=False, finalize=True)
-            with self._autocast(cache=False):
+            with self._autocast():
                 self.model.flow.capture_solve([dummy] * r, graphs)
 
     def compile_flow(self, unit: str = "dit") -> None:
