@@ -92,6 +92,37 @@ class frontend_pieces:
             print(f"    {name:36s} {1000 * s / self.clips:7.2f}")
 
 
+class codec_pieces:
+    """CosyVoice3's codec calls as they serve, on the codec thread: per flow call and per HiFT call,
+    the wall time until the call returns (no added syncs: mostly the host's launches, which CUDA
+    graphs of the flow's solve take away; a call that waits for the GPU shows that too)."""
+
+    def __init__(self, core):
+        self.spent, self.calls, self.rows = collections.defaultdict(float), collections.Counter(), collections.Counter()
+        model = core.model
+        if not hasattr(model, "hift"):
+            return
+        model.flow.inference = self.wrap("flow", model.flow.inference)
+        model.hift.vocode_batch = self.wrap("hift", model.hift.vocode_batch)
+
+    def wrap(self, name, fn):
+        def wrapper(items, *a, **k):
+            t = time.perf_counter()
+            out = fn(items, *a, **k)
+            self.spent[name] += time.perf_counter() - t
+            self.calls[name] += 1
+            self.rows[name] += len(items)
+            return out
+        return wrapper
+
+    def report(self, steps):
+        for name in ("flow", "hift"):
+            if self.calls[name]:
+                print(f"  codec {name}: {self.calls[name]} calls, {self.rows[name] / self.calls[name]:.1f} rows per call, "
+                      f"{1000 * self.spent[name] / self.calls[name]:.2f} ms per call until it returns, "
+                      f"{1000 * self.spent[name] / steps:.2f} ms per step")
+
+
 def overlapped(core, run, steps):
     """The loop as it serves (no added syncs): wall per step, and the parts that block it."""
     spent = collections.defaultdict(float)
@@ -118,7 +149,7 @@ def overlapped(core, run, steps):
         return run_ar(batch, *a)
     core._run_ar = counted
     core._emit = wall("emit (incl. codec backpressure waits)", core._emit)
-    front = frontend_pieces(core)
+    front, codec = frontend_pieces(core), codec_pieces(core)
     core._deliver = wall("deliver", core._deliver)
     core._admit_prepared = wall("admit prepared", core._admit_prepared)
     s0, f0 = core.stats.steps, core.stats.frames
@@ -137,6 +168,7 @@ def overlapped(core, run, steps):
     outer = sum(v for k, v in spent.items() if not k.startswith(" "))
     print(f"  {'other (loop, planner, host)':40s} {1000 * (elapsed - outer) / n:7.2f} ms/step")
     front.report(n)
+    codec.report(n)
     # Threads whose CPU seconds add up to about the wall time take turns on the GIL.
     print(f"  CPU ms per step by thread: " + ", ".join(
         f"{k} {1000 * v / n:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0))
