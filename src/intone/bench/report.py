@@ -64,15 +64,17 @@ def stage_tables(results: dict) -> list[str]:
         lines.append(f"| {lvl['concurrency']} | " + " | ".join(_fmt(st[s]["mean_s"], 4) for s in STAGES)
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
-              "frontend busy s | queued s per batch job | graph replays | eager decode steps | engine steps | "
-              "mean step ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
+              "eager | engine steps | mean step ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
         lines.append(f"| {lvl['concurrency']} | " + " | ".join(_count(k.get(key)) for key in (
             "reference_cache_hits", "reference_cache_misses", "frontend_clips", "frontend_batches"))
             + f" | {_fmt(k.get('frontend_busy_seconds'), 2)} | {_fmt(_per(k, 'frontend_queued_seconds'), 3)} | "
-            + " | ".join(_count(k.get(key)) for key in ("graph_replays", "eager_decode_steps", "engine_steps"))
+            + " | ".join(_count(k.get(key)) for key in ("graph_replays", "eager_decode_steps"))
+            + f" | {_count(k.get('codec_graph_replays'))} / {_count(k.get('codec_eager_runs'))} | "
+            + _count(k.get("engine_steps"))
             + f" | {_fmt(srv.get('mean_step_ms'), 2)} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "

@@ -25,6 +25,8 @@ COUNTERS = {
     "frontend_busy_seconds": "intone_frontend_busy_seconds_total",
     "frontend_queued_seconds": "intone_frontend_queued_seconds_total",
     "graph_replays": "intone_graph_replays_total",
+    "codec_graph_replays": "intone_codec_graph_replays_total",
+    "codec_eager_runs": "intone_codec_eager_runs_total",
     "eager_decode_steps": "intone_eager_decode_steps_total",
     "engine_steps": "intone_engine_steps_total",
 }
