@@ -217,3 +217,32 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
         one_pass = model.codec.decode(codes[rid][None])[0].numpy()
         assert cs[-1].stop_reason in ("stop", "length") and joined.shape == one_pass.shape
         assert np.abs(joined - one_pass).max() < 1e-6  # float32 samples on the wire
+
+
+def test_schedule_first_with_max_call_keeps_first_chunks_ahead_and_calls_small(tiny_fish):
+    """codec.max_call with schedule first: no call takes more than max_call chunks, new streams'
+    first chunks still go before the later chunks that waited beside them, and each request's chunks
+    come out in order."""
+    from intone.engine.chunk_planner import Chunk
+
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=1, first_alone=True)
+    later = {rid: (req, Chunk(rid, 6, req.codes.shape[1], 4, True)) for rid, (req, _) in items.items()}
+    worker.submit([items["r0"]], [12])
+    _until_busy(calls)
+    worker.submit([later["r1"], items["r3"], items["r2"], later["r2"]], [13, 15, 14, 14])
+    gate.set()
+    got = _drain(worker, 5)
+    assert calls == [["r0"], ["r3"], ["r2"], ["r1"], ["r2"]]
+    starts = [c.start for d in got for _, c in d.items]
+    assert starts == [0, 0, 0, 6, 6]
+
+
+def test_the_profile_sets_the_codec_workers_call_size(tiny_fish):
+    for schedule, max_call, expected in (("first", 16, 16), ("first", None, None), ("deadline", None, 64)):
+        profile = load_profile("fish-s2-default", device="cpu",
+                               **{"codec.schedule": schedule, "codec.max_call": max_call, "codec.max_batch": 64})
+        core = EngineCore(tiny_fish, profile)
+        try:
+            assert core.codec_worker._waiting.max_call == expected
+        finally:
+            core.close()

@@ -68,6 +68,9 @@ class CodecStageConfig(_Strict):
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
+    max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
+                                                         "chunk; with schedule deadline: max_batch). Smaller calls "
+                                                         "bound how long a new stream's first chunk waits behind one")
     schedule: Literal["fifo", "deadline", "first"] = Field(
         "fifo", description="order of the chunks waiting for the codec worker: as handed over (each call takes "
                             "all of them); earliest listener deadline first (each call takes up to max_batch; "
