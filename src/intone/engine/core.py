@@ -98,7 +98,8 @@ class EngineCore:
         if codec_process is None and profile.codec.overlap:
             deadline = profile.codec.schedule == "deadline"
             max_call = profile.codec.max_call or (profile.codec.max_batch if deadline else None)
-            self.codec_worker = CodecWorker(self.codec, model.device, max_call, first_alone=profile.codec.schedule == "first")
+            self.codec_worker = CodecWorker(self.codec, model.device, max_call,
+                                            first_alone=profile.codec.schedule == "first")
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
