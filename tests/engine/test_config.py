@@ -53,3 +53,10 @@ def test_host_switch_interval_is_set_in_the_process_that_loads_the_model(tiny_ca
         sys.setswitchinterval(before)
     with pytest.raises(ProfileError, match="host_switch_interval_ms"):
         load_profile("fish-s2-default", host_switch_interval_ms=0)
+
+
+def test_decode_splits_are_a_power_of_two_up_to_16():
+    assert load_profile("fish-s2-default", device="cpu", **{"ar.decode_splits": 4}).ar.decode_splits == 4
+    for bad in (3, 32, 0):
+        with pytest.raises(ProfileError, match="decode_splits"):
+            load_profile("fish-s2-default", device="cpu", **{"ar.decode_splits": bad})

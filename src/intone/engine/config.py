@@ -35,6 +35,9 @@ class ARConfig(_Strict):
     cuda_graphs: bool = Field(True, description="replay captured graphs where the model has them (GPU only)")
     fuse_elementwise: bool = Field(False, description="the AR's norms, RoPE and SwiGLU gate through torch.compile, "
                                                       "one kernel each, inside the graphs (GPU only; see ops.fused)")
+    decode_splits: Literal[1, 2, 4, 8, 16] = Field(
+        1, description="key spans per (row, KV head) in the GPU decode attention, merged after (flash-decoding; "
+                       "see ops.paged_decode): more programs for the SMs when a step has few rows x KV heads")
 
 
 class CodecStageConfig(_Strict):

@@ -30,7 +30,7 @@ from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
-from intone.ops import fused
+from intone.ops import fused, paged_decode
 from intone.ops.kv_cache import BlockManager, KVCache
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
@@ -68,6 +68,7 @@ class EngineCore:
         self.model, self.profile, self.tracer = model, profile, tracer
         ar = profile.ar
         fused.use_compiled(ar.fuse_elementwise and model.device.type == "cuda")  # before any AR forward
+        paged_decode.use_splits(ar.decode_splits)
         kv_tokens = ar.kv_cache_tokens or self._default_kv_tokens()
         num_blocks = max(1, kv_tokens // ar.block_size)
         self.blocks = BlockManager(num_blocks, ar.block_size)

@@ -7,6 +7,12 @@ for the second, as flash attention does). It reads only the keys a row owns (not
 KV-length bucket), and its grid and loop bounds come from tensors, so it runs the same inside a
 CUDA graph. A prefill runs through it
 too, one row per prompt token (seq_len = position + 1 gives the causal mask).
+
+With `use_splits(n)` (the profile's `ar.decode_splits`, n > 1) each (row, KV head) is split into n
+programs over consecutive spans of the row's keys, each keeping its own running max, sum and
+weighted values, and a second kernel merges them (flash-decoding): a step of ~50 rows over 2 KV heads
+is ~100 programs for 132 SMs otherwise. The split count is fixed per process, never per batch, so a
+row gets the same bits whatever shares its step.
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ except ImportError:  # CPU-only installs: the reference path is used
 TILE = {torch.float32: 32}
 DEFAULT_TILE = 64
 MIN_DOT_ROWS = 16
+
+
+_splits = 1
+
+
+def use_splits(n: int) -> None:
+    """Key spans per (row, KV head) for every decode attention in this process (1: one program each)."""
+    global _splits
+    _splits = max(1, int(n))
 
 
 def available(q: Tensor) -> bool:
@@ -68,6 +83,66 @@ if triton is not None:
         tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
+    @triton.jit
+    def _paged_decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr, scale,
+                            stride_qb, stride_qh, stride_kblock, stride_kslot, stride_kh, stride_tb,
+                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+                            GROUP_PAD: tl.constexpr, TILE_K: tl.constexpr, PRECISION: tl.constexpr,
+                            SPLITS: tl.constexpr):
+        """One span of a row's keys: unnormalised weighted values acc [H, SPLITS, D] and (max, sum)
+        ml [H, SPLITS, 2] per query head, fp32 (a span past the row's keys leaves max -inf, sum 0)."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + row)
+        span = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE_K) * TILE_K  # whole tiles, so spans never overlap
+        start = split * span
+        end = tl.minimum(start + span, seq_len)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + g
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for t in range(0, tl.cdiv(tl.maximum(end - start, 0), TILE_K)):
+            pos = start + t * TILE_K + tl.arange(0, TILE_K)
+            valid = pos < end
+            block = tl.load(tables_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+            base = block * stride_kblock + (pos % BLOCK_SIZE) * stride_kslot + kv_head * stride_kh
+            k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        n_heads = tl.num_programs(1) * GROUP
+        slot = (row * n_heads + heads) * SPLITS + split  # [G]
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(ml_ptr + slot * 2, m, mask=g_ok)
+        tl.store(ml_ptr + slot * 2 + 1, l, mask=g_ok)
+
+    @triton.jit
+    def _merge_splits(acc_ptr, ml_ptr, out_ptr, stride_ob, stride_oh,
+                      HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr):
+        """One (row, query head): the spans' partial softmaxes merged into the attention output."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        slot = (row * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
+        m = tl.load(ml_ptr + slot * 2)
+        l = tl.load(ml_ptr + slot * 2 + 1)
+        d = tl.arange(0, HEAD_DIM)
+        acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :])
+        top = tl.max(m, axis=0)  # finite: a row has at least one key, so some span has one
+        w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, seq_lens: Tensor) -> Tensor:
     """q [B, H, D]; caches [blocks, block_size, H_kv, D]; tables [B, n_blocks]; seq_lens [B] (>= 1) -> [B, H, D]."""
@@ -76,6 +151,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
     group = heads // kv_heads
     q = q.contiguous()
     out = torch.empty_like(q)
+    if _splits > 1:
+        return _split_decode(q, k_cache, v_cache, tables, seq_lens, out, group)
     _paged_decode[(b, kv_heads)](
         q, k_cache, v_cache, tables, seq_lens, out, dim**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
@@ -83,4 +160,22 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
         BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
     )
+    return out
+
+
+def _split_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, seq_lens: Tensor, out: Tensor,
+                  group: int) -> Tensor:
+    """`paged_decode_attention` over `_splits` key spans per (row, KV head), merged by a second kernel."""
+    b, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    acc = torch.empty(b, heads, _splits, dim, device=q.device, dtype=torch.float32)
+    ml = torch.empty(b, heads, _splits, 2, device=q.device, dtype=torch.float32)
+    _paged_decode_split[(b, kv_heads, _splits)](
+        q, k_cache, v_cache, tables, seq_lens, acc, ml, dim**-0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
+        BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        SPLITS=_splits,
+    )
+    _merge_splits[(b, heads)](acc, ml, out, out.stride(0), out.stride(1), HEAD_DIM=dim, SPLITS=_splits)
     return out
