@@ -3,6 +3,7 @@
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from intone.engine.config import load_profile
@@ -124,19 +125,25 @@ def test_waiting_chunks_are_decoded_earliest_deadline_first_in_full_calls(tiny_f
     assert worker.in_flight == 0 and worker.queued == 0
 
 
-def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(tiny_fish):
+@pytest.mark.parametrize("max_call, expected", [
+    (None, [["r0"], ["r3", "r2"], ["r1", "r2"]]),
+    (1, [["r0"], ["r3"], ["r2"], ["r1"], ["r2"]]),  # codec.max_call: small calls, first chunks still ahead
+])
+def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(tiny_fish, max_call, expected):
     """codec.schedule: first: while first chunks wait beside later ones, a call takes only the first
-    chunks (in the order handed over); the rest go in the next call, whole."""
+    chunks (in the order handed over); the rest go in the next call, whole or up to max_call; each
+    request's chunks come out in order, with the audio they get alone."""
     from intone.engine.chunk_planner import Chunk
 
-    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None, first_alone=True)
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=max_call, first_alone=True)
     later = {rid: (req, Chunk(rid, 6, req.codes.shape[1], 4, True)) for rid, (req, _) in items.items()}
     worker.submit([items["r0"]], [12])
     _until_busy(calls)
     worker.submit([later["r1"], items["r3"], items["r2"], later["r2"]], [13, 15, 14, 14])
     gate.set()
     got = _drain(worker, 5)
-    assert calls == [["r0"], ["r3", "r2"], ["r1", "r2"]]
+    assert calls == expected
+    assert [c.start for d in got for _, c in d.items if c.request_id == "r2"] == [0, 6]
     for d in got:
         for item, audio in zip(d.items, d.audio):
             assert np.allclose(audio, decode([item])[0], atol=1e-4)  # the same audio whatever the call
@@ -217,24 +224,6 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
         one_pass = model.codec.decode(codes[rid][None])[0].numpy()
         assert cs[-1].stop_reason in ("stop", "length") and joined.shape == one_pass.shape
         assert np.abs(joined - one_pass).max() < 1e-6  # float32 samples on the wire
-
-
-def test_schedule_first_with_max_call_keeps_first_chunks_ahead_and_calls_small(tiny_fish):
-    """codec.max_call with schedule first: no call takes more than max_call chunks, new streams'
-    first chunks still go before the later chunks that waited beside them, and each request's chunks
-    come out in order."""
-    from intone.engine.chunk_planner import Chunk
-
-    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=1, first_alone=True)
-    later = {rid: (req, Chunk(rid, 6, req.codes.shape[1], 4, True)) for rid, (req, _) in items.items()}
-    worker.submit([items["r0"]], [12])
-    _until_busy(calls)
-    worker.submit([later["r1"], items["r3"], items["r2"], later["r2"]], [13, 15, 14, 14])
-    gate.set()
-    got = _drain(worker, 5)
-    assert calls == [["r0"], ["r3"], ["r2"], ["r1"], ["r2"]]
-    starts = [c.start for d in got for _, c in d.items]
-    assert starts == [0, 0, 0, 6, 6]
 
 
 def test_the_profile_sets_the_codec_workers_call_size(tiny_fish):
