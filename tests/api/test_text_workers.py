@@ -1,6 +1,9 @@
 """The API's text frontend in worker processes reads texts exactly as in the API's own threads."""
 
 import asyncio
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -45,3 +48,38 @@ def test_without_a_text_frontend_the_text_goes_as_sent_and_no_worker_starts(tiny
         return await workers.cut(TEXT, "input"), await workers.read_transcripts([ref])
 
     assert asyncio.run(run()) == ([TEXT], [ref]) and workers.workers == 0
+
+
+PARENT = """
+import asyncio, sys, time
+from intone.api.text_workers import TextWorkers
+from intone.models import text_frontend
+workers = TextWorkers("tiny:cosyvoice3", text_frontend("tiny:cosyvoice3"), 1)
+asyncio.run(workers.start())
+print(*workers._pool._processes, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\\tZ" not in next(line for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_api_process_leaves_no_text_worker_behind(tiny_cache):
+    """SIGKILL gives the API no shutdown: its text workers notice their parent is gone and exit."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert pids and all(_alive(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait(10)
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), pids

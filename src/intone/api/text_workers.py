@@ -17,13 +17,17 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 
 from intone.api.segments import cut
+from intone.engine.child import watch_parent
 from intone.models import text_frontend
 
 _frontend = None  # a worker process's own frontend
 
 
-def _load(spec: str) -> None:
+def _load(spec: str, parent: int) -> None:
     global _frontend
+    # A worker holds both ends of its own call queue's pipe, so when the API process is killed it
+    # would wait on that queue for ever: it leaves when its parent is gone instead.
+    watch_parent(parent, [])
     _frontend = text_frontend(spec)
 
 
@@ -53,7 +57,7 @@ class TextWorkers:
         if self.workers:
             # spawn: a fork would copy this process's threads' locks mid-use
             context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.workers, context, initializer=_load, initargs=(spec,))
+            self._pool = ProcessPoolExecutor(self.workers, context, initializer=_load, initargs=(spec, os.getpid()))
 
     async def start(self) -> None:
         """Start every worker and load its frontend now, not on a request."""
