@@ -2,7 +2,8 @@
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
 #   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, encoder, ar-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, cosy-ab (cosy-stream once per AB variant: AB='name:serve args;name:serve args'),
-#                                         cosy-engine, profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
+#                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
+#                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -47,6 +48,9 @@ for stage in "$@"; do
         [[ $v == *:* ]] || v="$v:"
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-')
         N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
+    cosy-stream-engine) timeout ${T:-$((150 + N / 4))} python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
+        --profile cosyvoice3-streaming --stream --concurrency 64 --num-requests "$N" --warmup 64 \
+        --force-output-frames normal:128:45 ${ENGINE_SETS:-} --out "$OUT/cosy-stream-engine.json" 2>&1 | tail -20 ;;
     cosy-engine) timeout 500 python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile "$COSY_FULL" --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 --out "$OUT/cosy-engine.json" 2>&1 | tail -20 ;;
