@@ -1,6 +1,7 @@
 """The API's text frontend in worker processes reads texts exactly as in the API's own threads."""
 
 import asyncio
+import select
 import subprocess
 import sys
 import time
@@ -62,9 +63,10 @@ time.sleep(600)
 
 
 def _alive(pid: int) -> bool:
+    """Running or sleeping: not gone and not a zombie (an orphan's zombie waits for PID 1 to reap it)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            return "\\tZ" not in next(line for line in f if line.startswith("State:"))
+            return next(line for line in f if line.startswith("State:")).split()[1] != "Z"
     except FileNotFoundError:
         return False
 
@@ -74,6 +76,8 @@ def test_a_killed_api_process_leaves_no_text_worker_behind(tiny_cache):
     """SIGKILL gives the API no shutdown: its text workers notice their parent is gone and exit."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
+        ready, _, _ = select.select([parent.stdout], [], [], 120)
+        assert ready, "the parent never started its worker"
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert pids and all(_alive(p) for p in pids)
     finally:

@@ -3,6 +3,7 @@
 import pytest
 
 from intone.engine.config import PROFILE_DIR, ProfileError, load_profile
+from intone.ops import paged_decode
 
 
 @pytest.mark.parametrize("path", sorted(PROFILE_DIR.glob("*.yaml")), ids=lambda p: p.name)
@@ -57,6 +58,8 @@ def test_host_switch_interval_is_set_in_the_process_that_loads_the_model(tiny_ca
 
 def test_decode_splits_are_a_power_of_two_up_to_16():
     assert load_profile("fish-s2-default", device="cpu", **{"ar.decode_splits": 4}).ar.decode_splits == 4
+    with pytest.raises(ValueError, match="decode splits"):
+        paged_decode.use_splits(3)  # the kernel's own check, for callers that bypass the profile
     for bad in (3, 32, 0):
         with pytest.raises(ProfileError, match="decode_splits"):
             load_profile("fish-s2-default", device="cpu", **{"ar.decode_splits": bad})

@@ -75,22 +75,22 @@ def test_triton_decode_attention_matches_the_reference(dtype, tol, heads, kv_hea
     from intone.ops.attention import decode_attention, decode_attention_reference
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    blocks, bs, rows = 80, 16, 9
+    blocks, bs, rows, per_row = 640, 16, 9, 64  # rows of up to 1024 keys: spans of several tiles each
     k = torch.randn(blocks, bs, kv_heads, dim, device="cuda", generator=g).to(dtype)
     v = torch.randn(blocks, bs, kv_heads, dim, device="cuda", generator=g).to(dtype)
     q = torch.randn(rows, heads, dim, device="cuda", generator=g).to(dtype)
-    tables = torch.randperm(blocks, device="cuda", generator=g)[: rows * 8].view(rows, 8)
-    seq_lens = torch.tensor([1, 2, 15, 16, 17, 31, 64, 100, 128], device="cuda")
+    tables = torch.randperm(blocks, device="cuda", generator=g)[: rows * per_row].view(rows, per_row)
+    seq_lens = torch.tensor([1, 2, 15, 16, 17, 31, 100, 1000, 1024], device="cuda")
     paged_decode.use_splits(splits)
     try:
         got = decode_attention(q, k, v, tables, seq_lens)
-        alone = decode_attention(q[6:7], k, v, tables[6:7], seq_lens[6:7])  # a row's bits do not depend on its batch
+        alone = decode_attention(q[7:8], k, v, tables[7:8], seq_lens[7:8])  # a row's bits do not depend on its batch
     finally:
         paged_decode.use_splits(1)
     want = decode_attention_reference(q, k, v, tables, seq_lens)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert (got.float() - want.float()).abs().max() < tol
-    assert torch.equal(alone, got[6:7])
+    assert torch.equal(alone, got[7:8])
 
 
 def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):

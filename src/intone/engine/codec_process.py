@@ -187,7 +187,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
             warm_up_codec(stage, profile, model.max_seq_len)
         push.send(pickle.dumps(("ready", None)))
         first = (lambda item: item[1].chunk.start == 0) if c.schedule == "first" else None
-        _loop(stage, ChunkQueue(c.max_batch if c.schedule == "deadline" else None, first), pull, push)
+        _loop(stage, ChunkQueue(c.call_size, first), pull, push)
 
 
 def _loop(stage, queue: ChunkQueue, pull: zmq.Socket, push: zmq.Socket) -> None:

@@ -57,7 +57,7 @@ class CodecStageConfig(_Strict):
                            "same code compiled once: start-up ~10x shorter, the kernels between blocks eager)")
     cuda_graphs: bool = Field(False, description="CosyVoice3: replay the flow's ODE solve (ten DiT passes) from CUDA "
                                                  "graphs captured at start-up, one per (rows, frames) bucket (GPU)")
-    graph_frames: int = Field(1024, ge=128, le=15000,
+    graph_frames: int = Field(1024, ge=128, le=4096,
                               description="with cuda_graphs: the longest flow call (reference + output, mel frames "
                                           "at 50 per second) with a graph; longer ones run eagerly")
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
@@ -80,6 +80,11 @@ class CodecStageConfig(_Strict):
                             "experimental, not measured since the H200 crash that session 10 saw fixed); or "
                             "first: as handed over, but while new streams' first chunks wait beside others, a "
                             "call takes only those (a new stream's first audio skips the backlog's call)")
+
+    @property
+    def call_size(self) -> int | None:
+        """Chunks per codec worker call at most (None: every waiting chunk), in a thread or a process."""
+        return self.max_call or (self.max_batch if self.schedule == "deadline" else None)
 
 
 class FrontendConfig(_Strict):

@@ -97,9 +97,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._start_up()
         if codec_process is None and profile.codec.overlap:
-            deadline = profile.codec.schedule == "deadline"
-            max_call = profile.codec.max_call or (profile.codec.max_batch if deadline else None)
-            self.codec_worker = CodecWorker(self.codec, model.device, max_call,
+            self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
                                             first_alone=profile.codec.schedule == "first")
 
     def _start_up(self) -> None:

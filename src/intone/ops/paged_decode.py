@@ -37,9 +37,12 @@ _splits = 1
 
 
 def use_splits(n: int) -> None:
-    """Key spans per (row, KV head) for every decode attention in this process (1: one program each)."""
+    """Key spans per (row, KV head) for every decode attention in this process (1: one program each;
+    a power of two up to 16, as the merge kernel's arange needs)."""
     global _splits
-    _splits = max(1, int(n))
+    if n not in (1, 2, 4, 8, 16):
+        raise ValueError(f"decode splits must be 1, 2, 4, 8 or 16, not {n}")
+    _splits = n
 
 
 def available(q: Tensor) -> bool:
@@ -125,7 +128,9 @@ if triton is not None:
             m = m_new
         n_heads = tl.num_programs(1) * GROUP
         slot = (row * n_heads + heads) * SPLITS + split  # [G]
-        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None])
+        # An empty span (past the row's keys) writes only its (max -inf, sum 0): a prefill's rows are
+        # mostly short, and their accumulators would otherwise be most of the traffic.
+        tl.store(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], acc, mask=g_ok[:, None] & (start < seq_len))
         tl.store(ml_ptr + slot * 2, m, mask=g_ok)
         tl.store(ml_ptr + slot * 2 + 1, l, mask=g_ok)
 
@@ -139,9 +144,10 @@ if triton is not None:
         m = tl.load(ml_ptr + slot * 2)
         l = tl.load(ml_ptr + slot * 2 + 1)
         d = tl.arange(0, HEAD_DIM)
-        acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :])
+        has_keys = m > float("-inf")
+        acc = tl.load(acc_ptr + slot[:, None] * HEAD_DIM + d[None, :], mask=has_keys[:, None], other=0.0)
         top = tl.max(m, axis=0)  # finite: a row has at least one key, so some span has one
-        w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
+        w = tl.where(has_keys, tl.exp(m - top), 0.0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(out_ptr + row * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
