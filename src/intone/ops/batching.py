@@ -3,6 +3,8 @@ a call is padded to (so kernels meet few distinct shapes and plan each once)."""
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
 
 # ~25% apart above 64 frames: a whole utterance pads by at most a quarter (then multiples of 256)
 FRAME_BUCKETS = (4, 8, 16, 32, 50, 64, 80, 100, 128, 160, 192, 256, 320, 384, 512)
@@ -14,6 +16,13 @@ def bucket_frames(frames: int) -> int:
 
 def bucket_rows(rows: int) -> int:
     return 1 << max(0, rows - 1).bit_length()
+
+
+def pad_rows(t: Tensor, target: int) -> Tensor:
+    """t's rows padded to `target` with copies of row 0: a real input, so the padded rows compute
+    nothing degenerate; their outputs are dropped."""
+    extra = target - t.shape[0]
+    return torch.cat((t, t[:1].expand(extra, *t.shape[1:]))) if extra > 0 else t
 
 
 def group_jobs(lengths: list[int], max_batch: int, max_padded_frames: int) -> list[list[int]]:

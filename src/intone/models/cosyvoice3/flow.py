@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from intone.models.cosyvoice3.dit import DiT, DiTConfig
+from intone.ops.batching import bucket_rows, pad_rows
 
 
 GRAPH_FRAME_BUCKET = 128  # mel frames: a graphed solve's length is padded to a multiple of this
@@ -26,7 +27,7 @@ def graph_rows(rows: int) -> int:
     """The rows of the graph a solve of `rows` rows replays: a power of two up to GRAPH_ROW_STEP,
     then the next multiple of it (a large call is bound by its arithmetic, so little padding)."""
     if rows <= GRAPH_ROW_STEP:
-        return 1 << max(0, rows - 1).bit_length()
+        return bucket_rows(rows)
     return -(-rows // GRAPH_ROW_STEP) * GRAPH_ROW_STEP
 
 
@@ -41,13 +42,8 @@ def pad_solve_inputs(mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, st
     """The solve's inputs at (rows, frames): added rows copy row 0 (their output is dropped), added
     frames are zeros past every row's length, which the attention mask hides from every valid frame
     (the DiT's convolutions are causal), so no valid frame's value changes."""
-    extra = rows - mu.shape[0]
-
-    def more_rows(t: Tensor) -> Tensor:
-        return torch.cat((t, t[:1].expand(extra, *t.shape[1:]))) if extra else t
-
     mu, cond = (F.pad(y, (0, 0, 0, frames - y.shape[1])) for y in (mu, cond))
-    return tuple(more_rows(t) for t in (mu, cond, spks, lengths, streaming))
+    return tuple(pad_rows(t, rows) for t in (mu, cond, spks, lengths, streaming))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from intone.models.cosyvoice3.campplus_net import campplus_from_onnx
 from intone.models.cosyvoice3.features import fbank_frames, kaldi_fbank, whisper_log_mel
 from intone.models.cosyvoice3.onnx_weights import NotThisArchitecture, OnnxGraph
 from intone.models.cosyvoice3.speech_tokenizer_net import speech_tokenizer_from_onnx
+from intone.ops.batching import bucket_rows, pad_rows
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +86,6 @@ def _padded(items: list[Tensor], dim: int, bucket: int = FRAME_BUCKET) -> tuple[
         pad[2 * (x.dim() - 1 - dim % x.dim()) + 1] = longest - n
         pads.append(torch.nn.functional.pad(x.to(torch.float32), pad))
     return torch.stack(pads), torch.tensor(lengths, device=items[0].device)
-
-
-def _pad_rows(t: Tensor, rows: int, target: int | None = None) -> Tensor:
-    """Rows padded to `target` (default: the next power of two) with copies of row 0 (dropped from the outputs)."""
-    target = target or 1 << (rows - 1).bit_length()
-    return t if target == rows else torch.cat([t, t[:1].expand(target - rows, *t.shape[1:])])
 
 
 def _as_tuple(out) -> tuple:
@@ -226,9 +221,10 @@ class _FrontendModel:
             x, lengths = _padded([feats[i].to(self._device) for i in group], dim, self.frame_bucket)
             if self.fixed_rows:  # the bucket's one shape
                 rows = _fixed_rows(self.fixed_rows, x.shape[dim + 1 if dim >= 0 else dim])
-                x, lengths = _pad_rows(x, len(group), rows), _pad_rows(lengths, len(group), rows)
+                x, lengths = pad_rows(x, rows), pad_rows(lengths, rows)
             elif self.graphs is not None:  # a power of two: a captured shape
-                x, lengths = _pad_rows(x, len(group)), _pad_rows(lengths, len(group))
+                rows = bucket_rows(len(group))
+                x, lengths = pad_rows(x, rows), pad_rows(lengths, rows)
             with torch.no_grad():
                 if self._capturing:
                     self.graphs.capture(self.what, self._forward, x, lengths)
