@@ -338,11 +338,12 @@ class FunctionGraphs:
         """fn(*inputs) as a list of tensors: replayed when these shapes were captured, else computed
         eagerly by `eager()` (default: fn(*inputs); e.g. the call before its inputs were padded)."""
         key = self.key(name, inputs)
-        if key not in self._sets[0].graphs:
-            self.eager += 1
-            return _tensors(eager() if eager is not None else fn(*inputs))
+        captured = key in self._sets[0].graphs
         with self._assign_lock:  # workers count side by side
-            self.replays += 1
+            self.replays += captured
+            self.eager += not captured
+        if not captured:
+            return _tensors(eager() if eager is not None else fn(*inputs))
         return self._mine().replay(key, inputs)
 
     def _mine(self) -> _GraphSet:

@@ -271,8 +271,9 @@ class FrontendStage:
         """(index, features or exception) per clip, as the model finishes each; nothing for no clips."""
         if not clips:
             return
-        self.batches += 1
-        self.clips += len(clips)
+        with self._lock:  # several workers (and the loop, for stored voices) count here
+            self.batches += 1
+            self.clips += len(clips)
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             stream = self._stream()
             if stream is None:
