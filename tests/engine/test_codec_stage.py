@@ -8,14 +8,53 @@ from intone.engine.codec_stage import CodecJob, CodecStage
 from intone.ops.batching import group_jobs
 
 
+def split_cost(groups, lengths, call_cost):
+    return sum(call_cost + len(g) * max(lengths[i] for i in g) for g in groups)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 120), min_size=1, max_size=40), st.integers(1, 16), st.integers(1, 400))
-def test_groups_cover_every_job_once_within_bounds(lengths, max_batch, max_padded):
-    groups = group_jobs(lengths, max_batch, max_padded)
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=40), st.integers(1, 16), st.integers(1, 400),
+       st.one_of(st.none(), st.integers(0, 500)))
+def test_groups_cover_every_job_once_within_bounds(lengths, max_batch, max_padded, call_cost):
+    groups = group_jobs(lengths, max_batch, max_padded, call_cost)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
         assert len(g) <= max_batch
         assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= max_padded
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=7), st.integers(1, 7), st.integers(1, 200),
+       st.integers(0, 100))
+def test_the_cheapest_split_beats_greedy_and_every_other_split(lengths, max_batch, max_padded, call_cost):
+    """Against brute force over every set partition that keeps the bounds (small inputs)."""
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for part in partitions(rest):
+            yield [[first]] + part
+            for k in range(len(part)):
+                yield part[:k] + [[first] + part[k]] + part[k + 1:]
+
+    def fits(g):
+        return len(g) == 1 or (len(g) <= max_batch and len(g) * max(lengths[i] for i in g) <= max_padded)
+
+    best = min(split_cost(p, lengths, call_cost) for p in partitions(list(range(len(lengths)))) if all(map(fits, p)))
+    cheapest = group_jobs(lengths, max_batch, max_padded, call_cost)
+    assert split_cost(cheapest, lengths, call_cost) == best
+    assert best <= split_cost(group_jobs(lengths, max_batch, max_padded), lengths, call_cost)
+
+
+def test_a_spread_of_lengths_splits_into_calls_of_similar_lengths():
+    """CosyVoice3's flow jobs: references of 75-200 tokens plus 40-250 spoken ones. One full call pads
+    ~30% of its work (two calls, at max_padded_frames); at the profiles' call cost four calls pad ~10%."""
+    lengths = [110 + (270 * i * 37 % 271) for i in range(48)]
+    useful = sum(lengths)
+    waste = {c: 1 - useful / sum(len(g) * max(lengths[i] for i in g) for g in group_jobs(lengths, 64, 16384, c))
+             for c in (None, 512)}
+    assert waste[None] > 0.25 and waste[512] < 0.12
 
 
 def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):

@@ -71,6 +71,9 @@ class CodecStageConfig(_Strict):
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
+    call_cost: int | None = Field(None, ge=0, description="CosyVoice3: split the flow's waiting jobs into calls of similar "
+                                                        "lengths, a call worth this many padded tokens of work (None: "
+                                                        "each call as full as max_batch and max_padded_frames allow)")
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")

@@ -154,7 +154,7 @@ class CosyVoice3(TTSModel):
         gpu = self.codec_device.type == "cuda"
         if config.flow_dtype != "auto" and gpu:
             self.flow.to(getattr(torch, config.flow_dtype))
-        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast)
+        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast, config.call_cost)
         if config.compile and gpu:
             stage.compile_flow(config.compile_unit)
         return stage

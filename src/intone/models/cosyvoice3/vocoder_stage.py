@@ -64,8 +64,12 @@ def compile_dit(estimator, unit: str) -> None:
 
 
 class CosyCodecStage:
-    def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none"):
+    def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
+                 call_cost: int | None = None):
+        """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (HiFT's stay as
+        full as the bounds allow: its windows are of similar lengths and its calls launch-bound)."""
         self.model = model
+        self.call_cost = call_cost
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
@@ -153,7 +157,7 @@ class CosyCodecStage:
         out: list[Tensor] = [empty] * len(items)
         live = [i for i, job in enumerate(jobs) if job is not None]
         lengths = [jobs[i].prompt_tokens.shape[0] + jobs[i].tokens.shape[0] for i in live]
-        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost):
             idx = [live[g] for g in group]
             with self._autocast():
                 mels = model.flow.inference([jobs[i] for i in idx], self.graphs)
