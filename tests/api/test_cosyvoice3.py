@@ -217,3 +217,18 @@ def test_a_bare_stream_true_is_raw_pcm_under_the_audio_dialect(cosy_server):
     sse = speech(cosy_server, input="Hello there.", seed=2, max_new_tokens=20, stream=True, stream_format="sse",
                  response_format="pcm")
     assert sse.headers["content-type"].startswith("text/event-stream")
+
+
+def test_metrics_show_the_codec_busy_and_the_flow_padding(cosy_server):
+    from intone.bench.server_metrics import scrape
+
+    before = scrape(cosy_server.base)
+    assert speech(cosy_server, response_format="wav").status_code == 200
+    after = scrape(cosy_server.base)
+
+    def grew(name):
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert grew("intone_codec_calls_total") >= 1 and grew("intone_codec_busy_seconds_total") > 0
+    useful, padded = grew("intone_codec_useful_tokens_total"), grew("intone_codec_padded_tokens_total")
+    assert 0 < useful <= padded

@@ -235,3 +235,37 @@ def test_the_profile_sets_the_codec_workers_call_size(tiny_fish):
             assert core.codec_worker._waiting.max_call == expected
         finally:
             core.close()
+
+
+@pytest.mark.gpu
+def test_the_codec_stream_with_an_sm_share_runs_only_on_that_share():
+    """codec.sms: every block launched on the codec's stream lands on one of its `sms` SMs (each
+    block records the SM it ran on), and the stream computes what the default one does."""
+    import triton
+    import triton.language as tl
+
+    from intone.engine.codec_worker import codec_stream
+
+    @triton.jit
+    def record_sm(out_ptr):
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(out_ptr + tl.program_id(0), sm)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    stream, context = codec_stream(device, 16)
+    assert context is not None
+    a = torch.randn(4096, 4096, device=device)
+    expected = a @ a
+    blocks = 64 * total
+    sm = torch.full((blocks,), -1, dtype=torch.int32, device=device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        record_sm[(blocks,)](sm)
+        got = a @ a
+    torch.cuda.current_stream().wait_stream(stream)
+    used = set(sm.tolist())
+    assert -1 not in used and len(used) <= 16, sorted(used)
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3)  # cuBLAS may pick another split on 16 SMs
+    with pytest.raises(ValueError, match="codec.sms"):
+        codec_stream(device, total)

@@ -47,6 +47,11 @@ ENGINE_COUNTERS = {
                          "Codec calls with graphs on that ran eagerly (a shape beyond them)"),
     "steps": ("intone_engine_steps", "Engine steps"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
+    "codec_seconds": ("intone_codec_busy_seconds", "Seconds the codec spent in decode calls (its worker's wall time)"),
+    "codec_padded_tokens": ("intone_codec_padded_tokens",
+                            "CosyVoice3: token rows the flow's calls computed (rows x longest, padding included)"),
+    "codec_useful_tokens": ("intone_codec_useful_tokens",
+                            "CosyVoice3: token rows of the flow's calls that were real (the rest is padding)"),
 }
 ENGINE_GAUGES = {
     "reference_cache_entries": ("intone_reference_cache_entries", "Reference features held in the cache"),

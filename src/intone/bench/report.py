@@ -65,7 +65,8 @@ def stage_tables(results: dict) -> list[str]:
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
-              "eager | engine steps | mean step ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "eager | engine steps | mean step ms | codec calls | codec busy s | flow padding % |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -75,16 +76,23 @@ def stage_tables(results: dict) -> list[str]:
             + " | ".join(_count(k.get(key)) for key in ("graph_replays", "eager_decode_steps"))
             + f" | {_count(k.get('codec_graph_replays'))} / {_count(k.get('codec_eager_runs'))} | "
             + _count(k.get("engine_steps"))
-            + f" | {_fmt(srv.get('mean_step_ms'), 2)} |")
+            + f" | {_fmt(srv.get('mean_step_ms'), 2)} | {_count(k.get('codec_calls'))}"
+            + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(_padding(k), 1)} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
-                    "batch began.", ""]
+                    "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
+                    "codec is saturated); flow padding: the share of the flow's computed token rows that were padding.", ""]
 
 
 def _per(counters: dict, key: str) -> float | None:
     """A summed counter per frontend job (request or voice upload) of the level."""
     total, jobs = counters.get(key), counters.get("frontend_jobs")
     return total / jobs if total is not None and jobs else None
+
+
+def _padding(counters: dict) -> float | None:
+    padded, useful = counters.get("codec_padded_tokens"), counters.get("codec_useful_tokens")
+    return 100 * (1 - useful / padded) if padded and useful is not None else None
 
 
 def _count(value) -> str:

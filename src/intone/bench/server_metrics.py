@@ -29,6 +29,10 @@ COUNTERS = {
     "codec_eager_runs": "intone_codec_eager_runs_total",
     "eager_decode_steps": "intone_eager_decode_steps_total",
     "engine_steps": "intone_engine_steps_total",
+    "codec_calls": "intone_codec_calls_total",
+    "codec_busy_seconds": "intone_codec_busy_seconds_total",
+    "codec_padded_tokens": "intone_codec_padded_tokens_total",
+    "codec_useful_tokens": "intone_codec_useful_tokens_total",
 }
 GAUGES = {
     "reference_cache_entries": "intone_reference_cache_entries",

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.cuda import green_contexts
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,29 @@ class ChunkQueue:
         return len(self._heap)
 
 
+def codec_stream(device: torch.device, sms: int | None):
+    """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
+    green context of that many of the GPU's SMs: the codec's long GEMMs then never hold every SM,
+    so the AR step's small kernels (on the loop's stream, unpartitioned) always find some free.
+    Stream priorities cannot give that: a running block is never preempted (session 8)."""
+    if device.type != "cuda":
+        return None, None
+    if sms is None:
+        return torch.cuda.Stream(device), None
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    if not green_contexts.SUPPORTED or not hasattr(green_contexts.GreenContext, "Stream"):
+        raise RuntimeError(f"codec.sms needs CUDA green contexts with streams; torch {torch.__version__} has none")
+    if not 0 < sms < total:
+        raise ValueError(f"codec.sms must be below the GPU's {total} SMs, got {sms}")
+    context = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
+    return context.Stream(), context
+
+
 class CodecWorker:
-    def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False):
-        """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue)."""
+    def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
+                 sms: int | None = None):
+        """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
+        sms: the codec's share of the GPU's SMs (`codec_stream`)."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call, (lambda item: item[1].start == 0) if first_alone else None)
         self._done: list[DecodedBatch] = []
@@ -101,7 +122,7 @@ class CodecWorker:
         self._wake = threading.Condition(self._lock)
         self._ready = threading.Event()
         self._stop = False
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stream, self._green_context = codec_stream(device, sms)
         self.in_flight = 0  # chunks handed over and not yet collected
         self._thread = threading.Thread(target=self._work, name="intone-codec", daemon=True)
         self._thread.start()

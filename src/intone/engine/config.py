@@ -74,6 +74,9 @@ class CodecStageConfig(_Strict):
     call_cost: int | None = Field(None, ge=0, description="CosyVoice3: split the flow's waiting jobs into calls of similar "
                                                         "lengths, a call worth this many padded tokens of work (None: "
                                                         "each call as full as max_batch and max_padded_frames allow)")
+    sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
+                                                 "(a CUDA green context; GPU, in-process worker): the rest stay free "
+                                                 "for the AR step's kernels whatever the codec runs (None: all)")
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")

@@ -98,7 +98,7 @@ class EngineCore:
         self._start_up()
         if codec_process is None and profile.codec.overlap:
             self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
-                                            first_alone=profile.codec.schedule == "first")
+                                            first_alone=profile.codec.schedule == "first", sms=profile.codec.sms)
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
@@ -275,6 +275,8 @@ class EngineCore:
             frontend_eager_runs=front.eager if front is not None else 0,
             codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,
             codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
+            codec_padded_tokens=getattr(self.codec, "padded_tokens", 0),
+            codec_useful_tokens=getattr(self.codec, "useful_tokens", 0),
         )
 
     def close(self) -> None:

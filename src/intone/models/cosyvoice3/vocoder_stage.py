@@ -76,6 +76,7 @@ class CosyCodecStage:
         gpu = model.codec_device.type == "cuda"
         self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
+        self.padded_tokens = self.useful_tokens = 0  # the flow calls' rows x longest, and their real part
         self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
 
     def _autocast(self):
@@ -162,6 +163,8 @@ class CosyCodecStage:
             with self._autocast():
                 mels = model.flow.inference([jobs[i] for i in idx], self.graphs)
             self.calls += 1
+            self.padded_tokens += len(group) * max(lengths[g] for g in group)
+            self.useful_tokens += sum(lengths[g] for g in group)
             for i, mel in zip(idx, mels):
                 out[i] = mel[:, model.flow.config.token_mel_ratio * items[i][1].start :]
         return out
