@@ -55,6 +55,10 @@ class CodecStageConfig(_Strict):
     compile_unit: Literal["dit", "block"] = Field(
         "dit", description="CosyVoice3 with compile: the whole DiT as one graph, or each transformer block (the "
                            "same code compiled once: start-up ~10x shorter, the kernels between blocks eager)")
+    flow_attention: Literal["sdpa", "flex"] = Field(
+        "sdpa", description="CosyVoice3: the DiT's attention as SDPA under a dense mask, or flex attention under a "
+                            "block mask that skips the key blocks padding and the chunk mask hide (GPU: with "
+                            "compile only; not with cuda_graphs)")
     cuda_graphs: bool = Field(False, description="CosyVoice3: replay the flow's ODE solve (ten DiT passes) from CUDA "
                                                  "graphs captured at start-up, one per (rows, frames) bucket (GPU)")
     graph_frames: int = Field(1024, ge=128, le=4096,

@@ -196,12 +196,31 @@ def test_cuda_matches_cpu():
     assert all(m.is_cuda and m.dtype == torch.float32 and torch.isfinite(m).all() for m in bf16)
 
 
-@pytest.mark.parametrize("unit", ["dit", "block"])
-def test_a_compiled_dit_gives_the_eager_mel(unit):
+@settings(max_examples=4, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(4, 90), st.booleans(), st.booleans()), min_size=1, max_size=4))
+def test_flex_attention_gives_the_sdpa_mel(flow, rows):
+    """`codec.flow_attention: flex`: the block mask hides exactly what the dense mask hides, for
+    streamed and whole rows of any padding (float64, eager: to 1e-12)."""
+    g = torch.Generator().manual_seed(len(rows))
+    reqs = [request(g, prompt=p, tokens=n, streaming=s, finalize=f) for p, n, s, f in rows]
+    dense = flow.inference(reqs)
+    flow.decoder.estimator.attention_kernel = "flex"
+    try:
+        blocks = flow.inference(reqs)
+    finally:
+        flow.decoder.estimator.attention_kernel = "sdpa"
+    for got, want in zip(blocks, dense):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("unit,kernel", [("dit", "sdpa"), ("block", "sdpa"), ("dit", "flex")])
+def test_a_compiled_dit_gives_the_eager_mel(unit, kernel):
     """`codec.compile_unit`: whichever part is compiled, a batch of streamed and whole rows of
     different lengths gets the eager flow's mel (float32: to rounding); a second batch of other
-    shapes reuses the compiled code (dynamic shapes)."""
+    shapes reuses the compiled code (dynamic shapes), with either attention kernel (flex: new block
+    masks for new lengths, no new compile)."""
     flow = make_flow(torch.float32, seed=3)
+    flow.decoder.estimator.attention_kernel = kernel
     g = torch.Generator().manual_seed(5)
     batches = [[request(g, 8, 30, streaming=True, finalize=False, dtype=torch.float32),
                 request(g, 12, 21, streaming=False, dtype=torch.float32)],
@@ -291,3 +310,31 @@ def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel(autocast, co
     for a, b, c in zip(replayed, eager, again):
         assert torch.equal(a, c)  # a replay is deterministic
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.gpu
+def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
+    """`codec.flow_attention: flex` as the stage runs it (compiled DiT, bf16 autocast without the cast
+    cache) against the dense-mask SDPA flow, eager, for streamed and whole rows of different lengths:
+    the same mel to bf16 rounding; a second batch of other lengths compiles nothing new."""
+    flow = make_flow(torch.float32).cuda()
+    g = torch.Generator().manual_seed(11)
+
+    def on_gpu(r):
+        return FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(),
+                           r.streaming, r.finalize)
+
+    batches = [[on_gpu(request(g, prompt=p, tokens=n, streaming=s, finalize=not s, dtype=torch.float32))
+                for p, n, s in rows] for rows in (((8, 60, True), (12, 41, False), (5, 97, True)),
+                                                  ((20, 130, True), (3, 33, False)))]
+    with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+        dense = [flow.inference(b) for b in batches]
+        flow.decoder.estimator.attention_kernel = "flex"
+        compile_dit(flow.decoder.estimator, "dit")
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        blocks = [flow.inference(b) for b in batches]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    for got_batch, want_batch in zip(blocks, dense):
+        for got, want in zip(got_batch, want_batch):
+            assert got.shape == want.shape
+            assert (got - want).abs().max() < 5e-2

@@ -216,3 +216,24 @@ def test_speed_stretches_a_full_response_as_officially_and_is_refused_when_strea
     streaming = load_profile("cosyvoice3-streaming", device="cpu")
     refused = run_engine(cosy64, streaming, [SynthesisRequest("t", TEXTS[1], [ref], params, speed=1.5)])["t"]
     assert refused[0].error_code == "invalid_request" and refused[0].error_field == "speed"
+
+
+def test_a_stream_with_the_flex_attention_flow_releases_the_same_audio(cosy64):
+    """codec.flow_attention: flex, set through the profile, reaches the flow and changes no sample (float64)."""
+    refs = voices(2)
+    reqs = [SynthesisRequest(f"x{i}", TEXTS[i], [refs[i]], SamplingParams(seed=3 + i, min_new_tokens=60,
+                                                                           max_new_tokens=90)) for i in range(2)]
+    runs = {}
+    try:
+        for kernel in ("flex", "sdpa"):
+            profile = load_profile("cosyvoice3-streaming", device="cpu",
+                                   **{"ar.max_num_seqs": 2, "codec.flow_attention": kernel})
+            runs[kernel] = run_engine(cosy64, profile, reqs)
+            assert cosy64.flow.decoder.estimator.attention_kernel == kernel
+    finally:  # the model is shared by the module's tests
+        cosy64.flow.decoder.estimator.attention_kernel = "sdpa"
+    for rid, chunks in runs["sdpa"].items():
+        flex = runs["flex"][rid]
+        assert [(c.start_frame, c.end_frame) for c in flex] == [(c.start_frame, c.end_frame) for c in chunks]
+        for a, b in zip(flex, chunks):
+            np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-9)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # Not cuDNN's attention (torch's first choice on Hopper since 2.11). Streamed CosyVoice3 on the H200
 # twice lost the engine to an illegal memory access (2026-12-01 with deadline scheduling; 2026-12-02 at
@@ -146,8 +147,12 @@ class Attention(nn.Module):
         q = apply_rope(self.to_q(x), rope)
         k = apply_rope(self.to_k(x), rope)
         q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
-        with sdpa_kernel(_DIT_SDPA):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(mask, BlockMask):
+            # Contiguous [B, H, T, D]: inductor's flex lowering takes no head-split views (torch 2.13)
+            out = flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask)
+        else:
+            with sdpa_kernel(_DIT_SDPA):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
         return out.masked_fill(~valid[..., None], 0.0)
 
@@ -197,6 +202,9 @@ class DiT(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         self.config = cfg
+        # "sdpa": a dense boolean mask; "flex": a block mask for flex attention, whose kernel skips
+        # the key blocks that a row's padding or its chunk mask hides (fast only compiled).
+        self.attention_kernel = "sdpa"
         self.time_embed = TimestepEmbedding(cfg.dim, cfg.time_freq_dim)
         self.input_embed = InputEmbedding(cfg)
         self.rotary_embed = RotaryEmbedding(cfg.dim_head, cfg.rope_base)
@@ -204,20 +212,34 @@ class DiT(nn.Module):
         self.norm_out = AdaLayerNormZero(cfg.dim, 2)
         self.proj_out = nn.Linear(cfg.dim, cfg.out_channels)
 
-    def attention_mask(self, lengths: Tensor, streaming: Tensor, total: int) -> tuple[Tensor, Tensor]:
-        """Boolean SDPA mask [B, 1, T, T] and frame validity [B, T] for right-padded rows.
+    def attention_mask(self, lengths: Tensor, streaming: Tensor, total: int) -> tuple[Tensor | BlockMask, Tensor]:
+        """Boolean SDPA mask [B, 1, T, T] (a BlockMask of the same pattern with the flex kernel) and
+        frame validity [B, T] for right-padded rows.
 
         Streaming rows let frame i see every frame before the end of its chunk, (i // chunk + 1) * chunk,
         with chunks counted from frame 0 (the first prompt frame); other rows see all valid frames.
         """
         pos = torch.arange(total, device=lengths.device)
         valid = pos[None] < lengths[:, None]
+        if self.attention_kernel == "flex":
+            return self._block_mask(lengths, streaming, total), valid
         visible = valid[:, None, :].expand(-1, total, -1)
         chunk = self.config.static_chunk_size
         if chunk > 0:
             in_chunk = pos[None, :] < ((pos // chunk + 1) * chunk)[:, None]
             visible = visible & (in_chunk[None] | ~streaming[:, None, None])
         return visible[:, None], valid
+
+    def _block_mask(self, lengths: Tensor, streaming: Tensor, total: int) -> BlockMask:
+        chunk = self.config.static_chunk_size
+
+        def visible(b, h, q, k):
+            seen = k < lengths[b]
+            if chunk > 0:
+                seen = seen & ((k < (q // chunk + 1) * chunk) | ~streaming[b])
+            return seen
+
+        return create_block_mask(visible, lengths.shape[0], None, total, total, device=lengths.device)
 
     def forward(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, mask: Tensor, valid: Tensor) -> Tensor:
         """x, mu, cond: [B, T, mel]; spks: [B, spk]; t: [B]; mask, valid: from `attention_mask`."""

@@ -129,8 +129,7 @@ class CausalCFM(nn.Module):
         # fp16 path (autocast) does; fp32 and fp64 models run all in their own dtype.
         state = torch.promote_types(mu.dtype, torch.float32)
         x = self.noise[0, :, :total].T.to(state).expand(b, -1, -1)
-        mask, valid = self.estimator.attention_mask(lengths, streaming, total)
-        mask, valid = mask.repeat(2, 1, 1, 1), valid.repeat(2, 1)
+        mask, valid = self.estimator.attention_mask(lengths.repeat(2), streaming.repeat(2), total)
         mu, cond, spks = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
         for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, state):
             xin = x.to(mu.dtype)

@@ -152,6 +152,10 @@ class CosyVoice3(TTSModel):
         """The flow + HiFT stage; `codec.flow_dtype` recasts this model's flow (the model belongs to
         one engine), `codec.compile` compiles its DiT now."""
         gpu = self.codec_device.type == "cuda"
+        if config.flow_attention == "flex" and gpu and (config.cuda_graphs or not config.compile):
+            # Flex attention is fast only compiled, and its block masks are not captured in graphs.
+            raise ValueError("codec.flow_attention flex needs codec.compile and no codec.cuda_graphs on a GPU")
+        self.flow.decoder.estimator.attention_kernel = config.flow_attention
         if config.flow_dtype != "auto" and gpu:
             self.flow.to(getattr(torch, config.flow_dtype))
         stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast, config.call_cost)
