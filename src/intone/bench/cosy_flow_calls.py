@@ -1,0 +1,102 @@
+"""Time CosyVoice3's flow over a served mix of jobs: how calls are split and which attention kernel.
+
+    python -m intone.bench.cosy_flow_calls --jobs 48 --call-cost 512 --kernels sdpa,flex [--sms 96]
+
+The jobs are what a streamed C64 codec worker call holds: references of 75-200 tokens, each job
+at one of its request's hops (25 + alignment, then 50, 100... tokens, or the final one at a
+normal(128, 45) length). Per attention kernel the DiT is compiled as the streaming profile runs it
+(whole, bf16 autocast without the cast cache), then the same jobs run in calls as full as the
+bounds allow and in the cheapest split (`codec.call_cost`). `--sms` runs everything on a stream of a
+green context of that many SMs (`codec.sms`), to price the codec's share alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import time
+
+import torch
+
+from intone.engine.codec_worker import codec_stream
+from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.model import random_cosyvoice3
+from intone.models.cosyvoice3.vocoder_stage import compile_dit
+from intone.ops.batching import group_jobs
+
+
+def served_job_lengths(n: int, seed: int = 0) -> list[tuple[int, int, bool]]:
+    """(prompt tokens, tokens, streamed) per job, as a streamed C64 mix holds them."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        prompt, total = rng.randint(75, 200), max(10, int(rng.gauss(128, 45)))
+        ends, end, hop = [], 25 + (-prompt) % 25, 25
+        while end + 3 < total:
+            ends.append((end + 3, True))
+            hop = min(100, 2 * hop)
+            end += hop
+        ends.append((total, False))
+        tokens, streamed = rng.choice(ends)
+        jobs.append((prompt, tokens, streamed))
+    return jobs
+
+
+def flow_jobs(lengths, device) -> list[FlowRequest]:
+    g = torch.Generator().manual_seed(0)
+    return [FlowRequest(torch.randint(0, 6561, (n,), generator=g).to(device),
+                        torch.randint(0, 6561, (p,), generator=g).to(device),
+                        torch.randn(2 * p, 80, generator=g).to(device), torch.randn(192, generator=g).to(device),
+                        streaming=s, finalize=not s) for p, n, s in lengths]
+
+
+def run_calls(flow, jobs, groups, device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
+        for group in groups:
+            flow.inference([jobs[i] for i in group])
+    sync()
+    return 1000 * (time.perf_counter() - start)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=48)
+    ap.add_argument("--call-cost", type=int, default=512)
+    ap.add_argument("--kernels", default="sdpa,flex")
+    ap.add_argument("--sms", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    flow = random_cosyvoice3(device).flow
+    stream, _context = codec_stream(device, args.sms)
+    lengths = served_job_lengths(args.jobs)
+    jobs = flow_jobs(lengths, device)
+    sizes = [p + n for p, n, _ in lengths]
+    splits = {"full": group_jobs(sizes, 64, 16384), "split": group_jobs(sizes, 64, 16384, args.call_cost)}
+    compile_dit(flow.decoder.estimator, "dit")
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for kernel in args.kernels.split(","):
+            flow.decoder.estimator.attention_kernel = kernel
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            for groups in splits.values():
+                run_calls(flow, jobs, groups, device)  # compiles, then meets each call's shape once
+            compile_s = time.perf_counter() - start
+            for name, groups in splits.items():
+                ms = min(run_calls(flow, jobs, groups, device) for _ in range(args.repeats))
+                padded = sum(len(g) * max(sizes[i] for i in g) for g in groups)
+                print(json.dumps(dict(kernel=kernel, calls=name, n_calls=len(groups), jobs=args.jobs, sms=args.sms,
+                                      ms=round(ms, 1), padding=round(1 - sum(sizes) / padded, 3),
+                                      first_pass_s=round(compile_s, 1))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
