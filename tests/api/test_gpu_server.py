@@ -17,7 +17,11 @@ from tests.api.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
 
-CASES = [("tiny:fish-s2", "fish-s2-high-concurrency"), ("tiny:cosyvoice3", "cosyvoice3-streaming")]
+# (model, profile, codec overrides): CosyVoice3 once with the flow's solve replayed from graphs, once with
+# the flex-attention DiT compiled as shipped profiles compile it and the codec on a share of the SMs.
+CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {"cuda_graphs": True}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {"compile": True, "flow_attention": "flex", "sms": 32})]
 
 
 def _metric(text: str, name: str) -> float:
@@ -33,8 +37,8 @@ def _samples(reply: httpx.Response, i: int) -> np.ndarray:
     return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
 
 
-@pytest.mark.parametrize("model,profile", CASES)
-def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, tiny_cache, tmp_path):
+@pytest.mark.parametrize("model,profile,codec", CASES)
+def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, codec, tiny_cache, tmp_path):
     assert torch.cuda.is_available()
     settings = yaml.safe_load((PROFILE_DIR / f"{profile}.yaml").read_text())
     settings["codec"]["compile"] = False  # a tiny DiT: compiling it would only make the test slow
@@ -44,8 +48,8 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     # request 0 (session 12: audio equal up to some frame, then unrelated).
     settings["tf32"] = False
     settings["ar"]["dtype"] = settings["codec"]["dtype"] = "float32"
-    codec_graphs = model == "tiny:cosyvoice3"  # the flow's solve replayed from graphs captured at start-up
-    settings["codec"]["cuda_graphs"] = codec_graphs
+    settings["codec"].update(codec)
+    codec_graphs = settings["codec"].get("cuda_graphs", False)
     if settings["codec"].get("autocast", "none") != "none":
         settings["codec"]["autocast"] = "none"
     path = tmp_path / "profile.yaml"
