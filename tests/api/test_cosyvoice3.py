@@ -232,3 +232,5 @@ def test_metrics_show_the_codec_busy_and_the_flow_padding(cosy_server):
     assert grew("intone_codec_calls_total") >= 1 and grew("intone_codec_busy_seconds_total") > 0
     useful, padded = grew("intone_codec_useful_tokens_total"), grew("intone_codec_padded_tokens_total")
     assert 0 < useful <= padded
+    flow, hift = grew("intone_codec_flow_seconds_total"), grew("intone_codec_vocoder_seconds_total")
+    assert flow > 0 and hift > 0 and flow + hift <= grew("intone_codec_busy_seconds_total")

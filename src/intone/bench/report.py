@@ -65,8 +65,8 @@ def stage_tables(results: dict) -> list[str]:
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
-              "eager | engine steps | mean step ms | codec calls | codec busy s | flow padding % |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -77,11 +77,12 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_count(k.get('codec_graph_replays'))} / {_count(k.get('codec_eager_runs'))} | "
             + _count(k.get("engine_steps"))
             + f" | {_fmt(srv.get('mean_step_ms'), 2)} | {_count(k.get('codec_calls'))}"
-            + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(_padding(k), 1)} |")
+            + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(k.get('codec_flow_seconds'), 2)}"
+            + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
-                    "codec is saturated); flow padding: the share of the flow's computed token rows that were padding.", ""]
+                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; flow padding: the share of the flow's computed token rows that were padding.", ""]
 
 
 def _per(counters: dict, key: str) -> float | None:

@@ -31,6 +31,8 @@ COUNTERS = {
     "engine_steps": "intone_engine_steps_total",
     "codec_calls": "intone_codec_calls_total",
     "codec_busy_seconds": "intone_codec_busy_seconds_total",
+    "codec_flow_seconds": "intone_codec_flow_seconds_total",
+    "codec_vocoder_seconds": "intone_codec_vocoder_seconds_total",
     "codec_padded_tokens": "intone_codec_padded_tokens_total",
     "codec_useful_tokens": "intone_codec_useful_tokens_total",
 }

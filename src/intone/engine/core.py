@@ -277,6 +277,8 @@ class EngineCore:
             codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
             codec_padded_tokens=getattr(self.codec, "padded_tokens", 0),
             codec_useful_tokens=getattr(self.codec, "useful_tokens", 0),
+            codec_flow_seconds=getattr(self.codec, "flow_seconds", 0.0),
+            codec_vocoder_seconds=getattr(self.codec, "vocoder_seconds", 0.0),
         )
 
     def close(self) -> None:

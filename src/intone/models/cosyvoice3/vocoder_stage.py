@@ -20,6 +20,7 @@ re-run of that loop, request by request.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +78,7 @@ class CosyCodecStage:
         self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
         self.padded_tokens = self.useful_tokens = 0  # the flow calls' rows x longest, and their real part
+        self.flow_seconds = self.vocoder_seconds = 0.0  # the pieces' spans on the codec's stream (`_span`)
         self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
 
     def _autocast(self):
@@ -116,9 +118,26 @@ class CosyCodecStage:
         with self._autocast():
             self.model.flow.inference(dummy)
 
+    def _mark(self):
+        """A point on the stage's stream: a CUDA event (the GPU's own clock, so a span includes the
+        kernels' waits for SMs the AR holds) or, on a CPU, the wall clock."""
+        if self.model.codec_device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _span(start, end) -> float:
+        """Seconds between two marks; events only once the stream has passed the second (after the
+        call's audio reached the host)."""
+        return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000
+
     def run(self, items: list) -> list[np.ndarray]:
         """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
+        marks = [self._mark()]
         new_mel = self._flow(items)
+        marks.append(self._mark())
         # Every chunk's HiFT window starts where its request's committed state does (a request may
         # have two chunks here: regular + terminal), and states are committed only once the batch
         # succeeded, so a failed batch can be retried chunk by chunk.
@@ -140,6 +159,7 @@ class CosyCodecStage:
             record_at = max(state.phase_at, after + hift.cfg.f0_history_frames if after else 0)
             windows.append((state.start, state.phase_at, state.phase, record_at))
         audio, phases = self._hift(mels, finals, windows)
+        marks.append(self._mark())
         out, released = [], {}
         for (req, _), history, wav, after, phase, (first, _, _, record_at) in zip(
                 items, mels, audio, starts, phases, windows):
@@ -148,6 +168,8 @@ class CosyCodecStage:
             out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
             released[id(req)] = max(done, first * hop + wav.shape[0])
             req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at)
+        self.flow_seconds += self._span(marks[0], marks[1])
+        self.vocoder_seconds += self._span(marks[1], marks[2])
         return out
 
     def _flow(self, items: list) -> list[Tensor]:
