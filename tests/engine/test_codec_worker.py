@@ -149,6 +149,63 @@ def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(
             assert np.allclose(audio, decode([item])[0], atol=1e-4)  # the same audio whatever the call
 
 
+def test_the_first_lane_decodes_a_new_streams_first_chunk_beside_a_busy_backlog_call(tiny_fish):
+    """codec.first_lane: a stream's first chunk is decoded while the backlog lane's call is still
+    running; a request's later chunk waits until its first one is decoded, whichever lane is free."""
+    import threading
+
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.codec_worker import CodecWorker
+    from intone.engine.request import EngineRequest
+
+    stage = CodecStage(tiny_fish, max_batch=64, max_padded_frames=4096)
+    gates = {key: threading.Event() for key in (("r0", 6), ("r2", 0))}
+    calls, decode = [], stage.run
+
+    def gated(items):
+        keys = [(req.request_id, c.start) for req, c in items]
+        calls.append(keys)
+        for key in keys:
+            if key in gates:
+                gates[key].wait(10)
+        return decode(items)
+    stage.run = gated
+    g = torch.Generator().manual_seed(1)
+    first, later = {}, {}
+    for b in range(3):
+        req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
+        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 14), generator=g)
+        first[req.request_id] = (req, Chunk(req.request_id, 0, 6, 0, False))
+        later[req.request_id] = (req, Chunk(req.request_id, 6, 14, 4, True))
+    worker = CodecWorker(stage, tiny_fish.device, first_lane=True)
+    worker.submit([later["r0"]], [14])
+    while not calls:
+        threading.Event().wait(0.01)
+    worker.submit([first["r1"], later["r1"]], [14, 14])
+    got = []
+    while not any(c.request_id == "r1" and c.start == 0 for d in got for _, c in d.items):
+        worker.wait(1.0)
+        got += worker.collect()  # the backlog lane is still inside r0's call
+    assert not gates[("r0", 6)].is_set() and worker.queued == 1  # r1's later chunk waits for the backlog lane
+    worker.submit([first["r2"], later["r2"]], [14, 14])
+    gates[("r0", 6)].set()
+    while sum(len(d.items) for d in got) < 3:  # r0, r1's first and later chunks
+        worker.wait(1.0)
+        got += worker.collect()
+    threading.Event().wait(0.2)
+    assert [("r2", 6)] not in calls  # r2's first chunk is still being decoded: its later one waits
+    gates[("r2", 0)].set()
+    got += _drain(worker, 5 - sum(len(d.items) for d in got))
+    order = [(c.request_id, c.start) for d in got for _, c in d.items]
+    assert order.index(("r1", 0)) < order.index(("r0", 6)) and order.index(("r2", 0)) < order.index(("r2", 6))
+    assert sorted(order) == sorted([("r0", 6), ("r1", 0), ("r1", 6), ("r2", 0), ("r2", 6)])
+    for d in got:
+        for item, audio in zip(d.items, d.audio):
+            assert np.allclose(audio, decode([item])[0], atol=1e-4)
+    assert worker.in_flight == 0 and worker.queued == 0
+
+
 def test_a_streams_later_chunks_are_due_when_its_earlier_audio_has_played(tiny_fish):
     profile = load_profile("fish-s2-default", device="cpu", **{"codec.schedule": "deadline"})
     core = EngineCore(tiny_fish, profile)

@@ -11,6 +11,7 @@ once per shape, and a new shape costs more than the decode.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ class CodecStage:
         self.max_padded_frames = max_padded_frames
         self.stream = model.stream_decoder() if carry_state else None
         self.calls = 0  # decode calls made, for tests and metrics
+        self._counting = threading.Lock()  # codec.first_lane runs two calls at once
 
     def warm_up(self, max_window_frames: int) -> int:
         """Decode silence once per (rows, frames) bucket up to these bounds (start-up); returns the count."""
@@ -102,7 +104,8 @@ class CodecStage:
                 offsets[row] = jobs[i].first_frame
             dev = self.model.device
             audio = self.model.decode(codes.to(dev), offsets.to(dev)).cpu().numpy()
-            self.calls += 1
+            with self._counting:
+                self.calls += 1
             for row, i in enumerate(idx):
                 job = jobs[i]
                 out[i] = np.ascontiguousarray(audio[row, job.context * spf : job.length * spf], dtype=np.float32)
@@ -145,7 +148,8 @@ class CodecStage:
         pad = rows - len(items)
         audio, new = self.stream.decode(codes.to(self.model.device), lengths + [0] * pad,
                                         [states[id(req)] for req, _ in items] + [None] * pad)
-        self.calls += 1
+        with self._counting:
+            self.calls += 1
         audio = audio.float().cpu().numpy()
         for row, ((req, _), n, i) in enumerate(zip(items, lengths, idx)):
             out[i] = np.ascontiguousarray(audio[row, : n * spf], dtype=np.float32)

@@ -67,17 +67,21 @@ class ChunkQueue:
     def push(self, item, tokens: int, deadline: float) -> None:
         heapq.heappush(self._heap, (deadline, next(self._order), item, tokens))
 
-    def take(self) -> tuple[list, list[int]]:
-        n = len(self._heap) if self.max_call is None else min(self.max_call, len(self._heap))
+    def take(self, only=None) -> tuple[list, list[int]]:
+        """only: a predicate on items; the others stay queued (a call may then take nothing)."""
+        candidates = self._heap if only is None else [t for t in self._heap if only(t[2])]
         if self.first is not None:
-            firsts = [t for t in self._heap if self.first(t[2])]
-            if 0 < len(firsts) < len(self._heap):
-                taken = sorted(firsts)[:n]
-                chosen = {id(t) for t in taken}
-                self._heap = [t for t in self._heap if id(t) not in chosen]
-                heapq.heapify(self._heap)
-                return [t[2] for t in taken], [t[3] for t in taken]
-        taken = [heapq.heappop(self._heap) for _ in range(n)]
+            firsts = [t for t in candidates if self.first(t[2])]
+            if 0 < len(firsts) < len(candidates):
+                candidates = firsts
+        n = len(candidates) if self.max_call is None else min(self.max_call, len(candidates))
+        taken = heapq.nsmallest(n, candidates)
+        if len(taken) == len(self._heap):
+            self._heap = []
+        elif taken:
+            chosen = {id(t) for t in taken}
+            self._heap = [t for t in self._heap if id(t) not in chosen]
+            heapq.heapify(self._heap)
         return [t[2] for t in taken], [t[3] for t in taken]
 
     def drop(self, keep) -> list:
@@ -110,22 +114,44 @@ def codec_stream(device: torch.device, sms: int | None):
     return context.Stream(), context
 
 
+def opens_a_stream(item) -> bool:
+    """A streamed request's first chunk (a whole response's one chunk is also its last)."""
+    return item[1].start == 0 and not item[1].finished
+
+
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
-                 sms: int | None = None):
+                 sms: int | None = None, first_lane: bool = False):
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
-        sms: the codec's share of the GPU's SMs (`codec_stream`)."""
+        sms: the codec's share of the GPU's SMs (`codec_stream`). first_lane: a second thread, on a
+        stream of its own, decodes only streams' first chunks, beside the calls over the backlog
+        (a new stream's first audio then waits for no call in progress); a request's later chunks
+        wait until its first one is decoded, so its chunks still run in order."""
         self.stage = stage
-        self._waiting = ChunkQueue(max_call, (lambda item: item[1].start == 0) if first_alone else None)
+        self._waiting = ChunkQueue(max_call, (lambda item: item[1].start == 0) if first_alone and not first_lane
+                                   else None)
+        self._opening: set[str] = set()  # first_lane: requests whose first chunk is queued or being decoded
         self._done: list[DecodedBatch] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ready = threading.Event()
         self._stop = False
-        self._stream, self._green_context = codec_stream(device, sms)
+        self._first_lane = first_lane
         self.in_flight = 0  # chunks handed over and not yet collected
-        self._thread = threading.Thread(target=self._work, name="intone-codec", daemon=True)
-        self._thread.start()
+        lanes = [("intone-codec", self._backlog_item if first_lane else None)]
+        if first_lane:
+            lanes.append(("intone-codec-first", opens_a_stream))
+        self._green_contexts, self._threads = [], []
+        for name, only in lanes:
+            stream, context = codec_stream(device, sms)
+            self._green_contexts.append(context)
+            self._threads.append(threading.Thread(target=self._work, args=(only, stream), name=name, daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def _backlog_item(self, item) -> bool:
+        """The backlog lane's items: no first chunk, and no chunk of a request whose first one is undecoded."""
+        return not opens_a_stream(item) and item[0].request_id not in self._opening
 
     def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
         """deadlines: per item (perf_counter seconds); None: as handed over."""
@@ -135,7 +161,9 @@ class CodecWorker:
         with self._wake:
             for item, n, deadline in zip(items, tokens, deadlines):
                 self._waiting.push(item, n, deadline)
-            self._wake.notify()
+                if self._first_lane and opens_a_stream(item):
+                    self._opening.add(item[0].request_id)
+            self._wake.notify_all()
 
     @property
     def calls(self) -> int:
@@ -162,28 +190,34 @@ class CodecWorker:
     def close(self) -> None:
         with self._wake:
             self._stop = True
-            self._wake.notify()
-        self._thread.join(timeout=30)
+            self._wake.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=30)
 
-    def _work(self) -> None:
+    def _work(self, only, stream) -> None:
         while True:
             with self._wake:
-                while not self._waiting and not self._stop:
+                while True:
+                    if self._stop:
+                        return
+                    items, tokens = self._waiting.take(only) if self._waiting else ([], [])
+                    if items:
+                        break
                     self._wake.wait()
-                if self._stop:
-                    return
-                items, tokens = self._waiting.take()
-            self._decode(items, tokens)
+            self._decode(items, tokens, stream)
 
-    def _decode(self, items: list, tokens: list[int]) -> None:
+    def _decode(self, items: list, tokens: list[int], stream) -> None:
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
-            if self._stream is None:
+            if stream is None:
                 audio = decode_batch(self.stage, items)
             else:
-                with torch.cuda.stream(self._stream):
+                with torch.cuda.stream(stream):
                     audio = decode_batch(self.stage, items)
         decoded = DecodedBatch(items, audio, time.perf_counter() - start, tokens)
-        with self._lock:
+        with self._wake:
             self._done.append(decoded)
             self._ready.set()
+            if self._first_lane:
+                self._opening.difference_update(r.request_id for r, c in items if opens_a_stream((r, c)))
+                self._wake.notify_all()  # the backlog lane may take these requests' next chunks now

@@ -91,6 +91,10 @@ class CodecStageConfig(_Strict):
                             "first: as handed over, but while new streams' first chunks wait beside others, a "
                             "call takes only those (a new stream's first audio skips the backlog's call)")
 
+    first_lane: bool = Field(False, description="a second codec worker thread, on its own CUDA stream, that decodes "
+                                                "only streams' first chunks beside the calls over the backlog (in-"
+                                                "process worker; not with cuda_graphs, whose buffers one call owns)")
+
     @property
     def call_size(self) -> int | None:
         """Chunks per codec worker call at most (None: every waiting chunk), in a thread or a process."""
@@ -169,6 +173,9 @@ class Profile(_Strict):
             raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
         if self.codec.device is not None and not self.codec.process:
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
+        if self.codec.first_lane and (self.codec.cuda_graphs or self.codec.process or not self.codec.overlap):
+            raise ValueError("codec.first_lane needs the in-process codec worker (overlap, no process) and no "
+                             "codec.cuda_graphs")
         return self
 
 

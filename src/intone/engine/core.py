@@ -98,7 +98,8 @@ class EngineCore:
         self._start_up()
         if codec_process is None and profile.codec.overlap:
             self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
-                                            first_alone=profile.codec.schedule == "first", sms=profile.codec.sms)
+                                            first_alone=profile.codec.schedule == "first", sms=profile.codec.sms,
+                                            first_lane=profile.codec.first_lane)
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,

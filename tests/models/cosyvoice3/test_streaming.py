@@ -48,9 +48,11 @@ def alone_tokens(model, text, ref, params):
     return [int(t) for t in r.codes[0]], r.tokens, prompt
 
 
-def test_streams_release_exactly_the_official_streaming_audio(cosy64):
+@pytest.mark.parametrize("first_lane", [False, True])
+def test_streams_release_exactly_the_official_streaming_audio(cosy64, first_lane):
     """Interleaved requests with different references and modes: every chunk's span and samples
-    equal the official loop run for that request alone (float64: to 1e-9)."""
+    equal the official loop run for that request alone (float64: to 1e-9); also with first chunks
+    decoded on a lane of their own beside the backlog's calls (codec.first_lane)."""
     refs = voices(4)
     # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
     # so request 3 surely runs long enough for the hop to reach 100.
@@ -60,7 +62,8 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64):
     reqs = [SynthesisRequest(f"r{i}", TEXTS[i], [refs[i]], params[i]) for i in range(4)]
     # call_cost 0: the flow's jobs split into calls of equal lengths, so the chunks that share a
     # codec worker batch are spread over several flow calls; the audio must not change.
-    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 4, "codec.call_cost": 0})
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 4, "codec.call_cost": 0,
+                                                                    "codec.first_lane": first_lane})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):

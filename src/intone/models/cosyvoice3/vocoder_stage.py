@@ -20,6 +20,7 @@ re-run of that loop, request by request.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ class CosyCodecStage:
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
         self.padded_tokens = self.useful_tokens = 0  # the flow calls' rows x longest, and their real part
         self.flow_seconds = self.vocoder_seconds = 0.0  # the pieces' spans on the codec's stream (`_span`)
+        self._counting = threading.Lock()  # codec.first_lane runs two calls at once
         self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
 
     def _autocast(self):
@@ -168,8 +170,9 @@ class CosyCodecStage:
             out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
             released[id(req)] = max(done, first * hop + wav.shape[0])
             req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at)
-        self.flow_seconds += self._span(marks[0], marks[1])
-        self.vocoder_seconds += self._span(marks[1], marks[2])
+        with self._counting:
+            self.flow_seconds += self._span(marks[0], marks[1])
+            self.vocoder_seconds += self._span(marks[1], marks[2])
         return out
 
     def _flow(self, items: list) -> list[Tensor]:
@@ -184,9 +187,10 @@ class CosyCodecStage:
             idx = [live[g] for g in group]
             with self._autocast():
                 mels = model.flow.inference([jobs[i] for i in idx], self.graphs)
-            self.calls += 1
-            self.padded_tokens += len(group) * max(lengths[g] for g in group)
-            self.useful_tokens += sum(lengths[g] for g in group)
+            with self._counting:
+                self.calls += 1
+                self.padded_tokens += len(group) * max(lengths[g] for g in group)
+                self.useful_tokens += sum(lengths[g] for g in group)
             for i, mel in zip(idx, mels):
                 out[i] = mel[:, model.flow.config.token_mel_ratio * items[i][1].start :]
         return out
