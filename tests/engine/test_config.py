@@ -70,3 +70,9 @@ def test_the_first_lane_needs_the_in_process_worker_without_codec_graphs(other):
     assert load_profile("cosyvoice3-streaming", device="cpu", **{"codec.first_lane": True}).codec.first_lane
     with pytest.raises(ProfileError, match="codec.first_lane"):
         load_profile("cosyvoice3-streaming", device="cpu", **{"codec.first_lane": True, **other})
+
+
+@pytest.mark.parametrize("other", [{"codec.process": True}, {"codec.overlap": False}])
+def test_an_sm_share_needs_the_in_process_codec_worker(other):
+    with pytest.raises(ProfileError, match="codec.sms"):
+        load_profile("cosyvoice3-streaming", device="cpu", **{"codec.sms": 96, **other})

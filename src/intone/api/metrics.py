@@ -51,9 +51,9 @@ ENGINE_COUNTERS = {
     "codec_padded_tokens": ("intone_codec_padded_tokens",
                             "CosyVoice3: token rows the flow's calls computed (rows x longest, padding included)"),
     "codec_flow_seconds": ("intone_codec_flow_seconds",
-                           "CosyVoice3: seconds of the flow's calls on the codec's CUDA stream (waits for SMs included)"),
+                           "CosyVoice3: the flow's spans on the codec's CUDA stream (waits for SMs and host gaps included)"),
     "codec_vocoder_seconds": ("intone_codec_vocoder_seconds",
-                              "CosyVoice3: seconds of HiFT's calls on the codec's CUDA stream (waits for SMs included)"),
+                              "CosyVoice3: HiFT's spans on the codec's CUDA stream (waits for SMs and host gaps included)"),
     "codec_useful_tokens": ("intone_codec_useful_tokens",
                             "CosyVoice3: token rows of the flow's calls that were real (the rest is padding)"),
 }

@@ -105,13 +105,20 @@ def codec_stream(device: torch.device, sms: int | None):
         return None, None
     if sms is None:
         return torch.cuda.Stream(device), None
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    if not green_contexts.SUPPORTED or not hasattr(green_contexts.GreenContext, "Stream"):
-        raise RuntimeError(f"codec.sms needs CUDA green contexts with streams; torch {torch.__version__} has none")
-    if not 0 < sms < total:
-        raise ValueError(f"codec.sms must be below the GPU's {total} SMs, got {sms}")
-    context = green_contexts.GreenContext.create(num_sms=sms, device_id=device.index or 0)
-    return context.Stream(), context
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).
+    granule = 8 if props.major >= 9 else 2
+    if not 0 < sms < props.multi_processor_count or sms % granule:
+        raise ValueError(f"codec.sms must be a multiple of {granule} below the GPU's {props.multi_processor_count} "
+                         f"SMs, got {sms}")
+    if not getattr(green_contexts, "SUPPORTED", True):
+        raise RuntimeError(f"codec.sms needs CUDA green contexts; torch {torch.__version__} was built without them")
+    try:
+        context = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
+        return context.Stream(), context
+    except (RuntimeError, TypeError, AttributeError) as e:
+        raise RuntimeError(f"codec.sms: no green context of {sms} SMs on this GPU and torch: {e}") from e
 
 
 def opens_a_stream(item) -> bool:

@@ -35,6 +35,8 @@ from intone.ops.kv_cache import BlockManager, KVCache
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
 log = logging.getLogger(__name__)
+# a codec stage's own counters (CosyVoice3's), exported as codec_<name>
+CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocoder_seconds")
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
@@ -95,11 +97,13 @@ class EngineCore:
         self._outbox: list[AudioChunk] = []
         self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
         self.stats = EngineStats()
-        self._start_up()
         if codec_process is None and profile.codec.overlap:
+            # Before the start-up's minutes of warm-ups and captures, so a codec.sms the GPU cannot
+            # give fails at once; its threads stay idle until the first chunk.
             self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
                                             first_alone=profile.codec.schedule == "first", sms=profile.codec.sms,
                                             first_lane=profile.codec.first_lane)
+        self._start_up()
 
     def _start_up(self) -> None:
         """Everything that needs the GPU alone, before the first request: the frontend's shapes,
@@ -276,10 +280,8 @@ class EngineCore:
             frontend_eager_runs=front.eager if front is not None else 0,
             codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,
             codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
-            codec_padded_tokens=getattr(self.codec, "padded_tokens", 0),
-            codec_useful_tokens=getattr(self.codec, "useful_tokens", 0),
-            codec_flow_seconds=getattr(self.codec, "flow_seconds", 0.0),
-            codec_vocoder_seconds=getattr(self.codec, "vocoder_seconds", 0.0),
+            # CosyVoice3's stage in this process only: absent keys export no series
+            **{f"codec_{key}": getattr(self.codec, key) for key in CODEC_PIECE_COUNTERS if hasattr(self.codec, key)},
         )
 
     def close(self) -> None:

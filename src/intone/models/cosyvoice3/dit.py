@@ -233,8 +233,8 @@ class DiT(nn.Module):
     def _block_mask(self, lengths: Tensor, streaming: Tensor, total: int) -> BlockMask:
         chunk = self.config.static_chunk_size
 
-        def visible(b, h, q, k):
-            seen = k < lengths[b]
+        def visible(b, h, q, k):  # padded queries see nothing: flex skips their blocks (their output is zeroed)
+            seen = (k < lengths[b]) & (q < lengths[b])
             if chunk > 0:
                 seen = seen & ((k < (q // chunk + 1) * chunk) | ~streaming[b])
             return seen

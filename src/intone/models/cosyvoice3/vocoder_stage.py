@@ -114,25 +114,27 @@ class CosyCodecStage:
         batch, so no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
         compile_dit(self.model.flow.decoder.estimator, unit)
         dev = self.model.codec_device
-        dummy = [FlowRequest(torch.zeros(40 + 10 * i, dtype=torch.long, device=dev),
-                             torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
-                             torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
-        with self._autocast():
-            self.model.flow.inference(dummy)
+        for tokens in (40, 20):  # 140-160 mel frames, then <= 128: flex attention's block masks of
+            # several blocks and of one (a dimension of 1 is a shape of its own for the compiler)
+            dummy = [FlowRequest(torch.zeros(tokens + 10 * i, dtype=torch.long, device=dev),
+                                 torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
+                                 torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
+            with self._autocast():
+                self.model.flow.inference(dummy)
 
     def _mark(self):
         """A point on the stage's stream: a CUDA event (the GPU's own clock, so a span includes the
         kernels' waits for SMs the AR holds) or, on a CPU, the wall clock."""
-        if self.model.codec_device.type != "cuda":
+        device = self.model.codec_device
+        if device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(device))
         return event
 
     @staticmethod
     def _span(start, end) -> float:
-        """Seconds between two marks; events only once the stream has passed the second (after the
-        call's audio reached the host)."""
+        """Seconds between two marks (for events, once the stream has passed the second)."""
         return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000
 
     def run(self, items: list) -> list[np.ndarray]:
@@ -170,6 +172,8 @@ class CosyCodecStage:
             out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
             released[id(req)] = max(done, first * hop + wav.shape[0])
             req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at)
+        if not isinstance(marks[-1], float):
+            marks[-1].synchronize()  # an empty slice's .cpu() above does not wait for the stream
         with self._counting:
             self.flow_seconds += self._span(marks[0], marks[1])
             self.vocoder_seconds += self._span(marks[1], marks[2])
@@ -182,7 +186,9 @@ class CosyCodecStage:
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(items)
         live = [i for i, job in enumerate(jobs) if job is not None]
-        lengths = [jobs[i].prompt_tokens.shape[0] + jobs[i].tokens.shape[0] for i in live]
+        ratio = model.flow.config.token_mel_ratio
+        # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead)
+        lengths = [n // ratio for n in model.flow.mel_lengths([jobs[i] for i in live])]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost):
             idx = [live[g] for g in group]
             with self._autocast():
