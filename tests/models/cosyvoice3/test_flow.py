@@ -343,3 +343,32 @@ def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
         for got, want in zip(got_batch, want_batch):
             assert got.shape == want.shape
             assert (got - want).abs().max() < 5e-2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 700), st.booleans()), min_size=1, max_size=4), st.integers(0, 300),
+       st.sampled_from([50, 0, 128, 37]))
+def test_the_flex_block_mask_has_the_blocks_create_block_mask_finds(rows, extra, chunk):
+    """The block lists built from the lengths equal those torch's create_block_mask finds by evaluating
+    every (query, key) pair: the same partial and the same fully visible key blocks per query block."""
+    from dataclasses import replace
+
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from intone.models.cosyvoice3.dit import DiT
+
+    dit = DiT(replace(TINY.dit, static_chunk_size=chunk))
+    dit.attention_kernel = "flex"
+    lengths = torch.tensor([n for n, _ in rows])
+    streaming = torch.tensor([s for _, s in rows])
+    total = int(lengths.max()) + extra
+    ours, _ = dit.attention_mask(lengths, streaming, total)
+    theirs = create_block_mask(ours.mask_mod, len(rows), None, total, total, device="cpu")
+
+    def block_sets(count, indices):
+        return [[set(indices[b, 0, i, : count[b, 0, i]].tolist()) for i in range(count.shape[-1])]
+                for b in range(count.shape[0])]
+
+    assert block_sets(ours.kv_num_blocks, ours.kv_indices) == block_sets(theirs.kv_num_blocks, theirs.kv_indices)
+    assert block_sets(ours.full_kv_num_blocks, ours.full_kv_indices) == \
+        block_sets(theirs.full_kv_num_blocks, theirs.full_kv_indices)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 # Not cuDNN's attention (torch's first choice on Hopper since 2.11). Streamed CosyVoice3 on the H200
 # twice lost the engine to an illegal memory access (2026-12-01 with deadline scheduling; 2026-12-02 at
@@ -198,6 +198,15 @@ class DiTBlock(nn.Module):
         return x + gate_f[:, None] * self.ff(h)
 
 
+FLEX_BLOCK = 128  # flex attention's block of queries and of keys
+
+
+def _block_lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, q blocks, kv blocks] bool -> (count [B, 1, q], kv block indices [B, 1, q, kv], the set ones first)."""
+    order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+    return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+
 class DiT(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -231,6 +240,8 @@ class DiT(nn.Module):
         return visible[:, None], valid
 
     def _block_mask(self, lengths: Tensor, streaming: Tensor, total: int) -> BlockMask:
+        """The flex block mask of `attention_mask`'s pattern, built from the rows' lengths block by
+        block (B x blocks^2 cells, where create_block_mask would evaluate all B x T^2 pairs)."""
         chunk = self.config.static_chunk_size
 
         def visible(b, h, q, k):  # padded queries see nothing: flex skips their blocks (their output is zeroed)
@@ -239,7 +250,19 @@ class DiT(nn.Module):
                 seen = seen & ((k < (q // chunk + 1) * chunk) | ~streaming[b])
             return seen
 
-        return create_block_mask(visible, lengths.shape[0], None, total, total, device=lengths.device)
+        size = FLEX_BLOCK
+        start = torch.arange(-(-total // size), device=lengths.device) * size
+        length = lengths[:, None, None]
+        q0, k0 = start[None, :, None], start[None, None, :]
+        some = (q0 < length) & (k0 < length)  # a block with any visible pair, and one with all visible
+        every = (q0 + size <= length) & (k0 + size <= length)
+        if chunk > 0:  # a query's chunk end grows with it: the block's last valid query sees the most
+            whole_rows = ~streaming[:, None, None]
+            last_q = torch.minimum(q0 + size - 1, length - 1)
+            some = some & (whole_rows | (k0 < (last_q // chunk + 1) * chunk))
+            every = every & (whole_rows | (k0 + size <= (q0 // chunk + 1) * chunk))
+        return BlockMask.from_kv_blocks(*_block_lists(some & ~every), *_block_lists(every), BLOCK_SIZE=size,
+                                        mask_mod=visible, seq_lengths=(total, total))
 
     def forward(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, mask: Tensor, valid: Tensor) -> Tensor:
         """x, mu, cond: [B, T, mel]; spks: [B, spk]; t: [B]; mask, valid: from `attention_mask`."""
