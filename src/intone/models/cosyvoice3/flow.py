@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
-from intone.models.cosyvoice3.dit import DiT, DiTConfig
+from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT, DiTConfig
 from intone.ops.batching import bucket_rows, pad_rows
 
 
@@ -207,6 +207,10 @@ class CosyFlow(nn.Module):
         replayed from the graph of its padded shape when one was captured (`capture_solve`)."""
         if graphs is None:
             inputs = self.solve_inputs(requests)
+            if self.decoder.estimator.attention_kernel == "flex" and inputs[0].shape[1] <= FLEX_BLOCK:
+                # Two blocks at least: a compiled DiT would compile a one-block mask apart (a dimension
+                # of 1); the added frames change no valid one (pad_solve_inputs).
+                inputs = pad_solve_inputs(*inputs, len(requests), FLEX_BLOCK + 1)
             mel = self.decoder(*inputs)
         else:
             inputs, padded = self._padded_solve_inputs(requests)

@@ -114,13 +114,11 @@ class CosyCodecStage:
         batch, so no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
         compile_dit(self.model.flow.decoder.estimator, unit)
         dev = self.model.codec_device
-        for tokens in (40, 20):  # 140-160 mel frames, then <= 128: flex attention's block masks of
-            # several blocks and of one (a dimension of 1 is a shape of its own for the compiler)
-            dummy = [FlowRequest(torch.zeros(tokens + 10 * i, dtype=torch.long, device=dev),
-                                 torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
-                                 torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
-            with self._autocast():
-                self.model.flow.inference(dummy)
+        dummy = [FlowRequest(torch.zeros(40 + 10 * i, dtype=torch.long, device=dev),
+                             torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
+                             torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
+        with self._autocast():
+            self.model.flow.inference(dummy)
 
     def _mark(self):
         """A point on the stage's stream: a CUDA event (the GPU's own clock, so a span includes the
