@@ -76,3 +76,8 @@ def test_the_first_lane_needs_the_in_process_worker_without_codec_graphs(other):
 def test_an_sm_share_needs_the_in_process_codec_worker(other):
     with pytest.raises(ProfileError, match="codec.sms"):
         load_profile("cosyvoice3-streaming", device="cpu", **{"codec.sms": 96, **other})
+
+
+def test_flex_flow_attention_is_refused_with_codec_graphs():
+    with pytest.raises(ProfileError, match="codec.flow_attention"):
+        load_profile("cosyvoice3-streaming", device="cpu", **{"codec.flow_attention": "flex", "codec.cuda_graphs": True})

@@ -173,6 +173,8 @@ class Profile(_Strict):
             raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
         if self.codec.device is not None and not self.codec.process:
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
+        if self.codec.flow_attention == "flex" and self.codec.cuda_graphs:
+            raise ValueError("codec.flow_attention flex needs codec.cuda_graphs off (its block masks are not captured)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
         if self.codec.first_lane and (self.codec.cuda_graphs or self.codec.process or not self.codec.overlap):

@@ -152,9 +152,8 @@ class CosyVoice3(TTSModel):
         """The flow + HiFT stage; `codec.flow_dtype` recasts this model's flow (the model belongs to
         one engine), `codec.compile` compiles its DiT now."""
         gpu = self.codec_device.type == "cuda"
-        if config.flow_attention == "flex" and gpu and (config.cuda_graphs or not config.compile):
-            # Flex attention is fast only compiled, and its block masks are not captured in graphs.
-            raise ValueError("codec.flow_attention flex needs codec.compile and no codec.cuda_graphs on a GPU")
+        if config.flow_attention == "flex" and gpu and not config.compile:
+            raise ValueError("codec.flow_attention flex needs codec.compile on a GPU (flex attention is fast only compiled)")
         self.flow.decoder.estimator.attention_kernel = config.flow_attention
         if config.flow_dtype != "auto" and gpu:
             self.flow.to(getattr(torch, config.flow_dtype))
