@@ -96,15 +96,17 @@ class ChunkQueue:
         return len(self._heap)
 
 
-def codec_stream(device: torch.device, sms: int | None):
-    """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
+def codec_stream(device: torch.device, sms: int | None, urgent: bool = False):
+    """(stream, its green context or None) for the codec worker. urgent: the GPU's highest stream
+    priority, so its pending blocks are scheduled before the other streams' (running ones finish
+    first). With `sms`, the stream belongs to a
     green context of that many of the GPU's SMs: the codec's long GEMMs then never hold every SM,
     so the AR step's small kernels (on the loop's stream, unpartitioned) always find some free.
     Stream priorities cannot give that: a running block is never preempted (session 8)."""
     if device.type != "cuda":
         return None, None
     if sms is None:
-        return torch.cuda.Stream(device), None
+        return torch.cuda.Stream(device, priority=-1 if urgent else 0), None
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).
@@ -150,7 +152,8 @@ class CodecWorker:
             lanes.append(("intone-codec-first", opens_a_stream))
         self._green_contexts, self._threads = [], []
         for name, only in lanes:
-            stream, context = codec_stream(device, sms)
+            # the first lane's calls are small and a listener waits on each: its stream goes first
+            stream, context = codec_stream(device, sms, urgent=only is opens_a_stream)
             self._green_contexts.append(context)
             self._threads.append(threading.Thread(target=self._work, args=(only, stream), name=name, daemon=True))
         for thread in self._threads:
