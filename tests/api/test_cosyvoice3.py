@@ -234,3 +234,10 @@ def test_metrics_show_the_codec_busy_and_the_flow_padding(cosy_server):
     assert 0 < useful <= padded
     flow, hift = grew("intone_codec_flow_seconds_total"), grew("intone_codec_vocoder_seconds_total")
     assert flow > 0 and hift > 0 and flow + hift <= grew("intone_codec_busy_seconds_total")
+    # a whole response's one chunk opens no stream; a lone stream's first chunk is a call of its own
+    assert grew("intone_codec_first_calls_total") == 0
+    before = after
+    assert speech(cosy_server, response_format="pcm", stream=True, stream_format="audio").status_code == 200
+    after = scrape(cosy_server.base)
+    assert grew("intone_codec_first_calls_total") == 1 and grew("intone_codec_first_call_chunks_total") == 1
+    assert 0 < grew("intone_codec_first_call_seconds_total") < grew("intone_codec_busy_seconds_total")

@@ -65,8 +65,9 @@ def stage_tables(results: dict) -> list[str]:
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
-              "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % | "
+              "first-chunk calls | s per first-chunk call | chunks per first-chunk call |",
+              "|" + "---|" * 20]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -78,17 +79,28 @@ def stage_tables(results: dict) -> list[str]:
             + _count(k.get("engine_steps"))
             + f" | {_fmt(srv.get('mean_step_ms'), 2)} | {_count(k.get('codec_calls'))}"
             + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(k.get('codec_flow_seconds'), 2)}"
-            + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)} |")
+            + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)}"
+            + f" | {_count(k.get('codec_first_calls'))} | {_fmt(_per_call(k, 'codec_first_call_seconds'), 3)}"
+            + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
-                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; flow padding: the share of the flow's computed token rows that were padding.", ""]
+                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; flow padding: the share of the flow's computed token rows that were padding. "
+                    "first-chunk calls: codec calls made only of streams' first chunks (the first lane's, or "
+                    "`schedule: first`'s); their length against first_codec is how long a first chunk waited for "
+                    "its call to start.", ""]
 
 
 def _per(counters: dict, key: str) -> float | None:
     """A summed counter per frontend job (request or voice upload) of the level."""
     total, jobs = counters.get(key), counters.get("frontend_jobs")
     return total / jobs if total is not None and jobs else None
+
+
+def _per_call(counters: dict, key: str) -> float | None:
+    """A summed counter per first-chunk codec call of the level."""
+    total, calls = counters.get(key), counters.get("codec_first_calls")
+    return total / calls if total is not None and calls else None
 
 
 def _padding(counters: dict) -> float | None:

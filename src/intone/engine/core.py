@@ -18,7 +18,7 @@ import torch
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_process import CodecProcess
 from intone.engine.codec_stage import CodecStage
-from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
+from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch, opens_a_stream
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
@@ -57,6 +57,11 @@ class EngineStats:
     finished: Counter = field(default_factory=Counter)  # by stop reason
     prefill_steps: int = 0  # steps that carried at least one prefill
     codec_seconds: float = 0.0
+    # calls made only of streams' first chunks (the first lane's, or `schedule: first`'s): their
+    # length against a stream's first_codec stage says how much of it was waiting for a call
+    first_calls: int = 0
+    first_call_seconds: float = 0.0
+    first_call_chunks: int = 0
     captured_graphs: int = 0
     capture_seconds: float = 0.0
     warm_up_seconds: float = 0.0
@@ -269,6 +274,8 @@ class EngineCore:
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,
+            codec_first_calls=self.stats.first_calls, codec_first_call_seconds=self.stats.first_call_seconds,
+            codec_first_call_chunks=self.stats.first_call_chunks,
             reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
             reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,
             frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
@@ -409,6 +416,10 @@ class EngineCore:
     def _deliver(self, decoded: DecodedBatch) -> None:
         """Send the decoded chunks of live requests, in order; a request's last chunk releases it."""
         self.stats.codec_seconds += decoded.seconds
+        if all(opens_a_stream(item) for item in decoded.items):
+            self.stats.first_calls += 1
+            self.stats.first_call_seconds += decoded.seconds
+            self.stats.first_call_chunks += len(decoded.items)
         for req in {id(r): r for r, _ in decoded.items}.values():
             req.times.codec_s += decoded.seconds
         for (req, c), samples, generated in zip(decoded.items, decoded.audio, decoded.tokens):
