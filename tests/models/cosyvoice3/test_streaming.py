@@ -62,8 +62,11 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, first_lane
     reqs = [SynthesisRequest(f"r{i}", TEXTS[i], [refs[i]], params[i]) for i in range(4)]
     # call_cost 64: the chunks that share a codec worker batch go in flow calls of similar lengths (some
     # of several padded rows, some alone); the audio must not change.
-    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 4, "codec.call_cost": 64,
-                                                                    "codec.first_lane": first_lane})
+    # the shipped profile's flex attention without the lane; SDPA with it (the lane's order does not depend on
+    # the kernel, and SDPA is the faster one uncompiled)
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{
+        "ar.max_num_seqs": 4, "codec.call_cost": 64, "codec.first_lane": first_lane,
+        "codec.flow_attention": "sdpa" if first_lane else "flex"})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):
@@ -118,7 +121,9 @@ def test_16_concurrent_streams_pass_the_audit_and_match_their_tokens_alone(tiny_
     params = [SamplingParams(seed=100 + i, max_new_tokens=90, temperature=1.0, top_k=25) for i in range(16)]
     reqs = [SynthesisRequest(f"c{i}", TEXTS[i % 4], [refs[i % 4]], params[i]) for i in range(16)]
     trace = tmp_path / "trace.jsonl"
-    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 16})
+    # the audit and the tokens do not depend on the flow's attention kernel; SDPA is the faster one uncompiled
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 16,
+                                                                    "codec.flow_attention": "sdpa"})
     tracer = FrameTracer(trace)
     tokens = {}
     chunks = run_engine(tiny_cosy, profile, reqs, tracer, tokens)
