@@ -65,7 +65,8 @@ def test_decode_splits_are_a_power_of_two_up_to_16():
             load_profile("fish-s2-default", device="cpu", **{"ar.decode_splits": bad})
 
 
-@pytest.mark.parametrize("other", [{"codec.cuda_graphs": True}, {"codec.process": True}, {"codec.overlap": False}])
+@pytest.mark.parametrize("other", [{"codec.cuda_graphs": True, "codec.flow_attention": "sdpa"}, {"codec.process": True},
+                                   {"codec.overlap": False}])
 def test_the_first_lane_needs_the_in_process_worker_without_codec_graphs(other):
     assert load_profile("cosyvoice3-streaming", device="cpu", **{"codec.first_lane": True}).codec.first_lane
     with pytest.raises(ProfileError, match="codec.first_lane"):
