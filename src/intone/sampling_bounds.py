@@ -1,5 +1,6 @@
-"""The allowed ranges of the sampling parameters, declared once: the API's request schema, the deploy
-profiles' defaults and the engine's own check of every request all read them (torch-free)."""
+"""The allowed ranges of the sampling parameters and of a request's speed, declared once: the API's
+request schema, the deploy profiles' defaults and the engine's and the model's checks of every request
+all read them (torch-free)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ SAMPLING_BOUNDS: dict[str, dict] = {
     "seed": dict(ge=0, lt=2**63),
 }
 
+SPEED_BOUNDS: dict = dict(ge=0.25, le=4.0)  # the OpenAI speech API's tempo range
+_BOUNDS = {**SAMPLING_BOUNDS, "speed": SPEED_BOUNDS}
+
 _OK = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "le": lambda v, b: v <= b, "lt": lambda v, b: v < b}
 
 
 def within(name: str, value) -> bool:
-    return all(_OK[op](value, bound) for op, bound in SAMPLING_BOUNDS[name].items())
+    return all(_OK[op](value, bound) for op, bound in _BOUNDS[name].items())
 
 
 def describe(name: str) -> str:
     """e.g. 'must be in (0, 1]'."""
-    b = SAMPLING_BOUNDS[name]
+    b = _BOUNDS[name]
     low = f"[{_num(b['ge'])}" if "ge" in b else f"({_num(b['gt'])}"
     high = f"{_num(b['le'])}]" if "le" in b else f"{_num(b['lt'])})"
     return f"must be in {low}, {high}"

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from intone.sampling_bounds import SAMPLING_BOUNDS
+from intone.sampling_bounds import SAMPLING_BOUNDS, SPEED_BOUNDS
 
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 
@@ -46,7 +46,7 @@ class SpeechRequest(BaseModel):
     model: str | None = None
     voice: str | None = None  # a name, or the OpenAI SDK's custom-voice object {"id": name}
     response_format: ResponseFormat = "wav"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    speed: float = Field(1.0, **SPEED_BOUNDS)
     stream: bool = False
     stream_format: Literal["sse", "audio"] | None = None
     ref_audio: str | None = None

@@ -19,6 +19,7 @@ from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
 from intone.protocol import VoiceReference
+from intone.sampling_bounds import describe, within
 
 
 @dataclass
@@ -173,8 +174,8 @@ class TTSModel(abc.ABC):
 
     def check_speed(self, speed: float, field: str = "speed") -> None:
         """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""
-        if not 0.25 <= speed <= 4.0:
-            raise InvalidRequestError(field, f"must be in [0.25, 4], got {speed}")
+        if not within("speed", speed):
+            raise InvalidRequestError(field, f"{describe('speed')}, got {speed}")
         if speed != 1.0 and not self.supports_speed:
             raise InvalidRequestError(field, f"{self.name} supports only 1.0")
 
