@@ -85,3 +85,50 @@ def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pa
     floor, error = (one_pass - exact).abs().max().item(), (stream - exact).abs().max().item()
     print(f"{name}: max |fp16 - fp32|: one pass {floor:.3g}, stream {error:.3g}; peak {exact.abs().max().item():.3g}")
     assert stream.shape == one_pass.shape and error <= 2 * floor
+
+
+CODEC_YAML = """\
+_target_: fish_speech.models.dac.modded_dac.DAC
+sample_rate: 44100
+transformer_general_config:
+  head_dim: {general_head_dim}
+  rope_base: 500
+  norm_eps: 1e-6
+quantizer:
+  n_codebooks: 9
+  post_module: &transformer_module
+    causal: true
+    window_size: 20
+    config:
+      n_layer: 2
+      head_dim: 32
+      rope_base: 500
+      norm_eps: 1e-6
+  pre_module: *transformer_module
+"""
+
+
+def test_a_shipped_codec_config_sets_what_tensor_shapes_cannot_and_streams_still_join(tiny_copy):
+    """modded_dac_vq.yaml beside codec.pth: its window, head size, RoPE base and norm epsilon reach
+    the codec (the audio changes), and a stream over a window that rolls over still joins into
+    the one-pass decode; a file whose encoder and quantizer settings disagree is refused by name."""
+    from intone.errors import ModelLoadError
+
+    default = load_model(str(tiny_copy), dtype=torch.float64, codec_dtype=torch.float64).codec
+    (tiny_copy / "modded_dac_vq.yaml").write_text(CODEC_YAML.format(general_head_dim=32))
+    codec = load_model(str(tiny_copy), dtype=torch.float64, codec_dtype=torch.float64).codec
+    post = codec.quantizer.post_module
+    assert (post.window, post.head_dim, post.rope_base) == (20, 32, 500.0)
+    assert post.layers[0].attention.n_head == 4 and post.norm.eps == 1e-6
+    codes = torch.randint(0, 4096, (10, 50), generator=torch.Generator().manual_seed(5))
+    one_pass = codec.decode(codes[None])[0]
+    assert not torch.allclose(one_pass, default.decode(codes[None])[0])
+    decoder, state, audio, done = StreamingDecoder(codec), None, [], 0
+    for n in (7, 13, 30):
+        out, new = decoder.decode(codes[None, :, done : done + n], [n], [state])
+        audio.append(out[0, : n * HOP])
+        state, done = new[0], done + n
+    assert (torch.cat(audio) - one_pass).abs().max().item() < 1e-9
+    (tiny_copy / "modded_dac_vq.yaml").write_text(CODEC_YAML.format(general_head_dim=64))
+    with pytest.raises(ModelLoadError, match="transformer_general_config.head_dim"):
+        load_model(str(tiny_copy))

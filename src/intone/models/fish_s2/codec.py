@@ -7,14 +7,19 @@ The decoder path is quantizer lookup -> windowed causal transformer (`post_modul
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 
 import torch
+import yaml
 from torch import Tensor, nn
 
 from intone.models.fish_s2.codec_modules import (
+    CODEC_HEAD_DIM,
+    CODEC_NORM_EPS,
+    CODEC_ROPE_BASE,
     CausalConv,
     CausalTransConv,
     ConvNeXtBlock,
@@ -44,6 +49,10 @@ class CodecConfig:
     codebook_dim: int = 8
     quantizer_layers: int = 8  # pre_module and post_module
     quantizer_window: int = 128
+    # what tensor shapes cannot tell: from the checkpoint's `modded_dac_vq.yaml` when it ships one
+    head_dim: int = CODEC_HEAD_DIM
+    rope_base: float = CODEC_ROPE_BASE
+    norm_eps: float = CODEC_NORM_EPS
     sample_rate: int = SAMPLE_RATE
 
     @property
@@ -91,7 +100,7 @@ class Encoder(nn.Module):
         blocks: list[nn.Module] = [CausalConv(1, d, 7)]
         for stride, n_layers in zip(cfg.encoder_rates, cfg.encoder_transformer_layers):
             d *= 2
-            blocks.append(EncoderBlock(d, stride, n_layers, cfg.encoder_window))
+            blocks.append(EncoderBlock(d, stride, n_layers, cfg))
         blocks += [Snake(d), CausalConv(d, cfg.latent_dim, 3)]
         self.block = nn.Sequential(*blocks)
 
@@ -99,14 +108,19 @@ class Encoder(nn.Module):
         return self.block(x)
 
 
+def _transformer(dim: int, n_layers: int, window: int, cfg: CodecConfig) -> WindowTransformer:
+    return WindowTransformer(dim, n_layers, window, head_dim=cfg.head_dim, rope_base=cfg.rope_base,
+                             norm_eps=cfg.norm_eps)
+
+
 class EncoderBlock(nn.Module):
-    def __init__(self, dim: int, stride: int, n_layers: int, window: int):
+    def __init__(self, dim: int, stride: int, n_layers: int, cfg: CodecConfig):
         super().__init__()
         half = dim // 2
         self.block = nn.Sequential(
             ResidualUnit(half, 1), ResidualUnit(half, 3), ResidualUnit(half, 9), Snake(half),
             CausalConv(half, dim, 2 * stride, stride=stride),
-            WindowTransformer(dim, n_layers, window) if n_layers else nn.Identity(),
+            _transformer(dim, n_layers, cfg.encoder_window, cfg) if n_layers else nn.Identity(),
         )
 
     def forward(self, x: Tensor) -> Tensor:
@@ -154,8 +168,8 @@ class Quantizer(nn.Module):
         self.upsample = nn.Sequential(
             *(nn.Sequential(CausalTransConv(dim, dim, f, f), ConvNeXtBlock(dim)) for f in reversed(cfg.downsample_factor))
         )
-        self.pre_module = WindowTransformer(dim, cfg.quantizer_layers, cfg.quantizer_window)
-        self.post_module = WindowTransformer(dim, cfg.quantizer_layers, cfg.quantizer_window)
+        self.pre_module = _transformer(dim, cfg.quantizer_layers, cfg.quantizer_window, cfg)
+        self.post_module = _transformer(dim, cfg.quantizer_layers, cfg.quantizer_window, cfg)
 
     def encode(self, z: Tensor) -> Tensor:
         z = self.pre_module(self.downsample(z))
@@ -252,7 +266,8 @@ def unfold_weight_norm(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def config_from_state(state: dict[str, Tensor]) -> CodecConfig:
-    """Infer the codec's sizes from its (folded) tensors; windows and head size are fixed."""
+    """Infer the codec's sizes from its (folded) tensors; windows and head size are the official
+    config's (`with_config_file` reads them from a checkpoint's own)."""
 
     def count(pattern: str) -> int:
         found = {int(m.group(1)) for k in state if (m := re.match(pattern, k))}
@@ -281,3 +296,24 @@ def config_from_state(state: dict[str, Tensor]) -> CodecConfig:
         codebook_dim=state["quantizer.semantic_quantizer.quantizers.0.codebook.weight"].shape[1],
         quantizer_layers=count(r"quantizer\.post_module\.layers\.(\d+)\."),
     )
+
+
+CONFIG_FILE = "modded_dac_vq.yaml"  # the official codec config's name
+
+
+def with_config_file(cfg: CodecConfig, path) -> CodecConfig:
+    """`cfg` with the transformer settings of the official codec config at `path` (its quantizer's
+    `post_module`: window_size and config.head_dim / rope_base / norm_eps; `pre_module` is the same
+    YAML anchor). Its `transformer_general_config` (the encoder's) must agree on them: one set serves both."""
+    doc = yaml.safe_load(open(path)) or {}
+    post = (doc.get("quantizer") or {}).get("post_module") or {}
+    block = post.get("config") or {}
+    found = dict(quantizer_window=post.get("window_size"), head_dim=block.get("head_dim"),
+                 rope_base=block.get("rope_base"), norm_eps=block.get("norm_eps"))
+    found = {k: type(getattr(cfg, k))(v) for k, v in found.items() if v is not None}
+    general = doc.get("transformer_general_config") or {}
+    for key in ("head_dim", "rope_base", "norm_eps"):
+        if key in general and key in found and float(general[key]) != float(found[key]):
+            raise ValueError(f"{path}: transformer_general_config.{key} {general[key]} differs from the quantizer's "
+                             f"{found[key]}; the codec takes one value for both")
+    return dataclasses.replace(cfg, **found)

@@ -16,7 +16,7 @@ from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
 # With a mask, SDPA would pick cuDNN on CUDA, which builds a new plan for every new window
 # length (milliseconds of host time per layer call); the memory-efficient kernel does not.
 _CODEC_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-CODEC_HEAD_DIM = 64  # fixed by the official codec config; heads = dim // 64
+CODEC_HEAD_DIM = 64  # the official codec config's; heads = dim // head_dim
 CODEC_ROPE_BASE = 10000.0
 CODEC_NORM_EPS = 1e-5
 
@@ -97,14 +97,15 @@ class LayerScale(nn.Module):
 
 
 class CodecAttention(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, head_dim: int = CODEC_HEAD_DIM):
         super().__init__()
-        self.n_head = dim // CODEC_HEAD_DIM
+        self.head_dim = head_dim
+        self.n_head = dim // head_dim
         self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
         self.wo = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
-        q, k, v = (t.unflatten(-1, (self.n_head, CODEC_HEAD_DIM)) for t in self.wqkv(x).chunk(3, dim=-1))
+        q, k, v = (t.unflatten(-1, (self.n_head, self.head_dim)) for t in self.wqkv(x).chunk(3, dim=-1))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(y.transpose(1, 2).flatten(-2))
@@ -118,12 +119,12 @@ def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
 
 
 class CodecBlock(nn.Module):
-    def __init__(self, dim: int, ffn: int):
+    def __init__(self, dim: int, ffn: int, head_dim: int = CODEC_HEAD_DIM, norm_eps: float = CODEC_NORM_EPS):
         super().__init__()
-        self.attention = CodecAttention(dim)
+        self.attention = CodecAttention(dim, head_dim)
         self.feed_forward = SwiGLU(dim, ffn)
-        self.attention_norm = RMSNorm(dim, CODEC_NORM_EPS)
-        self.ffn_norm = RMSNorm(dim, CODEC_NORM_EPS)
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
         self.attention_layer_scale = LayerScale(dim)
         self.ffn_layer_scale = LayerScale(dim)
 
@@ -140,11 +141,12 @@ class WindowTransformer(nn.Module):
     own must use the positions it has in the whole utterance to match the one-pass decode.
     """
 
-    def __init__(self, dim: int, n_layer: int, window: int, ffn: int | None = None):
+    def __init__(self, dim: int, n_layer: int, window: int, ffn: int | None = None, head_dim: int = CODEC_HEAD_DIM,
+                 rope_base: float = CODEC_ROPE_BASE, norm_eps: float = CODEC_NORM_EPS):
         super().__init__()
-        self.window = window
-        self.layers = nn.ModuleList(CodecBlock(dim, ffn or 3 * dim) for _ in range(n_layer))
-        self.norm = RMSNorm(dim, CODEC_NORM_EPS)
+        self.window, self.head_dim, self.rope_base = window, head_dim, rope_base
+        self.layers = nn.ModuleList(CodecBlock(dim, ffn or 3 * dim, head_dim, norm_eps) for _ in range(n_layer))
+        self.norm = RMSNorm(dim, norm_eps)
 
     def forward(self, x: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         """position_offset: one int for the batch, or a [B] tensor (one window per row)."""
@@ -155,7 +157,7 @@ class WindowTransformer(nn.Module):
             positions = position_offset.to(x.device).view(-1, 1) + pos  # [B, T]
         else:
             positions = pos + position_offset
-        rope = rope_table(positions, CODEC_HEAD_DIM, CODEC_ROPE_BASE)
+        rope = rope_table(positions, self.head_dim, self.rope_base)
         h = x.transpose(1, 2)
         for layer in self.layers:
             h = layer(h, rope, mask)

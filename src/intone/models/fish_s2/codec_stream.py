@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from intone.models.fish_s2.codec import FishCodec
 from intone.models.fish_s2.codec_modules import (
-    CODEC_HEAD_DIM, CODEC_ROPE_BASE, CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, WindowTransformer,
+    CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, WindowTransformer,
     masked_attention,
 )
 from intone.models.fish_s2.layers import apply_rope, rope_table
@@ -140,7 +140,7 @@ def _transformer(module: WindowTransformer, x: Tensor, start: Tensor, ctx: _Cont
     b, _, t = x.shape
     keep = module.window - 1
     positions = start.view(-1, 1) + torch.arange(t, device=x.device)  # [B, T]
-    rope = rope_table(positions, CODEC_HEAD_DIM, CODEC_ROPE_BASE)
+    rope = rope_table(positions, module.head_dim, module.rope_base)
     unfilled = torch.full((1, keep), NO_POSITION, device=x.device, dtype=torch.long)
     past = ctx.history(f"{key}.pos", unfilled)  # [B, keep]
     key_pos = torch.cat([past, torch.where(torch.arange(t, device=x.device) < ctx.lengths.view(-1, 1),
@@ -160,10 +160,10 @@ def _transformer(module: WindowTransformer, x: Tensor, start: Tensor, ctx: _Cont
 
 def _block(layer, h: Tensor, rope: Tensor, mask: Tensor, ctx: _Context, key: str, keep: int) -> Tensor:
     attn = layer.attention
-    heads = attn.n_head
-    q, k, v = (t.unflatten(-1, (heads, CODEC_HEAD_DIM)) for t in attn.wqkv(layer.attention_norm(h)).chunk(3, dim=-1))
+    heads, head_dim = attn.n_head, attn.head_dim
+    q, k, v = (t.unflatten(-1, (heads, head_dim)) for t in attn.wqkv(layer.attention_norm(h)).chunk(3, dim=-1))
     q, k = apply_rope(q, rope), apply_rope(k, rope)
-    empty = k.new_zeros(1, keep, heads, CODEC_HEAD_DIM)
+    empty = k.new_zeros(1, keep, heads, head_dim)
     k = torch.cat([ctx.history(f"{key}.k", empty), k], dim=1)  # [B, keep + T, H, d]
     v = torch.cat([ctx.history(f"{key}.v", empty), v], dim=1)
     ends = ctx.lengths + keep

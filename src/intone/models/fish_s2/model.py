@@ -10,7 +10,8 @@ from torch import Tensor
 from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.base import Prompt, TTSModel
 from intone.models.checkpoint import load_strict
-from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm
+from intone.models.fish_s2.codec import CONFIG_FILE as CODEC_CONFIG_FILE
+from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm, with_config_file
 from intone.models.fish_s2.codec_stream import StreamingDecoder
 from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
@@ -239,9 +240,18 @@ class FishS2(TTSModel):
 def _codec_state(path: Path):
     try:
         state = fold_weight_norm(read_codec_weights(path))
-        return state, config_from_state(state)
+        cfg = config_from_state(state)
     except KeyError as e:
         raise ModelLoadError(f"{path}: missing tensor or weight-norm part: {e.args[0]}") from None
+    config_file = path.parent / CODEC_CONFIG_FILE
+    if config_file.exists():
+        try:
+            cfg = with_config_file(cfg, config_file)
+        except (ValueError, TypeError, OSError) as e:
+            raise ModelLoadError(f"{config_file}: {e}") from None
+    if cfg.latent_dim % cfg.head_dim:
+        raise ModelLoadError(f"{path}: codec width {cfg.latent_dim} is not a multiple of head_dim {cfg.head_dim}")
+    return state, cfg
 
 
 def random_s2_pro(device="cuda", dtype: torch.dtype | None = None, codec_dtype=torch.float32) -> FishS2:
