@@ -11,6 +11,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import yaml
@@ -301,11 +302,11 @@ def config_from_state(state: dict[str, Tensor]) -> CodecConfig:
 CONFIG_FILE = "modded_dac_vq.yaml"  # the official codec config's name
 
 
-def with_config_file(cfg: CodecConfig, path) -> CodecConfig:
+def with_config_file(cfg: CodecConfig, path: Path) -> CodecConfig:
     """`cfg` with the transformer settings of the official codec config at `path` (its quantizer's
     `post_module`: window_size and config.head_dim / rope_base / norm_eps; `pre_module` is the same
     YAML anchor). Its `transformer_general_config` (the encoder's) must agree on them: one set serves both."""
-    doc = yaml.safe_load(open(path)) or {}
+    doc = yaml.safe_load(path.read_text()) or {}
     post = (doc.get("quantizer") or {}).get("post_module") or {}
     block = post.get("config") or {}
     found = dict(quantizer_window=post.get("window_size"), head_dim=block.get("head_dim"),
