@@ -20,11 +20,11 @@ pytestmark = pytest.mark.gpu
 # (model, profile, codec overrides): CosyVoice3 once with the flow's solve replayed from graphs (SDPA: flex
 # block masks are not captured), once with
 # the flex-attention DiT compiled as shipped profiles compile it, the codec on a share of the SMs and
-# first chunks on a lane of their own.
+# first chunks decoded at the backlog calls' Euler steps.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"cuda_graphs": True, "flow_attention": "sdpa"}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"compile": True, "flow_attention": "flex", "sms": 32,
-                                              "first_lane": True})]
+                                              "schedule": "preempt"})]
 
 
 def _metric(text: str, name: str) -> float:

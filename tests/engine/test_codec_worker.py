@@ -149,9 +149,10 @@ def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(
             assert np.allclose(audio, decode([item])[0], atol=1e-4)  # the same audio whatever the call
 
 
-def test_the_first_lane_decodes_a_new_streams_first_chunk_beside_a_busy_backlog_call(tiny_fish):
-    """codec.first_lane: a stream's first chunk is decoded while the backlog lane's call is still
-    running; a request's later chunk waits until its first one is decoded, whichever lane is free."""
+def test_preempt_decodes_a_new_streams_first_chunk_at_the_backlog_calls_next_pause_point(tiny_fish):
+    """codec.schedule: preempt: a first chunk that arrives while a call over the backlog runs is
+    decoded at that call's next pause point (here: after each of its one-window decodes), before the
+    call's remaining windows; every chunk still gets the audio it gets alone."""
     import threading
 
     from intone.engine.chunk_planner import Chunk
@@ -159,50 +160,41 @@ def test_the_first_lane_decodes_a_new_streams_first_chunk_beside_a_busy_backlog_
     from intone.engine.codec_worker import CodecWorker
     from intone.engine.request import EngineRequest
 
-    stage = CodecStage(tiny_fish, max_batch=64, max_padded_frames=4096)
-    gates = {key: threading.Event() for key in (("r0", 6), ("r2", 0))}
-    calls, decode = [], stage.run
+    stage = CodecStage(tiny_fish, max_batch=1, max_padded_frames=4096)  # one window per decode
+    entered, gate, decoded, model_decode = threading.Event(), threading.Event(), [], tiny_fish.decode
 
-    def gated(items):
-        keys = [(req.request_id, c.start) for req, c in items]
-        calls.append(keys)
-        for key in keys:
-            if key in gates:
-                gates[key].wait(10)
-        return decode(items)
-    stage.run = gated
+    def gated_decode(codes, offsets):
+        entered.set()
+        gate.wait(10)
+        decoded.append(int(offsets[0]))
+        return model_decode(codes, offsets)
     g = torch.Generator().manual_seed(1)
-    first, later = {}, {}
-    for b in range(3):
+    later, first = [], None
+    for b in range(4):
         req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
-        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 14), generator=g)
-        first[req.request_id] = (req, Chunk(req.request_id, 0, 6, 0, False))
-        later[req.request_id] = (req, Chunk(req.request_id, 6, 14, 4, True))
-    worker = CodecWorker(stage, tiny_fish.device, first_lane=True)
-    worker.submit([later["r0"]], [14])
-    while not calls:
-        threading.Event().wait(0.01)
-    worker.submit([first["r1"], later["r1"]], [14, 14])
-    got = []
-    while not any(c.request_id == "r1" and c.start == 0 for d in got for _, c in d.items):
-        worker.wait(1.0)
-        got += worker.collect()  # the backlog lane is still inside r0's call
-    assert not gates[("r0", 6)].is_set() and worker.queued == 1  # r1's later chunk waits for the backlog lane
-    worker.submit([first["r2"], later["r2"]], [14, 14])
-    gates[("r0", 6)].set()
-    while sum(len(d.items) for d in got) < 3:  # r0, r1's first and later chunks
-        worker.wait(1.0)
-        got += worker.collect()
-    threading.Event().wait(0.2)
-    assert [("r2", 6)] not in calls  # r2's first chunk is still being decoded: its later one waits
-    gates[("r2", 0)].set()
-    got += _drain(worker, 5 - sum(len(d.items) for d in got))
-    order = [(c.request_id, c.start) for d in got for _, c in d.items]
-    assert order.index(("r1", 0)) < order.index(("r0", 6)) and order.index(("r2", 0)) < order.index(("r2", 6))
-    assert sorted(order) == sorted([("r0", 6), ("r1", 0), ("r1", 6), ("r2", 0), ("r2", 6)])
-    for d in got:
-        for item, audio in zip(d.items, d.audio):
-            assert np.allclose(audio, decode([item])[0], atol=1e-4)
+        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 14 + b), generator=g)
+        if b < 3:
+            later.append((req, Chunk(req.request_id, 6, 14 + b, 4, True)))
+        else:
+            first = (req, Chunk(req.request_id, 0, 6, 0, False))
+    alone = [stage.run([item])[0] for item in later + [first]]
+    tiny_fish.decode = gated_decode
+    try:
+        worker = CodecWorker(stage, tiny_fish.device, preempt=True)
+        worker.submit(later, [14, 15, 16])
+        entered.wait(10)  # inside the backlog call's first decode
+        worker.submit([first], [6])
+        gate.set()
+        got = _drain(worker, 4)
+    finally:
+        tiny_fish.decode = model_decode
+    # windows start 4 frames before each later chunk (its context); the first chunk's at 0
+    assert decoded == [2, 0, 2, 2]
+    assert [[(req.request_id, c.start) for req, c in d.items] for d in got] == \
+        [[("r3", 0)], [("r0", 6), ("r1", 6), ("r2", 6)]]
+    audio = [a for d in got for a in d.audio]
+    for a, b in zip(audio, alone[3:] + alone[:3]):
+        assert np.array_equal(a, b)
     assert worker.in_flight == 0 and worker.queued == 0
 
 

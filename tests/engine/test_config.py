@@ -67,10 +67,10 @@ def test_decode_splits_are_a_power_of_two_up_to_16():
 
 @pytest.mark.parametrize("other", [{"codec.cuda_graphs": True, "codec.flow_attention": "sdpa"}, {"codec.process": True},
                                    {"codec.overlap": False}])
-def test_the_first_lane_needs_the_in_process_worker_without_codec_graphs(other):
-    assert load_profile("cosyvoice3-streaming", device="cpu", **{"codec.first_lane": True}).codec.first_lane
-    with pytest.raises(ProfileError, match="codec.first_lane"):
-        load_profile("cosyvoice3-streaming", device="cpu", **{"codec.first_lane": True, **other})
+def test_preemption_needs_the_in_process_worker_without_codec_graphs(other):
+    assert load_profile("cosyvoice3-streaming", device="cpu", **{"codec.schedule": "preempt"}).codec.schedule == "preempt"
+    with pytest.raises(ProfileError, match="codec.schedule preempt"):
+        load_profile("cosyvoice3-streaming", device="cpu", **{"codec.schedule": "preempt", **other})
 
 
 @pytest.mark.parametrize("other", [{"codec.process": True}, {"codec.overlap": False}])

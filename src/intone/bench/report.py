@@ -86,8 +86,8 @@ def stage_tables(results: dict) -> list[str]:
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
                     "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; flow padding: the share of the flow's computed token rows that were padding. "
-                    "first-chunk calls: codec calls made only of streams' first chunks (the first lane's, or "
-                    "`schedule: first`'s); their length against first_codec is how long a first chunk waited for "
+                    "first-chunk calls: codec calls made only of streams' first chunks (`schedule: first` or "
+                    "`preempt`, the latter's made at a backlog call's pause points too); their length against first_codec is how long a first chunk waited for "
                     "its call to start.", ""]
 
 

@@ -48,7 +48,7 @@ class CodecStage:
         self.max_padded_frames = max_padded_frames
         self.stream = model.stream_decoder() if carry_state else None
         self.calls = 0  # decode calls made, for tests and metrics
-        self._counting = threading.Lock()  # codec.first_lane runs two calls at once
+        self._counting = threading.Lock()  # the counters are read by the engine loop's thread
 
     def warm_up(self, max_window_frames: int) -> int:
         """Decode silence once per (rows, frames) bucket up to these bounds (start-up); returns the count."""
@@ -66,10 +66,11 @@ class CodecStage:
                 rows *= 2
         return shapes
 
-    def run(self, items: list) -> list[np.ndarray]:
-        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
+    def run(self, items: list, pause=None) -> list[np.ndarray]:
+        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases. pause: called between
+        the call's decodes; it may run whole calls of its own, on other requests."""
         if self.stream is None:
-            return self._run_windows(items)
+            return self._run_windows(items, pause)
         # A chunk that is its request's whole utterance (a full response) is the one-pass decode
         # either way, and the plain decode is cheaper (H200, Fish C64 full responses: 64.8 audio-s/s
         # plain in session 7, 59.8 carried in session 8).
@@ -77,19 +78,19 @@ class CodecStage:
         out: list[np.ndarray] = [None] * len(items)
         for wanted, run in ((True, self._run_windows), (False, self._run_carried)):
             idx = [i for i, w in enumerate(whole) if w is wanted]
-            for i, samples in zip(idx, run([items[i] for i in idx]) if idx else []):
+            for i, samples in zip(idx, run([items[i] for i in idx], pause) if idx else []):
                 out[i] = samples
         return out
 
-    def _run_windows(self, items: list) -> list[np.ndarray]:
+    def _run_windows(self, items: list, pause=None) -> list[np.ndarray]:
         jobs = []
         for req, chunk in items:
             lo, hi = chunk.window
             jobs.append(CodecJob(req.codes[:, lo:hi], chunk.context, lo))
-        return self.decode(jobs)
+        return self.decode(jobs, pause)
 
-    def decode(self, jobs: list[CodecJob]) -> list[np.ndarray]:
-        """Audio of each job's new frames (float32), in the order of `jobs`."""
+    def decode(self, jobs: list[CodecJob], pause=None) -> list[np.ndarray]:
+        """Audio of each job's new frames (float32), in the order of `jobs`; pause: called after each decode."""
         spf = self.model.samples_per_frame
         out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(jobs)
         live = [i for i, j in enumerate(jobs) if j.length > j.context]
@@ -109,9 +110,11 @@ class CodecStage:
             for row, i in enumerate(idx):
                 job = jobs[i]
                 out[i] = np.ascontiguousarray(audio[row, job.context * spf : job.length * spf], dtype=np.float32)
+            if pause is not None:
+                pause()
         return out
 
-    def _run_carried(self, items: list) -> list[np.ndarray]:
+    def _run_carried(self, items: list, pause=None) -> list[np.ndarray]:
         """Each chunk's new frames against its request's state. A request's chunks in one call go in
         successive rounds (each needs the state the one before leaves); the states are committed to
         the requests only when the whole call succeeded, so a failed call can be retried chunk by chunk."""
@@ -129,6 +132,8 @@ class CodecStage:
             for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
                 idx = [round_[g] for g in group]
                 self._decode_carried([items[i] for i in idx], states, idx, out, spf)
+                if pause is not None:
+                    pause()
             pending = later
         for req, _ in items:
             req.codec_state = states[id(req)]

@@ -6,10 +6,13 @@ each decode call takes every chunk waiting (so the calls grow with the backlog).
 (`codec.schedule: deadline`), each chunk carries the moment its listener runs out of audio without
 it (its request's first chunk: at once), and each call takes the waiting chunks with the earliest
 deadlines, up to `max_call` (so a new stream's first chunk goes ahead of the backlog of running
-ones, and the worst-off stream next). Either way a request's chunks come out in order (their
-deadlines grow), and their contents do not depend on timing (the windows were fixed when they
-were planned). A call that raises is retried chunk by chunk; only a
-chunk that fails alone gets its exception as its result.
+ones, and the worst-off stream next). With `codec.schedule: first`, a call takes only new streams'
+first chunks while any wait; with `preempt`, a call over the backlog also pauses at each of its
+stage's pause points (CosyVoice3: every Euler step of the flow) to decode the first chunks that
+arrived meanwhile, so a new stream waits for one step, not for the whole call. Either way a
+request's chunks come out in order, and their contents do not depend on timing (the windows were
+fixed when they were planned). A call that raises is retried chunk by chunk; only a chunk that
+fails alone gets its exception as its result.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ class DecodedBatch:
     tokens: list[int]  # per item: the request's generated tokens when the chunk was planned
 
 
-def decode_batch(stage, items: list) -> list:
-    """The stage's audio for items; on failure, each item alone (failing ones get their exception)."""
+def decode_batch(stage, items: list, pause=None) -> list:
+    """The stage's audio for items; on failure, each item alone (failing ones get their exception).
+    pause: called at the stage's pause points of the batch's call (not of the retries)."""
     try:
-        return stage.run(items)
+        return stage.run(items, pause) if pause is not None else stage.run(items)
     except Exception:  # noqa: BLE001 - retried one by one, so only the failing chunk's request ends
         log.exception("codec batch failed; retrying its chunks one by one")
     out = []
@@ -96,17 +100,15 @@ class ChunkQueue:
         return len(self._heap)
 
 
-def codec_stream(device: torch.device, sms: int | None, urgent: bool = False):
-    """(stream, its green context or None) for the codec worker. urgent: the GPU's highest stream
-    priority, so its pending blocks are scheduled before the other streams' (running ones finish
-    first). With `sms`, the stream belongs to a
+def codec_stream(device: torch.device, sms: int | None):
+    """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
     green context of that many of the GPU's SMs: the codec's long GEMMs then never hold every SM,
     so the AR step's small kernels (on the loop's stream, unpartitioned) always find some free.
     Stream priorities cannot give that: a running block is never preempted (session 8)."""
     if device.type != "cuda":
         return None, None
     if sms is None:
-        return torch.cuda.Stream(device, priority=-1 if urgent else 0), None
+        return torch.cuda.Stream(device), None
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).
@@ -128,40 +130,54 @@ def opens_a_stream(item) -> bool:
     return item[1].start == 0 and not item[1].finished
 
 
+def is_first_chunk(item) -> bool:
+    """Its request's first chunk: a new stream's, or a whole response's only one."""
+    return item[1].start == 0
+
+
+class Preemption:
+    """The pause points of one call over the backlog: at each, the first chunks waiting are decoded
+    before the call goes on. On a GPU it also keeps the call's launches at most one pause point ahead
+    of its kernels (the stage would otherwise queue its whole call at once), so the first chunks'
+    kernels wait behind one step of the call, not behind the rest of it."""
+
+    def __init__(self, worker: "CodecWorker", stream):
+        self.worker, self.stream = worker, stream
+        self.behind = None  # the stream's mark at the previous pause point
+        self.seconds = 0.0  # wall time of the calls made at the pause points
+
+    def __call__(self) -> None:
+        if self.stream is not None:
+            mark = torch.cuda.Event()
+            mark.record(self.stream)
+            if self.behind is not None:
+                self.behind.synchronize()
+            self.behind = mark
+        items, tokens = self.worker.take_first_chunks()
+        if items:
+            start = time.perf_counter()
+            self.worker._decode(items, tokens, self.stream)
+            self.seconds += time.perf_counter() - start
+
+
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
-                 sms: int | None = None, first_lane: bool = False):
+                 sms: int | None = None, preempt: bool = False):
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
-        sms: the codec's share of the GPU's SMs (`codec_stream`). first_lane: a second thread, on a
-        stream of its own, decodes only streams' first chunks, beside the calls over the backlog
-        (a new stream's first audio then waits for no call in progress); a request's later chunks
-        wait until its first one is decoded, so its chunks still run in order."""
+        sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
+        decode the first chunks that arrive meanwhile at their pause points (`Preemption`)."""
         self.stage = stage
-        self._waiting = ChunkQueue(max_call, (lambda item: item[1].start == 0) if first_alone and not first_lane
-                                   else None)
-        self._opening: set[str] = set()  # first_lane: requests whose first chunk is queued or being decoded
+        self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
+        self._preempt = preempt
         self._done: list[DecodedBatch] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._ready = threading.Event()
         self._stop = False
-        self._first_lane = first_lane
         self.in_flight = 0  # chunks handed over and not yet collected
-        lanes = [("intone-codec", self._backlog_item if first_lane else None)]
-        if first_lane:
-            lanes.append(("intone-codec-first", opens_a_stream))
-        self._green_contexts, self._threads = [], []
-        for name, only in lanes:
-            # the first lane's calls are small and a listener waits on each: its stream goes first
-            stream, context = codec_stream(device, sms, urgent=only is opens_a_stream)
-            self._green_contexts.append(context)
-            self._threads.append(threading.Thread(target=self._work, args=(only, stream), name=name, daemon=True))
-        for thread in self._threads:
-            thread.start()
-
-    def _backlog_item(self, item) -> bool:
-        """The backlog lane's items: no first chunk, and no chunk of a request whose first one is undecoded."""
-        return not opens_a_stream(item) and item[0].request_id not in self._opening
+        stream, self._green_context = codec_stream(device, sms)
+        self._thread = threading.Thread(target=self._work, args=(stream,), name="intone-codec", daemon=True)
+        self._thread.start()
 
     def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
         """deadlines: per item (perf_counter seconds); None: as handed over."""
@@ -171,9 +187,12 @@ class CodecWorker:
         with self._wake:
             for item, n, deadline in zip(items, tokens, deadlines):
                 self._waiting.push(item, n, deadline)
-                if self._first_lane and opens_a_stream(item):
-                    self._opening.add(item[0].request_id)
             self._wake.notify_all()
+
+    def take_first_chunks(self) -> tuple[list, list[int]]:
+        """The first chunks waiting (up to a call's worth), taken off the queue."""
+        with self._wake:
+            return self._waiting.take(is_first_chunk) if self._waiting else ([], [])
 
     @property
     def calls(self) -> int:
@@ -201,33 +220,32 @@ class CodecWorker:
         with self._wake:
             self._stop = True
             self._wake.notify_all()
-        for thread in self._threads:
-            thread.join(timeout=30)
+        self._thread.join(timeout=30)
 
-    def _work(self, only, stream) -> None:
+    def _work(self, stream) -> None:
         while True:
             with self._wake:
                 while True:
                     if self._stop:
                         return
-                    items, tokens = self._waiting.take(only) if self._waiting else ([], [])
+                    items, tokens = self._waiting.take() if self._waiting else ([], [])
                     if items:
                         break
                     self._wake.wait()
-            self._decode(items, tokens, stream)
+            # a call of first chunks is what the pause points would run: it pauses for nothing
+            backlog = self._preempt and not all(is_first_chunk(item) for item in items)
+            self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
 
-    def _decode(self, items: list, tokens: list[int], stream) -> None:
+    def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None) -> None:
         start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if stream is None:
-                audio = decode_batch(self.stage, items)
+                audio = decode_batch(self.stage, items, pause)
             else:
                 with torch.cuda.stream(stream):
-                    audio = decode_batch(self.stage, items)
-        decoded = DecodedBatch(items, audio, time.perf_counter() - start, tokens)
+                    audio = decode_batch(self.stage, items, pause)
+        seconds = time.perf_counter() - start - (pause.seconds if pause is not None else 0.0)
+        decoded = DecodedBatch(items, audio, seconds, tokens)
         with self._wake:
             self._done.append(decoded)
             self._ready.set()
-            if self._first_lane:
-                self._opening.difference_update(r.request_id for r, c in items if opens_a_stream((r, c)))
-                self._wake.notify_all()  # the backlog lane may take these requests' next chunks now

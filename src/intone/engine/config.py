@@ -84,16 +84,15 @@ class CodecStageConfig(_Strict):
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")
-    schedule: Literal["fifo", "deadline", "first"] = Field(
+    schedule: Literal["fifo", "deadline", "first", "preempt"] = Field(
         "fifo", description="order of the chunks waiting for the codec worker: as handed over (each call takes "
                             "all of them); earliest listener deadline first (each call takes up to max_batch; "
-                            "experimental, not measured since the H200 crash that session 10 saw fixed); or "
+                            "experimental, not measured since the H200 crash that session 10 saw fixed); "
                             "first: as handed over, but while new streams' first chunks wait beside others, a "
-                            "call takes only those (a new stream's first audio skips the backlog's call)")
-
-    first_lane: bool = Field(False, description="a second codec worker thread, on its own CUDA stream, that decodes "
-                                                "only streams' first chunks beside the calls over the backlog (in-"
-                                                "process worker; not with cuda_graphs, whose buffers one call owns)")
+                            "call takes only those (a new stream's first audio skips the backlog's call); or "
+                            "preempt: as first, and a call over the backlog also stops at each of its pause points "
+                            "(CosyVoice3: each Euler step of an eager flow solve) to decode the first chunks that "
+                            "arrived meanwhile (in-process worker; not with cuda_graphs)")
 
     @property
     def call_size(self) -> int | None:
@@ -177,8 +176,8 @@ class Profile(_Strict):
             raise ValueError("codec.flow_attention flex needs codec.cuda_graphs off (its block masks are not captured)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
-        if self.codec.first_lane and (self.codec.cuda_graphs or self.codec.process or not self.codec.overlap):
-            raise ValueError("codec.first_lane needs the in-process codec worker (overlap, no process) and no "
+        if self.codec.schedule == "preempt" and (self.codec.cuda_graphs or self.codec.process or not self.codec.overlap):
+            raise ValueError("codec.schedule preempt needs the in-process codec worker (overlap, no process) and no "
                              "codec.cuda_graphs")
         return self
 

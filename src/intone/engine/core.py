@@ -57,7 +57,7 @@ class EngineStats:
     finished: Counter = field(default_factory=Counter)  # by stop reason
     prefill_steps: int = 0  # steps that carried at least one prefill
     codec_seconds: float = 0.0
-    # calls made only of streams' first chunks (the first lane's, or `schedule: first`'s): their
+    # calls made only of streams' first chunks (`schedule: first` or `preempt`): their
     # length against a stream's first_codec stage says how much of it was waiting for a call
     first_calls: int = 0
     first_call_seconds: float = 0.0
@@ -107,7 +107,7 @@ class EngineCore:
             # give fails at once; its threads stay idle until the first chunk.
             self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
                                             first_alone=profile.codec.schedule == "first", sms=profile.codec.sms,
-                                            first_lane=profile.codec.first_lane)
+                                            preempt=profile.codec.schedule == "preempt")
         self._start_up()
 
     def _start_up(self) -> None:

@@ -152,6 +152,20 @@ def test_batched_rows_equal_each_row_alone(flow, rows):
         torch.testing.assert_close(batched, alone, rtol=0, atol=1e-12)
 
 
+def test_a_solve_paused_at_each_euler_step_for_other_solves_gives_its_own_mel(flow):
+    """The codec worker's preemption: at each pause point of a solve, whole solves of other requests
+    run; the paused solve's mel and theirs are what each gets alone (fp64, exact)."""
+    g = torch.Generator().manual_seed(11)
+    backlog = [request(g, prompt=12, tokens=60, finalize=False), request(g, prompt=5, tokens=40)]
+    urgent = [request(g, prompt=9, tokens=20, finalize=False)]
+    alone, urgent_alone = flow.inference(backlog), flow.inference(urgent)
+    during = []
+    paused = flow.inference(backlog, pause=lambda: during.append(flow.inference(urgent)))
+    assert len(during) == TINY.n_timesteps
+    for got, want in zip(paused + [mel for mels in during for mel in mels], alone + urgent_alone * len(during)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_low_precision_runs_and_roughly_agrees(flow, dtype):
     g = torch.Generator().manual_seed(9)

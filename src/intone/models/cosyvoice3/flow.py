@@ -120,8 +120,10 @@ class CausalCFM(nn.Module):
         """The official `rand_noise`: fp32 [1, mel, noise_frames], indexed by absolute mel frame."""
         return self.noise_bits.view(torch.float32)
 
-    def forward(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor) -> Tensor:
-        """mu, cond: [B, T, mel]; spks: [B, mel]; lengths: [B] valid frames; streaming: [B] bool. -> fp32 [B, T, mel]."""
+    def forward(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
+                pause=None) -> Tensor:
+        """mu, cond: [B, T, mel]; spks: [B, mel]; lengths: [B] valid frames; streaming: [B] bool. -> fp32 [B, T, mel].
+        pause: called after each Euler step's launches (the codec worker runs urgent calls there)."""
         b, total, _ = mu.shape
         if total > self.noise.shape[-1]:
             raise ValueError(f"{total} mel frames exceed the {self.noise.shape[-1]}-frame noise buffer")
@@ -136,6 +138,8 @@ class CausalCFM(nn.Module):
             v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t.to(mu.dtype).expand(2 * b), mask, valid)
             v_cond, v_uncond = v.to(state).chunk(2)
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
+            if pause is not None:
+                pause()
         return x.float()
 
 
@@ -200,18 +204,19 @@ class CosyFlow(nn.Module):
         graphs.capture("flow", self.decoder, *self._padded_solve_inputs(requests)[1])
 
     @torch.inference_mode()
-    def inference(self, requests: list[FlowRequest], graphs=None) -> list[Tensor]:
+    def inference(self, requests: list[FlowRequest], graphs=None, pause=None) -> list[Tensor]:
         """Per request, fp32 mel [80, T_out] with T_out = mel_lengths - M (= 2N, or 2(N-3) when not finalize).
 
         graphs: an engine's FunctionGraphs: the ODE solve (ten DiT passes, thousands of launches) is
-        replayed from the graph of its padded shape when one was captured (`capture_solve`)."""
+        replayed from the graph of its padded shape when one was captured (`capture_solve`).
+        pause: called between the eager solve's Euler steps (`CausalCFM.forward`); a replayed one has none."""
         if graphs is None:
             inputs = self.solve_inputs(requests)
             if self.decoder.estimator.attention_kernel == "flex" and inputs[0].shape[1] <= FLEX_BLOCK:
                 # Two blocks at least: a compiled DiT would compile a one-block mask apart (a dimension
                 # of 1); the added frames change no valid one (pad_solve_inputs).
                 inputs = pad_solve_inputs(*inputs, len(requests), FLEX_BLOCK + 1)
-            mel = self.decoder(*inputs)
+            mel = self.decoder(*inputs, pause=pause)
         else:
             inputs, padded = self._padded_solve_inputs(requests)
             mel = graphs.run("flow", self.decoder, *padded, eager=lambda: self.decoder(*inputs))[0]

@@ -80,7 +80,7 @@ class CosyCodecStage:
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
         self.padded_tokens = self.useful_tokens = 0  # the flow calls' rows x longest, and their real part
         self.flow_seconds = self.vocoder_seconds = 0.0  # the pieces' spans on the codec's stream (`_span`)
-        self._counting = threading.Lock()  # codec.first_lane runs two calls at once
+        self._counting = threading.Lock()  # the counters are read by the engine loop's thread
         self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
 
     def _autocast(self):
@@ -135,10 +135,20 @@ class CosyCodecStage:
         """Seconds between two marks (for events, once the stream has passed the second)."""
         return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000
 
-    def run(self, items: list) -> list[np.ndarray]:
-        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases."""
+    def run(self, items: list, pause=None) -> list[np.ndarray]:
+        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases. pause: called after each
+        Euler step of an eager flow solve and before HiFT; it may run whole calls of its own (on
+        other requests), whose spans are not counted again in this call's."""
+        nested = [0.0]  # the spans of the calls run at the pause points
+
+        def paused():
+            before = self.flow_seconds + self.vocoder_seconds
+            pause()
+            nested[0] += self.flow_seconds + self.vocoder_seconds - before
         marks = [self._mark()]
-        new_mel = self._flow(items)
+        new_mel = self._flow(items, paused if pause is not None else None)
+        if pause is not None:
+            paused()
         marks.append(self._mark())
         # Every chunk's HiFT window starts where its request's committed state does (a request may
         # have two chunks here: regular + terminal), and states are committed only once the batch
@@ -173,11 +183,11 @@ class CosyCodecStage:
         if not isinstance(marks[-1], float):
             marks[-1].synchronize()  # an empty slice's .cpu() above does not wait for the stream
         with self._counting:
-            self.flow_seconds += self._span(marks[0], marks[1])
+            self.flow_seconds += self._span(marks[0], marks[1]) - nested[0]
             self.vocoder_seconds += self._span(marks[1], marks[2])
         return out
 
-    def _flow(self, items: list) -> list[Tensor]:
+    def _flow(self, items: list, pause=None) -> list[Tensor]:
         """The new mel frames [80, 2 * (end - start)] of each chunk."""
         model = self.model
         jobs = [model.flow_request(req.prompt, req.codes[0], chunk.end, chunk.finished) for req, chunk in items]
@@ -190,7 +200,7 @@ class CosyCodecStage:
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost):
             idx = [live[g] for g in group]
             with self._autocast():
-                mels = model.flow.inference([jobs[i] for i in idx], self.graphs)
+                mels = model.flow.inference([jobs[i] for i in idx], self.graphs, pause)
             with self._counting:
                 self.calls += 1
                 self.padded_tokens += len(group) * max(lengths[g] for g in group)
