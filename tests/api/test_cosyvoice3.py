@@ -240,4 +240,7 @@ def test_metrics_show_the_codec_busy_and_the_flow_padding(cosy_server):
     assert speech(cosy_server, response_format="pcm", stream=True, stream_format="audio").status_code == 200
     after = scrape(cosy_server.base)
     assert grew("intone_codec_first_calls_total") == 1 and grew("intone_codec_first_call_chunks_total") == 1
-    assert 0 < grew("intone_codec_first_call_seconds_total") < grew("intone_codec_busy_seconds_total")
+    first_call = grew("intone_codec_first_call_seconds_total")
+    assert 0 < first_call < grew("intone_codec_busy_seconds_total")
+    assert 0 < grew("intone_codec_first_call_gpu_seconds_total") <= first_call  # its pieces' spans, within the call
+    assert grew("intone_codec_preempted_calls_total") == 0  # the server's schedule does not preempt

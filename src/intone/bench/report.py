@@ -66,8 +66,9 @@ def stage_tables(results: dict) -> list[str]:
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
               "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % | "
-              "first-chunk calls | s per first-chunk call | chunks per first-chunk call |",
-              "|" + "---|" * 20]
+              "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | chunks per first-chunk call "
+              "| preempted calls |",
+              "|" + "---|" * 22]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -81,14 +82,16 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(k.get('codec_flow_seconds'), 2)}"
             + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)}"
             + f" | {_count(k.get('codec_first_calls'))} | {_fmt(_per_call(k, 'codec_first_call_seconds'), 3)}"
-            + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} |")
+            + f" | {_fmt(_per_call(k, 'codec_first_call_gpu_seconds'), 3)}"
+            + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
                     "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; flow padding: the share of the flow's computed token rows that were padding. "
                     "first-chunk calls: codec calls made only of streams' first chunks (`schedule: first` or "
                     "`preempt`, the latter's made at a backlog call's pause points too); their length against first_codec is how long a first chunk waited for "
-                    "its call to start.", ""]
+                    "its call to start; their GPU span (CosyVoice3) against their length, how much of a call was "
+                    "host time. preempted calls: made at a backlog call's pause points.", ""]
 
 
 def _per(counters: dict, key: str) -> float | None:

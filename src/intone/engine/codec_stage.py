@@ -37,8 +37,10 @@ class CodecStage:
     """The default stage: each chunk is a window of codes decoded by `model.decode`.
 
     A model with its own codec pipeline (e.g. CosyVoice3's flow + vocoder) returns another
-    stage from `TTSModel.make_codec_stage` with the same `run` and `calls`.
+    stage from `TTSModel.make_codec_stage` with the same `run`, `calls` and `gpu_seconds`.
     """
+
+    gpu_seconds = 0.0  # this stage does not time its calls on the GPU
 
     def __init__(self, model: TTSModel, max_batch: int, max_padded_frames: int, carry_state: bool = False):
         """carry_state: decode each chunk's new frames against its request's state (the model's

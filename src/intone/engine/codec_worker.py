@@ -36,6 +36,8 @@ class DecodedBatch:
     audio: list  # per item: the samples (np.ndarray) or the exception its decode raised
     seconds: float  # wall time of the decode calls that carried this batch
     tokens: list[int]  # per item: the request's generated tokens when the chunk was planned
+    gpu_seconds: float = 0.0  # their spans on the codec's stream (a stage that times its pieces; else 0)
+    preempted: bool = False  # decoded at a pause point of a call over the backlog
 
 
 def decode_batch(stage, items: list, pause=None) -> list:
@@ -144,7 +146,7 @@ class Preemption:
     def __init__(self, worker: "CodecWorker", stream):
         self.worker, self.stream = worker, stream
         self.behind = None  # the stream's mark at the previous pause point
-        self.seconds = 0.0  # wall time of the calls made at the pause points
+        self.seconds = self.gpu_seconds = 0.0  # of the calls made at the pause points
 
     def __call__(self) -> None:
         if self.stream is not None:
@@ -155,9 +157,9 @@ class Preemption:
             self.behind = mark
         items, tokens = self.worker.take_first_chunks()
         if items:
-            start = time.perf_counter()
-            self.worker._decode(items, tokens, self.stream)
-            self.seconds += time.perf_counter() - start
+            decoded = self.worker._decode(items, tokens, self.stream, preempted=True)
+            self.seconds += decoded.seconds
+            self.gpu_seconds += decoded.gpu_seconds
 
 
 class CodecWorker:
@@ -236,16 +238,19 @@ class CodecWorker:
             backlog = self._preempt and not all(is_first_chunk(item) for item in items)
             self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
 
-    def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None) -> None:
-        start = time.perf_counter()
+    def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
+                preempted: bool = False) -> DecodedBatch:
+        start, gpu = time.perf_counter(), self.stage.gpu_seconds
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if stream is None:
                 audio = decode_batch(self.stage, items, pause)
             else:
                 with torch.cuda.stream(stream):
                     audio = decode_batch(self.stage, items, pause)
-        seconds = time.perf_counter() - start - (pause.seconds if pause is not None else 0.0)
-        decoded = DecodedBatch(items, audio, seconds, tokens)
+        nested = (pause.seconds, pause.gpu_seconds) if pause is not None else (0.0, 0.0)
+        decoded = DecodedBatch(items, audio, time.perf_counter() - start - nested[0], tokens,
+                               self.stage.gpu_seconds - gpu - nested[1], preempted)
         with self._wake:
             self._done.append(decoded)
             self._ready.set()
+        return decoded

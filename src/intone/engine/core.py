@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +16,7 @@ import torch
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_process import CodecProcess
 from intone.engine.codec_stage import CodecStage
-from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch, opens_a_stream
+from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
@@ -27,6 +25,7 @@ from intone.engine.loading import load_for_profile, warm_up_codec
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
+from intone.engine.stats import EngineStats
 from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
@@ -45,26 +44,6 @@ IDLE_WAIT_S = 0.01  # with only references being encoded, wait this long for one
 
 class TooLarge(IntoneError):
     """The request can never fit this engine (prompt or KV need beyond its capacity)."""
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    step_seconds: float = 0.0
-    frames: int = 0
-    backlog_steps: int = 0
-    chunk_sizes: Counter = field(default_factory=Counter)
-    finished: Counter = field(default_factory=Counter)  # by stop reason
-    prefill_steps: int = 0  # steps that carried at least one prefill
-    codec_seconds: float = 0.0
-    # calls made only of streams' first chunks (`schedule: first` or `preempt`): their
-    # length against a stream's first_codec stage says how much of it was waiting for a call
-    first_calls: int = 0
-    first_call_seconds: float = 0.0
-    first_call_chunks: int = 0
-    captured_graphs: int = 0
-    capture_seconds: float = 0.0
-    warm_up_seconds: float = 0.0
 
 
 class EngineCore:
@@ -275,7 +254,8 @@ class EngineCore:
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,
             codec_first_calls=self.stats.first_calls, codec_first_call_seconds=self.stats.first_call_seconds,
-            codec_first_call_chunks=self.stats.first_call_chunks,
+            codec_first_call_gpu_seconds=self.stats.first_call_gpu_seconds,
+            codec_first_call_chunks=self.stats.first_call_chunks, codec_preempted_calls=self.stats.preempted_calls,
             reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
             reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,
             frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
@@ -415,11 +395,7 @@ class EngineCore:
 
     def _deliver(self, decoded: DecodedBatch) -> None:
         """Send the decoded chunks of live requests, in order; a request's last chunk releases it."""
-        self.stats.codec_seconds += decoded.seconds
-        if all(opens_a_stream(item) for item in decoded.items):
-            self.stats.first_calls += 1
-            self.stats.first_call_seconds += decoded.seconds
-            self.stats.first_call_chunks += len(decoded.items)
+        self.stats.count_codec_call(decoded)
         for req in {id(r): r for r, _ in decoded.items}.values():
             req.times.codec_s += decoded.seconds
         for (req, c), samples, generated in zip(decoded.items, decoded.audio, decoded.tokens):

@@ -120,6 +120,12 @@ class CosyCodecStage:
         with self._autocast():
             self.model.flow.inference(dummy)
 
+    @property
+    def gpu_seconds(self) -> float:
+        """The calls' spans on the codec's stream so far (flow and HiFT)."""
+        with self._counting:
+            return self.flow_seconds + self.vocoder_seconds
+
     def _mark(self):
         """A point on the stage's stream: a CUDA event (the GPU's own clock, so a span includes the
         kernels' waits for SMs the AR holds) or, on a CPU, the wall clock."""
@@ -142,9 +148,9 @@ class CosyCodecStage:
         nested = [0.0]  # the spans of the calls run at the pause points
 
         def paused():
-            before = self.flow_seconds + self.vocoder_seconds
+            before = self.gpu_seconds
             pause()
-            nested[0] += self.flow_seconds + self.vocoder_seconds - before
+            nested[0] += self.gpu_seconds - before
         marks = [self._mark()]
         new_mel = self._flow(items, paused if pause is not None else None)
         if pause is not None:

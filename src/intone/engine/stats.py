@@ -1,0 +1,39 @@
+"""The engine core's counters, read by `EngineCore.snapshot` for /metrics and the bench report."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from intone.engine.codec_worker import DecodedBatch, opens_a_stream
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    step_seconds: float = 0.0
+    frames: int = 0
+    backlog_steps: int = 0
+    chunk_sizes: Counter = field(default_factory=Counter)
+    finished: Counter = field(default_factory=Counter)  # by stop reason
+    prefill_steps: int = 0  # steps that carried at least one prefill
+    codec_seconds: float = 0.0
+    # calls made only of streams' first chunks (`schedule: first` or `preempt`): their length against
+    # a stream's first_codec says how much of it was the wait for a call; their GPU span, how host-bound
+    first_calls: int = 0
+    first_call_seconds: float = 0.0
+    first_call_gpu_seconds: float = 0.0
+    first_call_chunks: int = 0
+    preempted_calls: int = 0  # calls made at a pause point of a call over the backlog
+    captured_graphs: int = 0
+    capture_seconds: float = 0.0
+    warm_up_seconds: float = 0.0
+
+    def count_codec_call(self, decoded: DecodedBatch) -> None:
+        self.codec_seconds += decoded.seconds
+        self.preempted_calls += decoded.preempted
+        if all(opens_a_stream(item) for item in decoded.items):
+            self.first_calls += 1
+            self.first_call_seconds += decoded.seconds
+            self.first_call_gpu_seconds += decoded.gpu_seconds
+            self.first_call_chunks += len(decoded.items)
