@@ -65,14 +65,6 @@ def test_decode_splits_are_a_power_of_two_up_to_16():
             load_profile("fish-s2-default", device="cpu", **{"ar.decode_splits": bad})
 
 
-@pytest.mark.parametrize("other", [{"codec.cuda_graphs": True, "codec.flow_attention": "sdpa"}, {"codec.process": True},
-                                   {"codec.overlap": False}])
-def test_preemption_needs_the_in_process_worker_without_codec_graphs(other):
-    assert load_profile("cosyvoice3-streaming", device="cpu", **{"codec.schedule": "preempt"}).codec.schedule == "preempt"
-    with pytest.raises(ProfileError, match="codec.schedule preempt"):
-        load_profile("cosyvoice3-streaming", device="cpu", **{"codec.schedule": "preempt", **other})
-
-
 @pytest.mark.parametrize("other", [{"codec.process": True}, {"codec.overlap": False}])
 def test_an_sm_share_needs_the_in_process_codec_worker(other):
     with pytest.raises(ProfileError, match="codec.sms"):

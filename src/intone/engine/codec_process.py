@@ -186,7 +186,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
             torch.backends.cudnn.benchmark = c.cudnn_benchmark
             warm_up_codec(stage, profile, model.max_seq_len)
         push.send(pickle.dumps(("ready", None)))
-        first = (lambda item: item[1].chunk.start == 0) if c.schedule == "first" else None
+        first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else None
         _loop(stage, ChunkQueue(c.call_size, first), pull, push)
 
 

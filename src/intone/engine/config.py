@@ -91,8 +91,9 @@ class CodecStageConfig(_Strict):
                             "first: as handed over, but while new streams' first chunks wait beside others, a "
                             "call takes only those (a new stream's first audio skips the backlog's call); or "
                             "preempt: as first, and a call over the backlog also stops at each of its pause points "
-                            "(CosyVoice3: each Euler step of an eager flow solve) to decode the first chunks that "
-                            "arrived meanwhile (in-process worker; not with cuda_graphs)")
+                            "(CosyVoice3: each Euler step of an eager flow solve, and before HiFT) to decode the "
+                            "first chunks that arrived meanwhile (the in-process worker; the codec process "
+                            "schedules as first)")
 
     @property
     def call_size(self) -> int | None:
@@ -176,9 +177,6 @@ class Profile(_Strict):
             raise ValueError("codec.flow_attention flex needs codec.cuda_graphs off (its block masks are not captured)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
-        if self.codec.schedule == "preempt" and (self.codec.cuda_graphs or self.codec.process or not self.codec.overlap):
-            raise ValueError("codec.schedule preempt needs the in-process codec worker (overlap, no process) and no "
-                             "codec.cuda_graphs")
         return self
 
 

@@ -51,8 +51,8 @@ def alone_tokens(model, text, ref, params):
 @pytest.mark.parametrize("schedule", ["first", "preempt"])
 def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     """Interleaved requests with different references and modes: every chunk's span and samples
-    equal the official loop run for that request alone (float64: to 1e-9); also with first chunks
-    decoded at the Euler steps of the backlog's flow calls (codec.schedule: preempt)."""
+    equal the official loop run for that request alone (float64: to 1e-9), with first chunks decoded at the
+    Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first)."""
     refs = voices(4)
     # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
     # so request 3 surely runs long enough for the hop to reach 100.
@@ -62,11 +62,11 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     reqs = [SynthesisRequest(f"r{i}", TEXTS[i], [refs[i]], params[i]) for i in range(4)]
     # call_cost 64: the chunks that share a codec worker batch go in flow calls of similar lengths (some
     # of several padded rows, some alone); the audio must not change.
-    # the shipped profile's flex attention with its schedule; SDPA with preemption (its order does not depend
-    # on the kernel, and SDPA is the faster one uncompiled)
+    # the shipped profile's flex attention with its schedule (preempt); SDPA with the other (the order does not
+    # depend on the kernel, and SDPA is the faster one uncompiled)
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.call_cost": 64, "codec.schedule": schedule,
-        "codec.flow_attention": "sdpa" if schedule == "preempt" else "flex"})
+        "codec.flow_attention": "flex" if schedule == "preempt" else "sdpa"})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):
