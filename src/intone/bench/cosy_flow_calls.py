@@ -1,13 +1,15 @@
 """Time CosyVoice3's flow over a served mix of jobs: how calls are split and which attention kernel.
 
-    python -m intone.bench.cosy_flow_calls --jobs 48 --call-cost 512 --kernels sdpa,flex [--sms 96]
+    python -m intone.bench.cosy_flow_calls --jobs 48 --call-cost 512 --kernels sdpa,flex [--sms 96] [--continued]
 
 The jobs are what a streamed C64 codec worker call holds: references of 75-200 tokens, each job
 at one of its request's hops (25 + alignment, then 50, 100... tokens, or the final one at a
 normal(128, 45) length). Per attention kernel the DiT is compiled as the streaming profile runs it
 (whole, bf16 autocast without the cast cache), then the same jobs run in calls as full as the
 bounds allow and in the cheapest split (`codec.call_cost`). `--sms` runs everything on a stream of a
-green context of that many SMs (`codec.sms`), to price the codec's share alone.
+green context of that many SMs (`codec.sms`), to price the codec's share alone. `--continued` also times
+the full calls as `codec.flow_cache` runs them: each streamed job solves only its new frames, against the
+state its request's earlier hops kept (solved beforehand, untimed).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import contextlib
 import json
 import random
 import time
+from dataclasses import replace
 
 import torch
 
 from intone.engine.codec_worker import codec_stream
 from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.flow_cache import solve_continued
 from intone.models.cosyvoice3.model import random_cosyvoice3
 from intone.models.cosyvoice3.vocoder_stage import compile_dit
 from intone.ops.batching import group_jobs
@@ -29,6 +33,11 @@ from intone.ops.batching import group_jobs
 
 def served_job_lengths(n: int, seed: int = 0) -> list[tuple[int, int, bool]]:
     """(prompt tokens, tokens, streamed) per job, as a streamed C64 mix holds them."""
+    return [job[:3] for job in served_jobs(n, seed)]
+
+
+def served_jobs(n: int, seed: int = 0) -> list[tuple[int, int, bool, list[int]]]:
+    """(prompt tokens, tokens, streamed, the tokens of its request's earlier hops) per job."""
     rng = random.Random(seed)
     jobs = []
     for _ in range(n):
@@ -39,8 +48,8 @@ def served_job_lengths(n: int, seed: int = 0) -> list[tuple[int, int, bool]]:
             hop = min(100, 2 * hop)
             end += hop
         ends.append((total, False))
-        tokens, streamed = rng.choice(ends)
-        jobs.append((prompt, tokens, streamed))
+        at = rng.randrange(len(ends))
+        jobs.append((prompt, *ends[at], [tokens for tokens, _ in ends[:at]]))
     return jobs
 
 
@@ -63,6 +72,30 @@ def run_calls(flow, jobs, groups, device) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
+def earlier_caches(flow, jobs, earlier, device) -> list:
+    """Each streamed job's flow cache after its request's earlier hops (`solve_continued`, bf16 autocast)."""
+    caches = []
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
+        for job, hops in zip(jobs, earlier):
+            cache = None
+            for n in hops if job.streaming else []:
+                cache = solve_continued(flow, [replace(job, tokens=job.tokens[:n])], [cache], [True])[1][0]
+            caches.append(cache)
+    return caches
+
+
+def run_continued(flow, jobs, caches, groups, device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
+        for group in groups:
+            solve_continued(flow, [jobs[i] for i in group], [caches[i] for i in group],
+                            [jobs[i].streaming for i in group])
+    sync()
+    return 1000 * (time.perf_counter() - start)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=48)
@@ -71,13 +104,15 @@ def main(argv=None) -> None:
     ap.add_argument("--sms", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--continued", action="store_true")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     flow = random_cosyvoice3(device).flow
     stream, _context = codec_stream(device, args.sms)
-    lengths = served_job_lengths(args.jobs)
+    served = served_jobs(args.jobs)
+    lengths = [job[:3] for job in served]
     jobs = flow_jobs(lengths, device)
     sizes = [p + n for p, n, _ in lengths]
     splits = {"full": group_jobs(sizes, 64, 16384), "split": group_jobs(sizes, 64, 16384, args.call_cost)}
@@ -96,6 +131,13 @@ def main(argv=None) -> None:
                 print(json.dumps(dict(kernel=kernel, calls=name, n_calls=len(groups), jobs=args.jobs, sms=args.sms,
                                       ms=round(ms, 1), padding=round(1 - sum(sizes) / padded, 3),
                                       first_pass_s=round(compile_s, 1))), flush=True)
+            if args.continued:
+                caches = earlier_caches(flow, jobs, [job[3] for job in served], device)  # compiles both kinds too
+                ms = min(run_continued(flow, jobs, caches, splits["full"], device) for _ in range(args.repeats))
+                gib = sum(c.bytes for c in caches if c is not None) / 2**30
+                print(json.dumps(dict(kernel=kernel, calls="full, continued", n_calls=len(splits["full"]),
+                                      jobs=args.jobs, ms=round(ms, 1), cache_gib=round(gib, 2))), flush=True)
+                del caches
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def alone_tokens(model, text, ref, params):
 def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     """Interleaved requests with different references and modes: every chunk's span and samples
     equal the official loop run for that request alone (float64: to 1e-9), with first chunks decoded at the
-    Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first)."""
+    Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first,
+    here with codec.flow_cache: later hops solved against the flow state their earlier ones kept)."""
     refs = voices(4)
     # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
     # so request 3 surely runs long enough for the hop to reach 100.
@@ -63,10 +64,11 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     # call_cost 64: the chunks that share a codec worker batch go in flow calls of similar lengths (some
     # of several padded rows, some alone); the audio must not change.
     # the shipped profile's flex attention with its schedule (preempt); SDPA with the other (the order does not
-    # depend on the kernel, and SDPA is the faster one uncompiled)
+    # depend on the kernel, and SDPA is the faster one uncompiled), and with each stream's flow continued from
+    # its earlier hops (codec.flow_cache)
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.call_cost": 64, "codec.schedule": schedule,
-        "codec.flow_attention": "flex" if schedule == "preempt" else "sdpa"})
+        "codec.flow_attention": "flex" if schedule == "preempt" else "sdpa", "codec.flow_cache": schedule == "first"})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):

@@ -84,6 +84,15 @@ class CausalConvPositionEmbedding(nn.Module):
             y = conv(F.pad(y, (self.pad, 0)))
         return y.transpose(1, 2)
 
+    def continued(self, x: Tensor, tails: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """`forward` with each convolution's `pad` frames of context given (earlier frames' inputs to it,
+        [B, pad, dim] each) instead of zeros -> (output, each convolution's input [B, pad + T, dim])."""
+        seqs, y = [], x
+        for conv, tail in zip((self.conv1, self.conv2), tails):
+            seqs.append(torch.cat((tail.to(y.dtype), y), dim=1))
+            y = conv(seqs[-1].transpose(1, 2)).transpose(1, 2)
+        return y, (seqs[0], seqs[1])
+
 
 class InputEmbedding(nn.Module):
     def __init__(self, cfg: DiTConfig):
@@ -92,9 +101,21 @@ class InputEmbedding(nn.Module):
         self.conv_pos_embed = CausalConvPositionEmbedding(cfg.dim, cfg.conv_pos_kernel, cfg.conv_pos_groups)
 
     def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
-        spks = spks[:, None].expand(-1, x.shape[1], -1)
-        h = self.proj(torch.cat((x, cond, mu, spks), dim=-1))
+        h = self._project(x, cond, mu, spks)
         return self.conv_pos_embed(h) + h
+
+    def continued(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, tails) -> tuple[Tensor, tuple]:
+        """`forward` after earlier frames (`CausalConvPositionEmbedding.continued`; tails None: none)."""
+        h = self._project(x, cond, mu, spks)
+        if tails is None:
+            zeros = h.new_zeros(h.shape[0], self.conv_pos_embed.pad, h.shape[2])
+            tails = (zeros, zeros)
+        y, seqs = self.conv_pos_embed.continued(h, tails)
+        return y + h, seqs
+
+    def _project(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
+        spks = spks[:, None].expand(-1, x.shape[1], -1)
+        return self.proj(torch.cat((x, cond, mu, spks), dim=-1))
 
 
 class RotaryEmbedding(nn.Module):
@@ -118,8 +139,11 @@ class RotaryEmbedding(nn.Module):
         return super()._apply(at_least_fp32, recurse)
 
     def forward(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        pos = torch.arange(seq_len, device=self.inv_freq.device).to(self.inv_freq.dtype)
-        angles = (pos[:, None] * self.inv_freq[None]).repeat_interleave(2, dim=-1)
+        return self.at(torch.arange(seq_len, device=self.inv_freq.device))
+
+    def at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The tables at these positions (any shape [...]) -> cos, sin [..., dim]."""
+        angles = (positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq).repeat_interleave(2, dim=-1)
         return angles.cos(), angles.sin()
 
 
@@ -142,19 +166,23 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # official slot 1 is a parameterless dropout
 
-    def forward(self, x: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor],
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """past: earlier frames' (keys, values) [B, H, C, D], placed before this call's frames (the mask's
+        key axis covers both). -> (output, this call's frames' keys and values)."""
         b, n, _ = x.shape
         q = apply_rope(self.to_q(x), rope)
         k = apply_rope(self.to_k(x), rope)
         q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
+        keys, values = (k, v) if past is None else (torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2))
         if isinstance(mask, BlockMask):
             # Contiguous [B, H, T, D]: inductor's flex lowering takes no head-split views (torch 2.13)
-            out = flex_attention(q.contiguous(), k.contiguous(), v.contiguous(), block_mask=mask)
+            out = flex_attention(q.contiguous(), keys.contiguous(), values.contiguous(), block_mask=mask)
         else:
             with sdpa_kernel(_DIT_SDPA):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
-        return out.masked_fill(~valid[..., None], 0.0)
+        return out.masked_fill(~valid[..., None], 0.0), (k, v)
 
 
 class FeedForward(nn.Module):
@@ -190,12 +218,15 @@ class DiTBlock(nn.Module):
         self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = FeedForward(cfg.dim, cfg.ff_mult)
 
-    def forward(self, x: Tensor, t: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, t: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor],
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """-> (output, the attention's keys and values of these frames; `Attention.forward`)."""
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(t)
         h = modulate(F.layer_norm(x, x.shape[-1:], eps=self.eps), scale_a, shift_a)
-        x = x + gate_a[:, None] * self.attn(h, mask, valid, rope)
+        attended, kv = self.attn(h, mask, valid, rope, past)
+        x = x + gate_a[:, None] * attended
         h = modulate(F.layer_norm(x, x.shape[-1:], eps=self.eps), scale_f, shift_f)
-        return x + gate_f[:, None] * self.ff(h)
+        return x + gate_f[:, None] * self.ff(h), kv
 
 
 FLEX_BLOCK = 128  # flex attention's block of queries and of keys
@@ -270,7 +301,23 @@ class DiT(nn.Module):
         h = self.input_embed(x, cond, mu, spks)
         rope = self.rotary_embed(h.shape[1])
         for block in self.transformer_blocks:
-            h = block(h, temb, mask, valid, rope)
+            h, _ = block(h, temb, mask, valid, rope)
+        return self._out(h, temb)
+
+    def forward_continued(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, mask, valid: Tensor,
+                          rope: tuple[Tensor, Tensor], past: list | None, tails) -> tuple[Tensor, list, tuple]:
+        """`forward` for frames that follow earlier ones (`flow_cache`): rope at their positions, each layer's
+        past (keys, values) before them (None: none), the input embedding's tails (None: zeros).
+        -> (velocity, each layer's keys and values of these frames, the embedding's convolution inputs)."""
+        temb = self.time_embed(t)
+        h, seqs = self.input_embed.continued(x, cond, mu, spks, tails)
+        kvs = []
+        for i, block in enumerate(self.transformer_blocks):
+            h, kv = block(h, temb, mask, valid, rope, None if past is None else past[i])
+            kvs.append(kv)
+        return self._out(h, temb), kvs, seqs
+
+    def _out(self, h: Tensor, temb: Tensor) -> Tensor:
         scale, shift = self.norm_out(temb)
         h = modulate(F.layer_norm(h, h.shape[-1:], eps=self.config.norm_eps), scale, shift)
         return self.proj_out(h)

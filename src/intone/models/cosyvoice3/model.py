@@ -157,7 +157,8 @@ class CosyVoice3(TTSModel):
         self.flow.decoder.estimator.attention_kernel = config.flow_attention
         if config.flow_dtype != "auto" and gpu:
             self.flow.to(getattr(torch, config.flow_dtype))
-        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast, config.call_cost)
+        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast, config.call_cost,
+                               config.flow_cache)
         if config.compile and gpu:
             stage.compile_flow(config.compile_unit)
         return stage

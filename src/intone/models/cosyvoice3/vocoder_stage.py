@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows
+from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
 from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.ops.batching import group_jobs
 
@@ -47,6 +48,7 @@ class StreamState:
     released: int = 0
     phase: Tensor | None = None
     phase_at: int = 0
+    flow: FlowCache | None = None  # codec.flow_cache: the flow's state after the stream's last non-final hop
 
 
 def stretch(mel: Tensor, speed: float) -> Tensor:
@@ -60,6 +62,7 @@ def compile_dit(estimator, unit: str) -> None:
     8-15 s against 113 s), and leaves the few kernels around the blocks eager."""
     if unit == "dit":
         estimator.forward = torch.compile(estimator.forward, dynamic=True)
+        estimator.forward_continued = torch.compile(estimator.forward_continued, dynamic=True)
         return
     for block in estimator.transformer_blocks:
         block.forward = torch.compile(block.forward, dynamic=True)
@@ -67,11 +70,14 @@ def compile_dit(estimator, unit: str) -> None:
 
 class CosyCodecStage:
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
-                 call_cost: int | None = None):
+                 call_cost: int | None = None, flow_cache: bool = False):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (HiFT's stay as
-        full as the bounds allow: its windows are of similar lengths and its calls launch-bound)."""
+        full as the bounds allow: its windows are of similar lengths and its calls launch-bound).
+        flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
+        frames against it (`flow_cache.solve_continued`)."""
         self.model = model
         self.call_cost = call_cost
+        self.flow_cache = flow_cache
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
@@ -119,6 +125,15 @@ class CosyCodecStage:
                              torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
         with self._autocast():
             self.model.flow.inference(dummy)
+            if self.flow_cache:
+                # Three streams' first hops (no cache; 200 mel frames), then their next (200 solved + 50 new).
+                # Sizes that differ from each other (rows, frames, past frames, flex blocks), so the compiled
+                # code ties none of them (dynamic shapes equate the sizes equal at their first compile, and
+                # a later call where they differ compiles again: real size, a minute each).
+                first, second = ([replace(dummy[1], tokens=torch.zeros(n, dtype=torch.long, device=dev))] * 3
+                                 for n in (73, 98))
+                kept = solve_continued(self.model.flow, first, [None] * 3, [True] * 3)[1]
+                solve_continued(self.model.flow, second, kept, [True] * 3)
 
     @property
     def gpu_seconds(self) -> float:
@@ -152,7 +167,7 @@ class CosyCodecStage:
             pause()
             nested[0] += self.gpu_seconds - before
         marks = [self._mark()]
-        new_mel = self._flow(items, paused if pause is not None else None)
+        new_mel, flows = self._flow(items, paused if pause is not None else None)
         if pause is not None:
             paused()
         marks.append(self._mark())
@@ -179,13 +194,13 @@ class CosyCodecStage:
         audio, phases = self._hift(mels, finals, windows)
         marks.append(self._mark())
         out, released = [], {}
-        for (req, _), history, wav, after, phase, (first, _, _, record_at) in zip(
-                items, mels, audio, starts, phases, windows):
+        for (req, _), history, wav, after, phase, (first, _, _, record_at), flow in zip(
+                items, mels, audio, starts, phases, windows, flows):
             state = req.codec_state
             done = released.get(id(req), state.released if state is not None else 0)
             out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
             released[id(req)] = max(done, first * hop + wav.shape[0])
-            req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at)
+            req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at, flow)
         if not isinstance(marks[-1], float):
             marks[-1].synchronize()  # an empty slice's .cpu() above does not wait for the stream
         with self._counting:
@@ -193,27 +208,41 @@ class CosyCodecStage:
             self.vocoder_seconds += self._span(marks[1], marks[2])
         return out
 
-    def _flow(self, items: list, pause=None) -> list[Tensor]:
-        """The new mel frames [80, 2 * (end - start)] of each chunk."""
+    def _flow(self, items: list, pause=None) -> tuple[list[Tensor], list[FlowCache | None]]:
+        """The new mel frames [80, 2 * (end - start)] of each chunk, and (flow_cache) its stream's flow state after it."""
         model = self.model
         jobs = [model.flow_request(req.prompt, req.codes[0], chunk.end, chunk.finished) for req, chunk in items]
+        # a stream's chunks in one call all continue from its committed state (a later one solves more frames)
+        given = [req.codec_state.flow if self.flow_cache and req.codec_state is not None and not chunk.finished
+                 else None for req, chunk in items]
+        keep = [self.flow_cache and not chunk.finished for _, chunk in items]
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(items)
+        flows: list[FlowCache | None] = [None] * len(items)
         live = [i for i, job in enumerate(jobs) if job is not None]
         ratio = model.flow.config.token_mel_ratio
-        # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead)
-        lengths = [n // ratio for n in model.flow.mel_lengths([jobs[i] for i in live])]
+        # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead) and
+        # (flow_cache) are not solved already
+        lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
+                   for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost):
             idx = [live[g] for g in group]
             with self._autocast():
-                mels = model.flow.inference([jobs[i] for i in idx], self.graphs, pause)
+                if self.flow_cache:
+                    mels, kept = solve_continued(model.flow, [jobs[i] for i in idx], [given[i] for i in idx],
+                                                 [keep[i] for i in idx], pause)
+                else:
+                    mels, kept = model.flow.inference([jobs[i] for i in idx], self.graphs, pause), [None] * len(idx)
             with self._counting:
                 self.calls += 1
                 self.padded_tokens += len(group) * max(lengths[g] for g in group)
                 self.useful_tokens += sum(lengths[g] for g in group)
-            for i, mel in zip(idx, mels):
-                out[i] = mel[:, model.flow.config.token_mel_ratio * items[i][1].start :]
-        return out
+            for i, mel, flow in zip(idx, mels, kept):
+                # mel starts at the prompt's end or (continued) the cache's, whichever is later
+                solved = given[i].frames if given[i] is not None else 0
+                skip = max(jobs[i].prompt_mel.shape[0], solved) - jobs[i].prompt_mel.shape[0]
+                out[i], flows[i] = mel[:, ratio * items[i][1].start - skip:], flow
+        return out, flows
 
     def _hift(self, mels: list[Tensor], finalize: list[bool], windows: list[tuple]) -> tuple[list, list]:
         """HiFT over each chunk's window: (first frame, phase_at, phase or None, record_at) ->

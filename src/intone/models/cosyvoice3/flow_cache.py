@@ -1,0 +1,159 @@
+"""The flow's solve continued from a stream's earlier hops (`codec.flow_cache`).
+
+Officially every streamed hop re-solves the flow over the reference and *all* tokens so far. Under the
+chunk mask a frame sees only frames before the end of its 50-frame chunk, and the DiT's convolutions are
+causal, so at every Euler step a completed chunk's frames get the same state, and each layer the same
+keys and values, in every later non-final hop (their inputs, noise included, are the same). A non-final
+hop ends on a chunk boundary. So each stream keeps, per Euler step, the keys and values of every layer for
+the frames it has solved, and the input embedding's last frames (its causal convolutions' context); the
+next hop solves only its new frames against them: the same mel, with the prefix's work (its keys,
+values and the rest of its DiT pass) done once. The final hop attends to every frame, so it re-solves
+the whole utterance, as officially.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask
+
+from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT
+from intone.models.cosyvoice3.flow import cosine_euler_steps
+
+
+@dataclass
+class FlowCache:
+    """A stream's solved frames [0, frames): per Euler step, every layer's keys and values
+    `kv` [steps, layers, 2 (keys, values), 2 (conditioned, unconditioned rows), heads, frames, head size],
+    and the input embedding's last `pad` frames before each of its two convolutions
+    `tails` [steps, 2, 2 (rows), pad, dim]."""
+
+    frames: int
+    kv: Tensor
+    tails: Tensor
+
+    @property
+    def bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + self.tails.numel() * self.tails.element_size()
+
+
+def continued_mask(dit: DiT, past: Tensor, new: Tensor, streaming: Tensor, rows: int, width: int):
+    """The attention pattern of `rows` query frames over [past keys (padded to `width`) | new frames]:
+    a row's past frames are all visible (they lie in earlier chunks); its new frames as `attention_mask`
+    sets them, counted from the row's first new frame (a chunk boundary). Boolean SDPA mask [B, 1, Q, K],
+    or a flex BlockMask."""
+    chunk, total = dit.config.static_chunk_size, width + rows
+
+    def visible(b, h, q, k):
+        here = k - width
+        seen = (here >= 0) & (here < new[b])
+        if chunk > 0:
+            seen = seen & ((here < (q // chunk + 1) * chunk) | ~streaming[b])
+        return (q < new[b]) & ((k < past[b]) | seen)
+
+    if dit.attention_kernel == "flex":
+        return create_block_mask(visible, past.shape[0], None, rows, total, device=past.device,
+                                 BLOCK_SIZE=FLEX_BLOCK)
+    b, q, k = (torch.arange(n, device=past.device) for n in (past.shape[0], rows, total))
+    seen = visible(b[:, None, None], None, q[None, :, None], k[None, None, :])
+    # padded queries see their row's keys, so SDPA never meets a fully hidden row (their outputs are zeroed)
+    keys = (k[None] < past[:, None]) | ((k[None] >= width) & (k[None] - width < new[:, None]))
+    return torch.where((q[None, :, None] < new[:, None, None]), seen, keys[:, None, :])[:, None]
+
+
+def _gather(caches: list[FlowCache | None], step: int, width: int, like: Tensor) -> list[tuple]:
+    """Per layer, the past (keys, values) [2 * rows, heads, width, head size] of every row at this step
+    (rows without a cache: zeros, which the mask hides)."""
+    rows = len(caches)
+    layers, _, _, heads, _, size = like.shape[1:]
+    buf = like.new_zeros(layers, 2, 2 * rows, heads, width, size)
+    for b, cache in enumerate(caches):
+        if cache is not None:
+            buf[:, :, [b, rows + b], :, : cache.frames] = cache.kv[step]
+    return [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+
+
+@torch.inference_mode()
+def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: list[bool], pause=None):
+    """Each request's mel from frame max(prompt mel, its cache's frames) to its end, and its new cache
+    (None where keep is false). A request's cache must come from its own earlier non-final hop."""
+    cfm, dit = flow.decoder, flow.decoder.estimator
+    lengths = flow.mel_lengths(requests)
+    starts = [c.frames if c is not None else 0 for c in caches]
+    for c, r in zip(caches, requests):
+        chunk = dit.config.static_chunk_size
+        if c is not None and (not r.streaming or (chunk > 0 and c.frames % chunk)):
+            raise ValueError("a flow cache continues only a streamed row from a chunk boundary")
+    mu, cond, spks, _, streaming = flow.solve_inputs(requests)
+    new = [n - s for n, s in zip(lengths, starts)]
+    rows = max(max(new), FLEX_BLOCK + 1 if dit.attention_kernel == "flex" else 1)  # flex: two blocks at least
+    width = max(starts)
+    dev, b = mu.device, len(requests)
+    pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(rows, device=dev)[None]
+    index = pos.clamp(max=mu.shape[1] - 1)[..., None].expand(-1, -1, mu.shape[2])
+    in_row = (torch.arange(rows, device=dev)[None] < torch.tensor(new, device=dev)[:, None])
+    mu, cond = (torch.gather(y, 1, index) * in_row[..., None] for y in (mu, cond))
+    state = torch.promote_types(mu.dtype, torch.float32)
+    if int(pos.max()) >= cfm.noise.shape[-1]:
+        raise ValueError(f"{int(pos.max()) + 1} mel frames exceed the {cfm.noise.shape[-1]}-frame noise buffer")
+    x = cfm.noise[0].T[pos.clamp(max=cfm.noise.shape[-1] - 1)].to(state)
+    past_t, new_t = torch.tensor(starts, device=dev).repeat(2), torch.tensor(new, device=dev).repeat(2)
+    mask = continued_mask(dit, past_t, new_t, streaming.repeat(2), rows, width)
+    valid = in_row.repeat(2, 1)
+    rope = dit.rotary_embed.at(pos.repeat(2, 1))
+    mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
+    like = next((c.kv for c in caches if c is not None), None)
+    pad = dit.input_embed.conv_pos_embed.pad
+    segments: list[Tensor | None] = [None] * b  # the kept rows' new frames' keys and values, per step
+    tails: list[Tensor | None] = [None] * b
+    for step, (t, dt) in enumerate(cosine_euler_steps(cfm.n_timesteps, dev, state)):
+        past = _gather(caches, step, width, like) if like is not None else None
+        tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
+        xin = x.to(mu2.dtype)
+        v, kvs, seqs = dit.forward_continued(torch.cat((xin, xin)), mu2, cond2, spks2, t.to(mu2.dtype).expand(2 * b),
+                                             mask, valid, rope, past, tail_in)
+        _keep_step(kvs, seqs, step, new, keep, segments, tails, pad, cfm.n_timesteps)
+        v_cond, v_uncond = v.to(state).chunk(2)
+        x = x + dt * ((1.0 + cfm.cfg_rate) * v_cond - cfm.cfg_rate * v_uncond)
+        if pause is not None:
+            pause()
+    mels, out = [], []
+    for i, r in enumerate(requests):
+        first = max(r.prompt_mel.shape[0] - starts[i], 0)
+        mels.append(x[i, first: new[i]].float().T.contiguous())
+        kv = segments[i] if caches[i] is None or not keep[i] else torch.cat((caches[i].kv, segments[i]), dim=5)
+        out.append(FlowCache(lengths[i], kv, tails[i]) if keep[i] else None)
+    return mels, out
+
+
+def _gather_tails(caches: list[FlowCache | None], step: int, rows: int, pad: int, dim: int, like: Tensor) -> tuple:
+    """The input embedding's context before each row's new frames: (before proj's conv, before the second
+    conv) [2 * rows, pad, dim]; zeros for a row without a cache (the convolutions' own zero padding)."""
+    dtype = next((c.tails.dtype for c in caches if c is not None), None)
+    if dtype is None:
+        return None
+    buf = torch.zeros(2, 2 * rows, pad, dim, dtype=dtype, device=like.device)
+    for b, cache in enumerate(caches):
+        if cache is not None:
+            buf[:, b], buf[:, rows + b] = cache.tails[step, :, 0], cache.tails[step, :, 1]
+    return buf[0], buf[1]
+
+
+def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], keep: list[bool], segments: list, tails: list,
+               pad: int, steps: int) -> None:
+    """Store this step's keys, values and embedding tails of the rows whose cache goes on."""
+    rows = len(new)
+    kept = [i for i, k in enumerate(keep) if k]
+    if not kept:
+        return
+    both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, 2 * rows, H, T, d]
+    for b in kept:
+        n = new[b]
+        if segments[b] is None:
+            segments[b] = both.new_empty(steps, both.shape[0], 2, 2, both.shape[3], n, both.shape[5])
+            tails[b] = seqs[0].new_empty(steps, 2, 2, pad, seqs[0].shape[2])
+        segments[b][step] = both[:, :, [b, rows + b], :, :n]
+        for part, seq in enumerate(seqs):  # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at n
+            tails[b][step, part] = seq[[b, rows + b], n: n + pad]

@@ -1,0 +1,140 @@
+"""`codec.flow_cache`: a stream's hops solved against the keys, values and embedding context its earlier
+hops kept give the official whole-prefix solve's new frames (float64, tiny flow)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.flow_cache import solve_continued
+
+from .test_flow import CHUNK, TINY, make_flow, request
+
+LOOKAHEAD = TINY.pre_lookahead_len
+
+
+@pytest.fixture(scope="module", params=["sdpa", "flex"])
+def flow(request):
+    f = make_flow()
+    f.decoder.estimator.attention_kernel = request.param
+    return f
+
+
+def hop_ends(prompt: int, total: int, hop: int) -> list[int]:
+    """Token ends of a stream's hops: the first padded so that prompt + end fills whole chunks, then `hop`
+    tokens each (a chunk boundary again), the last at `total` (final)."""
+    per_chunk = CHUNK // TINY.token_mel_ratio
+    end = -(-(prompt + 1) // per_chunk) * per_chunk - prompt
+    ends = []
+    while end + LOOKAHEAD < total:
+        ends.append(end)
+        end += hop
+    return ends + [total]
+
+
+def part(full: FlowRequest, end: int, final: bool) -> FlowRequest:
+    n = end if final else end + LOOKAHEAD
+    return FlowRequest(full.tokens[:n], full.prompt_tokens, full.prompt_mel, full.speaker, not final, final)
+
+
+def assert_close(got, want):
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
+@settings(max_examples=3, deadline=None)
+@given(prompt=st.integers(0, 30), total=st.integers(30, 120), hop=st.sampled_from([CHUNK // 2, CHUNK]))
+def test_a_streams_hops_continued_from_its_cache_give_the_whole_prefix_solves(flow, prompt, total, hop):
+    g = torch.Generator().manual_seed(prompt * 1000 + total)
+    full = request(g, prompt=prompt, tokens=total, finalize=True)
+    ends, cache, done = hop_ends(prompt, total, hop), None, 0
+    for i, end in enumerate(ends):
+        final = i == len(ends) - 1
+        job = part(full, end, final)
+        want = flow.inference([job])[0]
+        (mel,), (kept,) = solve_continued(flow, [job], [None if final else cache], [not final])
+        # the official hop's new frames: from the cache's end (a non-final hop) or the prompt's (the final one)
+        new_from = 0 if final or cache is None else cache.frames - 2 * prompt
+        assert_close(mel, want[:, new_from:])
+        assert (kept is None) == final
+        if not final:
+            assert kept.frames == 2 * (prompt + end) and kept.frames % CHUNK == 0
+            assert kept.kv.shape[5] == kept.frames
+            cache, done = kept, end
+    assert done == ends[-2] if len(ends) > 1 else cache is None
+
+
+def test_rows_of_every_kind_share_one_continued_solve(flow):
+    """One call: a stream's first hop, two streams' later hops with caches of different lengths, a final
+    hop and a whole response; each row gets what it gets alone (and its own cache), with the pause
+    called after each Euler step."""
+    g = torch.Generator().manual_seed(3)
+    fulls = [request(g, prompt=p, tokens=n, finalize=True) for p, n in ((7, 90), (20, 100), (3, 110), (12, 60), (5, 40))]
+    caches = []
+    for full, hops in zip(fulls[1:3], (1, 2)):  # stream 1 after one hop, stream 2 after two
+        ends = hop_ends(len(full.prompt_tokens), len(full.tokens), CHUNK // 2)
+        cache = None
+        for end in ends[:hops]:
+            cache = solve_continued(flow, [part(full, end, False)], [cache], [True])[1][0]
+        caches.append((cache, ends[hops]))
+    p0 = len(fulls[0].prompt_tokens)
+    jobs = [part(fulls[0], hop_ends(p0, 90, CHUNK // 2)[0], False),
+            part(fulls[1], caches[0][1], False), part(fulls[2], caches[1][1], False),
+            part(fulls[3], 60, True), fulls[4]]
+    given = [None, caches[0][0], caches[1][0], None, None]
+    keep = [True, True, True, False, False]
+    paused = []
+    mels, kept = solve_continued(flow, jobs, given, keep, pause=lambda: paused.append(1))
+    assert len(paused) == TINY.n_timesteps
+    for job, cache, k, mel, out in zip(jobs, given, keep, mels, kept):
+        alone = solve_continued(flow, [job], [cache], [k])
+        assert_close(mel, alone[0][0])
+        want = flow.inference([job])[0]
+        assert_close(mel, want[:, (cache.frames - job.prompt_mel.shape[0]) if cache else 0:])
+        assert (out is None) == (not k)
+        if k:
+            torch.testing.assert_close(out.kv, alone[1][0].kv, rtol=0, atol=1e-10)
+
+
+def test_a_cache_continues_only_a_streamed_row_from_a_chunk_boundary(flow):
+    g = torch.Generator().manual_seed(4)
+    full = request(g, prompt=5, tokens=80, finalize=True)
+    end = hop_ends(5, 80, CHUNK // 2)[0]
+    cache = solve_continued(flow, [part(full, end, False)], [None], [True])[1][0]
+    with pytest.raises(ValueError, match="chunk boundary"):
+        solve_continued(flow, [part(full, 80, True)], [cache], [False])  # a final row attends to every frame
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_compiled_flex_hops_in_bf16_stay_near_the_whole_prefix_solves(no_tf32):
+    """As the stage runs it (compiled DiT, flex attention, bf16 autocast without the cast cache): two
+    streams' three hops continued from their caches against the eager SDPA whole-prefix solves: the same mel
+    to bf16 rounding, and no compile after the first call of each kind (no cache, continued)."""
+    from intone.models.cosyvoice3.vocoder_stage import compile_dit
+
+    flow = make_flow(torch.float32).cuda()
+    g = torch.Generator().manual_seed(12)
+    fulls = [request(g, prompt=p, tokens=n, finalize=True, dtype=torch.float32) for p, n in ((8, 120), (21, 140))]
+    fulls = [FlowRequest(f.tokens.cuda(), f.prompt_tokens.cuda(), f.prompt_mel.cuda(), f.speaker.cuda(), True, True)
+             for f in fulls]
+    hops = [[part(f, end, False) for end in hop_ends(len(f.prompt_tokens), len(f.tokens), CHUNK // 2)[:3]] for f in fulls]
+    with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+        want = [[flow.inference([job])[0] for job in stream] for stream in hops]
+        flow.decoder.estimator.attention_kernel = "flex"
+        compile_dit(flow.decoder.estimator, "dit")
+        caches, got, graphs = [None, None], [[], []], []
+        for h in range(3):
+            mels, caches = solve_continued(flow, [hops[0][h], hops[1][h]], caches, [True, True])
+            for s in range(2):
+                got[s].append(mels[s])
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[2]  # the third hop compiled nothing new
+    for s in range(2):
+        solved = 0
+        for h in range(3):
+            new_from = max(solved - hops[s][h].prompt_mel.shape[0], 0)
+            expected = want[s][h][:, new_from:]
+            assert got[s][h].shape == expected.shape
+            assert (got[s][h] - expected).abs().max() < 5e-2
+            solved = 2 * (len(hops[s][h].prompt_tokens) + len(hops[s][h].tokens) - LOOKAHEAD)
