@@ -104,6 +104,11 @@ def test_a_cache_continues_only_a_streamed_row_from_a_chunk_boundary(flow):
     cache = solve_continued(flow, [part(full, end, False)], [None], [True])[1][0]
     with pytest.raises(ValueError, match="chunk boundary"):
         solve_continued(flow, [part(full, 80, True)], [cache], [False])  # a final row attends to every frame
+    # a non-final hop off the chunk grid (another profile's hops) is solved, but keeps no cache to go on from
+    off_grid = part(full, end + 1, False)
+    (mel,), (kept,) = solve_continued(flow, [off_grid], [cache], [True])
+    assert kept is None
+    assert_close(mel, flow.inference([off_grid])[0][:, cache.frames - 10:])
 
 
 @pytest.mark.gpu

@@ -78,14 +78,16 @@ def _gather(caches: list[FlowCache | None], step: int, width: int, like: Tensor)
 @torch.inference_mode()
 def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: list[bool], pause=None):
     """Each request's mel from frame max(prompt mel, its cache's frames) to its end, and its new cache
-    (None where keep is false). A request's cache must come from its own earlier non-final hop."""
+    (None where keep is false, and where the hop does not end on a chunk boundary: a later hop could not
+    continue from it). A request's cache must come from its own earlier non-final hop."""
     cfm, dit = flow.decoder, flow.decoder.estimator
     lengths = flow.mel_lengths(requests)
     starts = [c.frames if c is not None else 0 for c in caches]
+    chunk = dit.config.static_chunk_size
     for c, r in zip(caches, requests):
-        chunk = dit.config.static_chunk_size
         if c is not None and (not r.streaming or (chunk > 0 and c.frames % chunk)):
             raise ValueError("a flow cache continues only a streamed row from a chunk boundary")
+    keep = [k and r.streaming and not (chunk > 0 and n % chunk) for k, r, n in zip(keep, requests, lengths)]
     mu, cond, spks, _, streaming = flow.solve_inputs(requests)
     new = [n - s for n, s in zip(lengths, starts)]
     rows = max(max(new), FLEX_BLOCK + 1 if dit.attention_kernel == "flex" else 1)  # flex: two blocks at least
