@@ -58,7 +58,9 @@ def load(name: str, model_dir: str | Path) -> tuple[dict[str, np.ndarray], dict]
     digest = checkpoint_digest(model_dir)
     if digest != meta["checkpoint_digest"]:
         pytest.skip(f"parity fixture {name} was made from another tiny checkpoint (digest "
-                    f"{meta['checkpoint_digest'][:12]}, this one {digest[:12]}): the tiny maker changed; "
+                    f"{meta['checkpoint_digest'][:12]}, this one {digest[:12]}): the tiny maker changed, or this "
+                    f"machine's torch random sampling rounds differently from the fixture machine's (it depends on "
+                    f"the CPU's vector unit); "
                     "run tools/parity_fixtures.py again")
     with np.load(FIXTURES / f"{name}.npz") as data:
         return dict(data), meta

@@ -17,14 +17,14 @@ from tests.api.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
 
-# (model, profile, codec overrides): CosyVoice3 once with the flow's solve replayed from graphs (SDPA: flex
+# (model, profile, codec overrides, cosyvoice3.flow overrides): CosyVoice3 once with the flow's solve replayed from graphs (SDPA: flex
 # block masks are not captured), once with
 # the flex-attention DiT compiled as shipped profiles compile it, the codec on a share of the SMs and
 # first chunks decoded at the backlog calls' Euler steps.
-CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}),
-         ("tiny:cosyvoice3", "cosyvoice3-streaming", {"cuda_graphs": True, "flow_attention": "sdpa"}),
-         ("tiny:cosyvoice3", "cosyvoice3-streaming", {"compile": True, "flow_attention": "flex", "sms": 32,
-                                              "schedule": "preempt"})]
+CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "attention": "sdpa"}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},
+          {"compile": True, "attention": "flex"})]
 
 
 def _metric(text: str, name: str) -> float:
@@ -40,11 +40,12 @@ def _samples(reply: httpx.Response, i: int) -> np.ndarray:
     return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
 
 
-@pytest.mark.parametrize("model,profile,codec", CASES)
-def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, codec, tiny_cache, tmp_path):
+@pytest.mark.parametrize("model,profile,codec,flow", CASES)
+def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, codec, flow, tiny_cache, tmp_path):
     assert torch.cuda.is_available()
     settings = yaml.safe_load((PROFILE_DIR / f"{profile}.yaml").read_text())
-    settings["codec"]["compile"] = False  # a tiny DiT: compiling it would only make the test slow
+    flow_settings = settings.get("cosyvoice3", {}).get("flow", {})
+    flow_settings["compile"] = False  # a tiny DiT: compiling it would only make the test slow
     # Full fp32 (no TF32, no bf16 AR or flow, no fp16 codec): the alone-vs-crowd check below is then
     # bounded by fp32 rounding. Under the shipped bf16 flow, CosyVoice3's request 0 differed by up to
     # 0.059 (H200); under Fish's bf16 AR, batch-dependent rounding of the logits flipped a draw of
@@ -52,9 +53,11 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     settings["tf32"] = False
     settings["ar"]["dtype"] = settings["codec"]["dtype"] = "float32"
     settings["codec"].update(codec)
-    codec_graphs = settings["codec"].get("cuda_graphs", False)
-    if settings["codec"].get("autocast", "none") != "none":
-        settings["codec"]["autocast"] = "none"
+    flow_settings.update(flow)
+    flow_settings["autocast"] = "none"
+    if model == "tiny:cosyvoice3":
+        settings.setdefault("cosyvoice3", {})["flow"] = flow_settings
+    codec_graphs = flow_settings.get("cuda_graphs", False)
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(settings))
     server = start_server(tmp_path, tiny_cache, "--model", model, "--profile", str(path), "--device", "cuda",

@@ -3,6 +3,7 @@
 import pytest
 
 from intone.engine.config import PROFILE_DIR, ProfileError, load_profile
+from intone.engine.loading import load_for_profile
 from intone.ops import paged_decode
 
 
@@ -72,5 +73,18 @@ def test_an_sm_share_needs_the_in_process_codec_worker(other):
 
 
 def test_flex_flow_attention_is_refused_with_codec_graphs():
-    with pytest.raises(ProfileError, match="codec.flow_attention"):
-        load_profile("cosyvoice3-streaming", device="cpu", **{"codec.flow_attention": "flex", "codec.cuda_graphs": True})
+    with pytest.raises(ProfileError, match="cosyvoice3.flow.attention"):
+        load_profile("cosyvoice3-streaming", device="cpu",
+                     **{"cosyvoice3.flow.attention": "flex", "cosyvoice3.flow.cuda_graphs": True})
+
+
+def test_a_familys_knobs_live_in_its_section_and_another_familys_profile_is_refused():
+    """CosyVoice3's flow knobs are under `cosyvoice3:`; a key that moved there names its new place, and a
+    profile that sets the section is refused for a Fish model before anything loads."""
+    assert load_profile("cosyvoice3-streaming").options_for("cosyvoice3").flow.attention == "flex"
+    assert load_profile("fish-s2-high-concurrency").options_for("fish-s2") is None
+    with pytest.raises(ProfileError, match="codec.flow_cache is now cosyvoice3.flow.cache"):
+        load_profile("cosyvoice3-streaming", **{"codec.flow_cache": True})
+    fishy = load_profile("fish-s2-default", **{"cosyvoice3.flow.cache": True})
+    with pytest.raises(ProfileError, match="section cosyvoice3 is for cosyvoice3 models, not fish-s2"):
+        load_for_profile("tiny:fish-s2", fishy)

@@ -11,7 +11,7 @@ from tests.procs import frame_audit_alongside
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.engine.device_lost import DeviceLost
-from intone.engine.offline import OfflineRequest, run_to_completion
+from tests.offline import OfflineRequest, run_to_completion
 from intone.engine.trace import FrameTracer, audit_file
 from intone.models.registry import load_model
 from intone.protocol import SamplingParams, SynthesisRequest

@@ -200,8 +200,8 @@ def _serve(name: str, profile: str, graphs: bool) -> tuple[dict, dict]:
     model = load_model(str(resolve_model_dir(f"tiny:{name}")), device="cuda", dtype=torch.float32)
     # The codec on the core's thread: its batches are then the same in both runs, not timing's choice.
     # A tiny DiT uncompiled, so on SDPA (flex is compiled-only on a GPU); the graphs here are the talker's.
-    overrides = {"ar.cuda_graphs": graphs, "device": "cuda", "codec.compile": False, "codec.overlap": False,
-                 "codec.flow_attention": "sdpa"}
+    overrides = {"ar.cuda_graphs": graphs, "device": "cuda", "cosyvoice3.flow.compile": False, "codec.overlap": False,
+                 "cosyvoice3.flow.attention": "sdpa"}
     core = EngineCore(model, load_profile(profile, **overrides))
     t = np.arange(24000 * 2) / 24000
     for i in range(6):

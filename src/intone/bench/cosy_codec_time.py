@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt", type=int, default=75)
     ap.add_argument("--kernels", type=int, default=0, help="print the top N CUDA kernels of one bf16 flow call")
     ap.add_argument("--compile-unit", choices=["dit", "block"], default="dit",
-                    help="what the compiled variant compiles (codec.compile_unit)")
+                    help="what the compiled variant compiles (cosyvoice3.flow.compile_unit)")
     args = ap.parse_args(argv)
     model = random_cosyvoice3("cuda")
     flow, hift = model.flow, model.hift

@@ -6,9 +6,9 @@ The jobs are what a streamed C64 codec worker call holds: references of 75-200 t
 at one of its request's hops (25 + alignment, then 50, 100... tokens, or the final one at a
 normal(128, 45) length). Per attention kernel the DiT is compiled as the streaming profile runs it
 (whole, bf16 autocast without the cast cache), then the same jobs run in calls as full as the
-bounds allow and in the cheapest split (`codec.call_cost`). `--sms` runs everything on a stream of a
+bounds allow and in the cheapest split (`cosyvoice3.flow.call_cost`). `--sms` runs everything on a stream of a
 green context of that many SMs (`codec.sms`), to price the codec's share alone. `--continued` also times
-the full calls as `codec.flow_cache` runs them: each streamed job solves only its new frames, against the
+the full calls as `cosyvoice3.flow.cache` runs them: each streamed job solves only its new frames, against the
 state its request's earlier hops kept (solved beforehand, untimed).
 """
 

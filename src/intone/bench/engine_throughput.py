@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dataset-dir", default=None, help="where synthetic clips are written (default: a temp dir)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="profile override, e.g. codec.autocast=bfloat16 (repeatable)")
+                    help="profile override, e.g. cosyvoice3.flow.autocast=bfloat16 (repeatable)")
     args = ap.parse_args(argv)
     spec = args.force_output_frames or (str(args.forced_frames) if args.forced_frames else None)
     if args.reference_pool is not None and args.reference_pool < 1:

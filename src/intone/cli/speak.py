@@ -7,9 +7,14 @@ import asyncio
 import sys
 import time
 
+import numpy as np
+
 from intone.errors import InvalidRequestError
 
 MAX_REFERENCE_SECONDS = 30.0
+# the engine's request fields -> this command's options
+OPTION_OF_FIELD = {"speed": "--speed", "instructions": "--instructions", "ref_audio": "--ref-audio",
+                   "ref_text": "--ref-text", "input": "text"}
 
 
 def add_parser(sub) -> None:
@@ -41,23 +46,24 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    import secrets
 
     from intone.audio import read_audio, write_wav
-    from intone.engine.offline import OfflineRequest, run_to_completion
+    from intone.api.segments import cut, read_transcripts, segment_request
     from intone.engine.config import default_params, load_profile
-    from intone.api.segments import cut, read_transcripts, segment_params
+    from intone.engine.core import EngineCore
+    from intone.engine.offline import synthesize
     from intone.models import default_profile, text_frontend
-    from intone.models.registry import load_model
-    from intone.protocol import VoiceReference
+    from intone.protocol import SynthesisRequest, VoiceReference
 
     if len(args.ref_audio) != len(args.ref_text):
         missing = "--ref-text" if len(args.ref_audio) > len(args.ref_text) else "--ref-audio"
         raise InvalidRequestError(missing, "give one --ref-text for each --ref-audio")
-    profile = load_profile(args.profile or default_profile(args.model))
+    profile = load_profile(args.profile or default_profile(args.model), **({"device": args.device} if args.device else {}))
+    seed = secrets.randbits(63) if args.seed is None else args.seed  # drawn here, so the output can name it
     params = default_params(
         profile, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.sampling_mode,
-        repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, max_new_tokens=args.max_new_tokens, seed=seed,
     ).validate()
     references = []
     for path, text in zip(args.ref_audio, args.ref_text):
@@ -66,28 +72,36 @@ def run(args: argparse.Namespace) -> int:
     frontend = text_frontend(args.model)  # the text cut as the server cuts it
     segments, references = cut(frontend, args.text, "text"), read_transcripts(frontend, references)
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.stream:
-        return asyncio.run(_stream(args, segments, references, params, device))
-    model = load_model(args.model, device=device)
-    start = time.perf_counter()
-    model.check_speed(args.speed, field="--speed")
-    prompts = [model.build_prompt(text, references, args.instructions) for text in segments]
-    done = run_to_completion(model, [OfflineRequest(p, segment_params(params, k)) for k, p in enumerate(prompts)])
-    audio = torch.cat([model.vocode(r.codes, p, args.speed) if r.frames else torch.zeros(0)
-                       for r, p in zip(done, prompts)])
-    request = done[-1]
-    elapsed = time.perf_counter() - start
-    write_wav(args.output, audio, model.sample_rate)
+        import torch
 
-    seconds = audio.shape[0] / model.sample_rate
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return asyncio.run(_stream(args, segments, references, params, device))
+    # seats for these segments only: no start-up captures for a batch this run never has
+    profile.ar.max_num_seqs = len(segments)
+    core = EngineCore.build(args.model, profile)
+    try:
+        start = time.perf_counter()
+        request = SynthesisRequest("speak", args.text, references, params, speed=args.speed,
+                                   instructions=args.instructions, stream=False)
+        try:
+            done = synthesize(core, [segment_request(request, text, k) for k, text in enumerate(segments)])
+        except InvalidRequestError as e:  # named as this command's option
+            raise InvalidRequestError(OPTION_OF_FIELD.get(e.field, e.field), e.message) from None
+        elapsed = time.perf_counter() - start
+        sample_rate = core.model.sample_rate
+    finally:
+        core.close()
+    audio = np.concatenate([d.audio for d in done])
+    write_wav(args.output, audio, sample_rate)
+    seconds = audio.shape[0] / sample_rate
     print(
-        f"wrote {args.output}: {sum(len(r.frames) for r in done)} frames in {len(done)} segment(s), "
-        f"{seconds:.2f} s at {model.sample_rate} Hz "
-        f"(seed {done[0].params.seed}, stop: {request.stop_reason}, {elapsed:.2f} s, "
+        f"wrote {args.output}: {sum(d.frames for d in done)} frames in {len(done)} segment(s), "
+        f"{seconds:.2f} s at {sample_rate} Hz "
+        f"(seed {seed}, stop: {done[-1].stop_reason}, {elapsed:.2f} s, "
         f"RTF {elapsed / seconds if seconds else float('nan'):.2f})"
     )
-    if not any(r.frames for r in done):
+    if not any(d.frames for d in done):
         print("warning: the model stopped before the first frame; the wav is empty", file=sys.stderr)
     return 0
 

@@ -180,7 +180,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
         profile = profile.model_copy(update={"device": profile.codec.device})
     model = load_for_profile(model_spec, profile)
     c = profile.codec
-    stage = model.make_codec_stage(c) or CodecStage(model, c.max_batch, c.max_padded_frames, c.carry_state)
+    stage = model.make_codec_stage(c, profile.options_for(model.name)) or CodecStage(model, c.max_batch, c.max_padded_frames, c.carry_state)
     with torch.inference_mode():
         if model.device.type == "cuda":
             torch.backends.cudnn.benchmark = c.cudnn_benchmark

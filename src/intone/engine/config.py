@@ -10,10 +10,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from intone.engine.chunk_planner import ChunkPolicy
 from intone.errors import IntoneError
+from intone.models.cosyvoice3.options import CosyVoice3Options
 from intone.protocol import SamplingParams
 from intone.sampling_bounds import SAMPLING_BOUNDS
 
 PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
+# Keys that left the shared sections for their family's own (a profile that still has one is told where).
+MOVED_KEYS = {
+    "codec.autocast": "cosyvoice3.flow.autocast", "codec.flow_dtype": "cosyvoice3.flow.dtype",
+    "codec.compile": "cosyvoice3.flow.compile", "codec.compile_unit": "cosyvoice3.flow.compile_unit",
+    "codec.flow_attention": "cosyvoice3.flow.attention", "codec.cuda_graphs": "cosyvoice3.flow.cuda_graphs",
+    "codec.graph_frames": "cosyvoice3.flow.graph_frames", "codec.call_cost": "cosyvoice3.flow.call_cost",
+    "codec.flow_cache": "cosyvoice3.flow.cache", "frontend.speaker_rows": "cosyvoice3.speaker_rows",
+    "frontend.speaker_bucket_s": "cosyvoice3.speaker_bucket_s",
+}
+FAMILY_SECTIONS = {"cosyvoice3": "cosyvoice3"}  # model family -> its section of a profile
 
 
 class ProfileError(IntoneError):
@@ -47,23 +58,6 @@ class CodecStageConfig(_Strict):
                                                  "left (models with a stream decoder: Fish), so streamed audio equals "
                                                  "the one-pass decode and no left context is re-decoded")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
-    autocast: Literal["none", "bfloat16", "float16"] = Field(
-        "none", description="run the codec's heavy part (CosyVoice3: the flow) under autocast, weights unchanged")
-    flow_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="CosyVoice3: the flow's weights in this dtype (GPU only; its ODE state stays fp32)")
-    compile: bool = Field(False, description="torch.compile the codec's heavy part at start-up (GPU only; minutes)")
-    compile_unit: Literal["dit", "block"] = Field(
-        "dit", description="CosyVoice3 with compile: the whole DiT as one graph, or each transformer block (the "
-                           "same code compiled once: start-up ~10x shorter, the kernels between blocks eager)")
-    flow_attention: Literal["sdpa", "flex"] = Field(
-        "sdpa", description="CosyVoice3: the DiT's attention as SDPA under a dense mask, or flex attention under a "
-                            "block mask that skips the key blocks padding and the chunk mask hide (GPU: with "
-                            "compile only; not with cuda_graphs)")
-    cuda_graphs: bool = Field(False, description="CosyVoice3: replay the flow's ODE solve (ten DiT passes) from CUDA "
-                                                 "graphs captured at start-up, one per (rows, frames) bucket (GPU)")
-    graph_frames: int = Field(1024, ge=128, le=4096,
-                              description="with cuda_graphs: the longest flow call (reference + output, mel frames "
-                                          "at 50 per second) with a graph; longer ones run eagerly")
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")
     process: bool = Field(False, description="decode in a child process of the engine core, with its own copy of "
@@ -75,14 +69,6 @@ class CodecStageConfig(_Strict):
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
-    call_cost: int | None = Field(None, ge=0, description="CosyVoice3: split the flow's waiting jobs into calls of similar "
-                                                        "lengths, a call worth this many padded tokens of work (None: "
-                                                        "each call as full as max_batch and max_padded_frames allow)")
-    flow_cache: bool = Field(False, description="CosyVoice3 streaming: each stream keeps its flow's keys and values "
-                                                "(per Euler step and layer) and its input embedding's last frames across "
-                                                "its non-final hops, and a hop solves only its new frames: the official "
-                                                "whole-prefix solve's mel, with less work; ~1.8 MB a mel frame in bf16 at "
-                                                "real size (not with cuda_graphs)")
     sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
                                                  "(a CUDA green context; GPU, in-process worker): the rest stay free "
                                                  "for the AR step's kernels whatever the codec runs (None: all)")
@@ -110,11 +96,6 @@ class FrontendConfig(_Strict):
     cache_mb: int = Field(256, ge=0, description="reference features kept by clip hash (MiB; 0: no cache)")
     cuda_graphs: bool = Field(False, description="capture the frontend's networks per input shape at start-up and "
                                                  "replay them (GPU)")
-    speaker_rows: int = Field(1, ge=1, le=32, description="CosyVoice3: clips per CAM++ call, always this many rows "
-                                                         "(padded), so same-bucket clips share a call and each gets "
-                                                         "what it gets alone")
-    speaker_bucket_s: int = Field(1, ge=1, le=30, description="CosyVoice3: CAM++'s length bucket in seconds (coarser: "
-                                                              "more clips share a call, each padded further)")
     workers: int = Field(1, ge=1, le=8, description="frontend threads, each on its own CUDA stream (and, with "
                                                    "cuda_graphs, its own copy of the graphs), taking batches side by side")
     hand_back: Literal["each", "batch"] = Field(
@@ -170,6 +151,7 @@ class Profile(_Strict):
     frontend: FrontendConfig = FrontendConfig()
     chunking: ChunkingConfig = ChunkingConfig()
     sampling: SamplingDefaults = SamplingDefaults()
+    cosyvoice3: CosyVoice3Options = CosyVoice3Options()  # that family's own knobs (models/cosyvoice3/options.py)
 
     @model_validator(mode="after")
     def _initial_not_above_steady(self):
@@ -178,13 +160,18 @@ class Profile(_Strict):
             raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
         if self.codec.device is not None and not self.codec.process:
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
-        if self.codec.flow_attention == "flex" and self.codec.cuda_graphs:
-            raise ValueError("codec.flow_attention flex needs codec.cuda_graphs off (its block masks are not captured)")
-        if self.codec.flow_cache and self.codec.cuda_graphs:
-            raise ValueError("codec.flow_cache needs codec.cuda_graphs off (the graphs replay the whole-prefix solve)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
         return self
+
+    def options_for(self, family: str):
+        """The family's own section (None for a family without one); refuses a profile that sets
+        another family's section off its defaults, which would otherwise be ignored without a word."""
+        for other, section in FAMILY_SECTIONS.items():
+            if other != family and getattr(self, section) != type(getattr(self, section))():
+                raise ProfileError(f"{self.name}: section {section} is for {other} models, not {family}")
+        section = FAMILY_SECTIONS.get(family)
+        return getattr(self, section) if section else None
 
 
 def load_profile(source: str | Path | None, **overrides) -> Profile:
@@ -209,6 +196,10 @@ def load_profile(source: str | Path | None, **overrides) -> Profile:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = value
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            raise ProfileError(f"{source or 'profile'}: {old} is now {new}")
     try:
         return Profile.model_validate(data)
     except ValidationError as e:

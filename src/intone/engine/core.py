@@ -68,12 +68,13 @@ class EngineCore:
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         if profile.codec.carry_state and model.stream_decoder() is None:
             raise ValueError(f"codec.carry_state: {model.name} has no stream decoder")
-        self.codec = None if codec_process else model.make_codec_stage(profile.codec) or CodecStage(
+        options = profile.options_for(model.name)
+        self.codec = None if codec_process else model.make_codec_stage(profile.codec, options) or CodecStage(
             model, profile.codec.max_batch, profile.codec.max_padded_frames, profile.codec.carry_state)
         self.codec_worker: CodecWorker | CodecProcess | None = codec_process
         # Most urgent: the frontend's small kernels otherwise wait behind the codec's for every SM.
         self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
-        model.configure_frontend(profile.frontend)
+        model.configure_frontend(options)
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority,
                                       each=profile.frontend.hand_back == "each", workers=profile.frontend.workers)
         self.requests: dict[str, EngineRequest] = {}
@@ -112,9 +113,11 @@ class EngineCore:
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
         report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv, self.profile.ar.max_num_batched_tokens)
-        if report is not None:
-            # Steps stay within what the graphs cover, unless one prompt alone is larger.
+        if self.runner.graphs is not None:
+            # Steps stay within what the static step covers, unless one prompt alone is larger
+            # (with graphs or without, so both batch alike).
             self.scheduler.step_token_target = self.runner.max_graph_tokens
+        if report is not None:
             self.stats.captured_graphs, self.stats.capture_seconds = report.graphs, report.seconds
             front = self.frontend_graphs.report if self.frontend_graphs is not None else None
             log.info("captured %d CUDA graphs in %.1f s (%d failed and run eagerly); frontend warm-up %.1f s "

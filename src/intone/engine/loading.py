@@ -9,6 +9,7 @@ import torch
 
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
+from intone.models import family_of
 from intone.models.registry import load_model
 
 log = logging.getLogger(__name__)
@@ -17,6 +18,7 @@ log = logging.getLogger(__name__)
 def load_for_profile(model_spec: str, profile: Profile):
     """The model on the profile's device, with the profile's AR and codec precisions, this
     process's CUDA state set up (TF32, a stream of its own for the calling thread)."""
+    profile.options_for(family_of(model_spec))  # refuses another family's section before the load
     device = profile.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,8 +50,8 @@ def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
         c = profile.chunking
         chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
         stage.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
-    if profile.codec.cuda_graphs and hasattr(stage, "capture_graphs") and stage.model.codec_device.type == "cuda":
+    if getattr(stage, "graph_frames", None) and stage.model.codec_device.type == "cuda":
         graphs = FunctionGraphs()
-        stage.capture_graphs(graphs, profile.codec.graph_frames)
+        stage.capture_graphs(graphs)
         r = graphs.report
         log.info("captured %d codec graphs in %.1f s (%d failed and run eagerly)", r.graphs, r.seconds, r.failed)

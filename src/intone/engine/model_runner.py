@@ -3,10 +3,11 @@
 A step packs the new requests' prompts (prefills) first and the running requests' single new
 tokens (decodes) after them. On the GPU every token of the step is one row of the model's static
 decode forward (a prompt token attends to its request's keys up to its own position, which the
-step has just written), replayed from a CUDA graph keyed by (token rows, KV length); the head
-(sampling) then takes each request's last row. So a step that admits new requests stays on
-the graphs. Elsewhere, or beyond the graphs' bounds, prefills run through the model's packed
-`forward` and decodes through `forward_decode` eagerly.
+step has just written) at the shapes of its (token rows, KV length) bucket; the head (sampling)
+then takes each request's last row. With `ar.cuda_graphs` that static step is replayed from its
+CUDA graph, else it runs eagerly at the same shapes with the same kernels: the two give the same
+bits, and a step that admits new requests stays on the graphs. On the CPU, or beyond the buckets,
+prefills run through the model's packed `forward` and decodes through `forward_decode` eagerly.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ class ModelRunner:
         self.model, self.kv, self.blocks = model, kv, blocks
         self.history = TokenHistory(model.device, max_seats)
         self.max_graph_tokens = 0
-        self.graphs: StepGraphs | None = None
-        if cuda_graphs and model.device.type == "cuda":
-            self.graphs = self._step_graphs()
+        self.cuda_graphs = cuda_graphs
+        # The static step's buffers per bucket (and its graphs, once captured); GPU only.
+        self.graphs: StepGraphs | None = self._step_graphs() if model.device.type == "cuda" else None
 
     def _step_graphs(self) -> StepGraphs:
         """Probe the model's output and history shapes with a one-row dummy decode."""
@@ -66,13 +67,16 @@ class ModelRunner:
                           CAPACITY)
 
     def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
-        """Capture every graph this runner may replay (start-up only: nothing else may use the GPU).
+        """Size the static step and, with cuda_graphs, capture every graph this runner may replay
+        (start-up only: nothing else may use the GPU). None where nothing was captured.
 
         max_rows: requests per step; max_step_tokens: tokens per step (prefills included) the
-        decode graphs cover (default: max_rows, i.e. prefills run eagerly)."""
+        static step covers (default: max_rows, i.e. prefills run through the packed forward)."""
         if self.graphs is None:
             return None
         self.max_graph_tokens = max(max_rows, min(max_step_tokens or max_rows, MAX_GRAPH_TOKENS))
+        if not self.cuda_graphs:
+            return None
         return self.graphs.capture_all(max_rows, max_kv_tokens, self.max_graph_tokens)
 
     # ---- building ------------------------------------------------------------------------------

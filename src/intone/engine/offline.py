@@ -1,74 +1,50 @@
-"""A plain synchronous loop that runs a fixed set of requests to completion.
+"""Synthesis without a server: requests run to completion through an `EngineCore` in this process.
 
-It drives a model through the same step interface, KV cache and batch descriptors the
-serving engine uses, without admission control or streaming. `intone speak` and the model
-tests use it.
+The same admission, AR steps, chunk planning and codec stage as serving (a request that is not
+streamed gets its whole audio from one codec pass at its end), so `intone speak` gives what the
+server gives for the same request and seed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from intone.engine.model_runner import ModelRunner, StepInput
-from intone.engine.request import resolve_params
-from intone.models.base import Prompt, TTSModel
-from intone.ops.kv_cache import BlockManager, KVCache
-from intone.protocol import SamplingParams
-
-BLOCK_SIZE = 16
+from intone.engine.core import EngineCore
+from intone.errors import IntoneError, InvalidRequestError
+from intone.protocol import AudioChunk, SynthesisRequest
 
 
 @dataclass
-class OfflineRequest:
-    prompt: Prompt
-    params: SamplingParams
-    request_id: str = ""
-    tokens: list[int] = field(default_factory=list)  # main token of each generated frame
-    frames: list[np.ndarray] = field(default_factory=list)  # [K] codes of each frame forwarded to the codec
-    last_codes: np.ndarray | None = None
-    finished: bool = False
-    stop_reason: str = ""
+class Synthesis:
+    """One request's result: its audio and how it ended."""
 
-    @property
-    def codes(self) -> torch.Tensor:
-        """[K, n] codes of the frames for the codec (the stop step makes no frame)."""
-        if not self.frames:
-            return torch.zeros(0, 0, dtype=torch.long)
-        return torch.from_numpy(np.stack(self.frames, axis=1))
+    audio: np.ndarray  # float32 mono at the model's rate
+    frames: int
+    stop_reason: str | None
+    completion_tokens: int
 
 
-def run_to_completion(model: TTSModel, requests: list[OfflineRequest]) -> list[OfflineRequest]:
-    for i, req in enumerate(requests):
-        req.request_id = req.request_id or f"req-{i}"
-        req.params = resolve_params(req.params, req.prompt, model.max_seq_len)
-
-    num_blocks = sum(-(-(len(r.prompt) + r.params.max_new_tokens) // BLOCK_SIZE) for r in requests)
-    blocks = BlockManager(num_blocks, BLOCK_SIZE)
-    runner = ModelRunner(model, KVCache(model.kv_layout, num_blocks, BLOCK_SIZE, model.dtype, model.device), blocks)
-    try:
-        while active := [r for r in requests if not r.finished]:
-            _step(runner, active)
-    finally:
-        for r in requests:
-            blocks.free(r.request_id)
-    return requests
-
-
-def _step(runner: ModelRunner, active: list[OfflineRequest]) -> None:
-    out = runner.run([
-        StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in active
-    ])
-    out_tokens, stopped, out_codes = out.to_host()
-    for i, r in enumerate(active):
-        if stopped[i]:
-            r.finished, r.stop_reason = True, "stop"
-            continue
-        r.tokens.append(out_tokens[i])
-        r.last_codes = out_codes[i]
-        if runner.model.forwards_frame(r.tokens):
-            r.frames.append(out_codes[i])
-        if len(r.tokens) >= r.params.max_new_tokens:
-            r.finished, r.stop_reason = True, "length"
+def synthesize(core: EngineCore, requests: list[SynthesisRequest]) -> list[Synthesis]:
+    """Each request's audio, in the order given (they run together, batched as the server batches
+    them). A refused or failed request raises, naming the field where the engine names one."""
+    for request in requests:
+        core.add_request(request)
+    pieces: dict[str, list[np.ndarray]] = {r.request_id: [] for r in requests}
+    ends: dict[str, AudioChunk] = {}
+    while len(ends) < len(requests):
+        for chunk in core.step():
+            if chunk.error:
+                for rid in pieces.keys() - ends.keys() - {chunk.request_id}:
+                    core.abort(rid)
+                if chunk.error_code == "invalid_request" or chunk.error_field:
+                    field = chunk.error_field or "request"
+                    raise InvalidRequestError(field, chunk.error.removeprefix(f"{field}: "))
+                raise IntoneError(chunk.error)
+            pieces[chunk.request_id].append(chunk.audio)
+            if chunk.finished:
+                ends[chunk.request_id] = chunk
+    return [Synthesis(np.concatenate(pieces[r.request_id]).astype(np.float32, copy=False),
+                      ends[r.request_id].end_frame, ends[r.request_id].stop_reason,
+                      ends[r.request_id].completion_tokens) for r in requests]

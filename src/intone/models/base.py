@@ -121,9 +121,9 @@ class TTSModel(abc.ABC):
         whose clip is done need not wait for the rest of the batch. Default: the batch's results."""
         yield from enumerate(self.reference_features_batch(clips, field))
 
-    def configure_frontend(self, config) -> None:
-        """Take the profile's `frontend` settings that concern the model's own networks (before
-        `warm_up_frontend`; default: none)."""
+    def configure_frontend(self, options) -> None:
+        """Take the settings of the family's own profile section (`Profile.options_for`) that concern
+        the model's reference networks (before `warm_up_frontend`; default: none)."""
 
     def warm_up_frontend(self, graphs=None) -> None:
         """Run the reference frontend once per shape it will see, at start-up (default: nothing).
@@ -141,9 +141,10 @@ class TTSModel(abc.ABC):
         decoded with re-decoded left context through `decode`."""
         return None
 
-    def make_codec_stage(self, config):
+    def make_codec_stage(self, config, options=None):
         """A codec stage of the model's own (CosyVoice3: flow + HiFT), or None: the engine's default
-        stage, which decodes windows through `decode`. config: the profile's `codec` section."""
+        stage, which decodes windows through `decode`. config: the profile's `codec` section;
+        options: the family's own section (`Profile.options_for`)."""
         return None
 
     # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
@@ -178,10 +179,6 @@ class TTSModel(abc.ABC):
             raise InvalidRequestError(field, f"{describe('speed')}, got {speed}")
         if speed != 1.0 and not self.supports_speed:
             raise InvalidRequestError(field, f"{self.name} supports only 1.0")
-
-    def vocode(self, codes: Tensor, prompt: Prompt, speed: float = 1.0) -> Tensor:
-        """A whole utterance at once: codes [K, T] of the frames for the codec -> audio [N]."""
-        return self.decode(codes.unsqueeze(0))[0]
 
     @abc.abstractmethod
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:

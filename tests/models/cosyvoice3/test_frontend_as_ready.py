@@ -124,13 +124,13 @@ def test_hand_back_batch_keeps_a_batch_together(tiny_cosy):
 
 
 def test_the_profile_lets_same_bucket_clips_share_a_campplus_call_with_their_alone_features(tiny_cosy_dir):
-    """`frontend.speaker_rows` / `speaker_bucket_s` reach the model through the engine: five clips of
+    """`cosyvoice3.speaker_rows` / `speaker_bucket_s` reach the model through the engine: five clips of
     2.5-3.7 s (one 2 s bucket) take two CAM++ network calls of four rows instead of five calls, a bad
     clip among them gets its own error, and each good clip's features are the bits it gets alone
     (on a CPU; on a GPU, see the gpu test of row positions)."""
     model = load_model(str(tiny_cosy_dir))  # its own: the profile reconfigures its CAM++
     profile = load_profile("cosyvoice3-streaming", device="cpu",
-                           **{"frontend.speaker_rows": 4, "frontend.speaker_bucket_s": 2})
+                           **{"cosyvoice3.speaker_rows": 4, "cosyvoice3.speaker_bucket_s": 2})
     core = EngineCore(model, profile)
     try:
         clips = [(clip(2.5 + 0.3 * i, 120 + 15 * i), 16000) for i in range(5)]

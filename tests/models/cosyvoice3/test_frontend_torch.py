@@ -156,7 +156,7 @@ def test_batch_equals_one_at_a_time(ports):
 
 
 def test_speaker_calls_of_several_rows_give_each_clip_what_it_gets_alone(files):
-    """`frontend.speaker_rows`: clips of one length bucket share a CAM++ call of a fixed shape, and a
+    """`cosyvoice3.speaker_rows`: clips of one length bucket share a CAM++ call of a fixed shape, and a
     clip's vector is the same bits among others as alone (the one-row default to rounding); the
     frontend still gives every clip its own features, once."""
     encoder = SpeakerEncoder(files["campplus"]).load()  # its own: set_batching changes it
@@ -407,7 +407,7 @@ def test_frontend_graphs_give_the_eager_features_bitwise(files):
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphed", [False, True])
 def test_a_shared_campplus_call_gives_a_clip_its_alone_bits_in_every_row_on_the_gpu(graphed):
-    """`frontend.speaker_rows` > 1 on the GPU: real-size CAM++, a clip in each of the four rows of a
+    """`cosyvoice3.speaker_rows` > 1 on the GPU: real-size CAM++, a clip in each of the four rows of a
     shared call, each time with other company, has the bits it has alone (kernels whose rounding
     depended on a row's place in the batch would break the promise that a request's audio does not
     depend on which references arrived with it)."""

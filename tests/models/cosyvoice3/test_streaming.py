@@ -9,7 +9,7 @@ import torch
 from tests.procs import frame_audit_alongside
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
-from intone.engine.offline import OfflineRequest, run_to_completion
+from tests.offline import OfflineRequest, run_to_completion
 from intone.engine.trace import FrameTracer
 from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
 
@@ -24,6 +24,15 @@ def voices(n):
     """References of different lengths, so each request has its own first-hop padding."""
     return [VoiceReference(text="She said the weather would be fine.", audio=voice_audio(1.0 + 0.37 * i, pitch=110 + 9 * i),
                            sample_rate=16000) for i in range(n)]
+
+
+def assert_same_audio(sent: np.ndarray, want: torch.Tensor) -> None:
+    """The float32 samples a chunk carries against a float64 reference: the same value to float32
+    rounding (one ulp, where float64 summation order tips a rounding), plus 1e-9."""
+    want = want.double().numpy()
+    assert sent.shape == want.shape
+    excess = np.abs(sent.astype(np.float64) - want) - (np.spacing(np.abs(want).astype(np.float32)) + 1e-9)
+    assert excess.max(initial=0) <= 0, f"max |diff| {np.abs(sent - want).max():.3g} beyond float32 rounding"
 
 
 def run_engine(model, profile, requests, tracer=None, tokens: dict | None = None):
@@ -53,7 +62,7 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     """Interleaved requests with different references and modes: every chunk's span and samples
     equal the official loop run for that request alone (float64: to 1e-9), with first chunks decoded at the
     Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first,
-    here with codec.flow_cache: later hops solved against the flow state their earlier ones kept)."""
+    here with cosyvoice3.flow.cache: later hops solved against the flow state their earlier ones kept)."""
     refs = voices(4)
     # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
     # so request 3 surely runs long enough for the hop to reach 100.
@@ -65,10 +74,10 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     # of several padded rows, some alone); the audio must not change.
     # the shipped profile's flex attention with its schedule (preempt); SDPA with the other (the order does not
     # depend on the kernel, and SDPA is the faster one uncompiled), and with each stream's flow continued from
-    # its earlier hops (codec.flow_cache)
+    # its earlier hops (cosyvoice3.flow.cache)
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
-        "ar.max_num_seqs": 4, "codec.call_cost": 64, "codec.schedule": schedule,
-        "codec.flow_attention": "flex" if schedule == "preempt" else "sdpa", "codec.flow_cache": schedule == "first"})
+        "ar.max_num_seqs": 4, "cosyvoice3.flow.call_cost": 64, "codec.schedule": schedule,
+        "cosyvoice3.flow.attention": "flex" if schedule == "preempt" else "sdpa", "cosyvoice3.flow.cache": schedule == "first"})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):
@@ -79,7 +88,7 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
         assert got[-1].finished and sum(c.finished for c in got) == 1
         for c, (_, _, audio) in zip(got, expected):
             assert c.audio.shape[0] == audio.shape[0]
-            assert torch.allclose(torch.from_numpy(c.audio).double(), audio.double(), atol=1e-9, rtol=0)
+            assert_same_audio(c.audio, audio)
         total = sum(c.audio.shape[0] for c in got)
         assert total == len(frames) * cosy64.samples_per_frame  # nothing lost, nothing repeated
         hops_seen |= {c.end_frame - c.start_frame for c in got[1:-1]}
@@ -87,7 +96,7 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
 
 
 def test_full_response_is_one_chunk_equal_to_the_request_vocoded_alone(cosy64):
-    """Batched flow + HiFT vs each request alone, in float64 (to 1e-9). In float32 the batch
+    """Batched flow + HiFT vs each request alone, in float64 (to the samples' float32 rounding). In float32 the batch
     shape moves the flow's mel by ~1e-6 (GEMM blocking), and HiFT integrates F0 into phase,
     so such rounding grows along the utterance: bit-level agreement is only meaningful in float64."""
     tiny_cosy = cosy64
@@ -103,7 +112,7 @@ def test_full_response_is_one_chunk_equal_to_the_request_vocoded_alone(cosy64):
         frames, _, prompt = alone_tokens(tiny_cosy, TEXTS[i], refs[i], params[i])
         alone = official_full(tiny_cosy, frames, prompt.conditioning)
         assert got[0].audio.shape[0] == alone.shape[0] == len(frames) * 960
-        assert torch.allclose(torch.from_numpy(got[0].audio).double(), alone.double(), atol=1e-9, rtol=0)
+        assert_same_audio(got[0].audio, alone)
 
 
 def test_same_seed_same_audio_different_seed_different_tokens(tiny_cosy):
@@ -125,7 +134,7 @@ def test_16_concurrent_streams_pass_the_audit_and_match_their_tokens_alone(tiny_
     trace = tmp_path / "trace.jsonl"
     # the audit and the tokens do not depend on the flow's attention kernel; SDPA is the faster one uncompiled
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{"ar.max_num_seqs": 16,
-                                                                    "codec.flow_attention": "sdpa"})
+                                                                    "cosyvoice3.flow.attention": "sdpa"})
     tracer = FrameTracer(trace)
     tokens = {}
     chunks = run_engine(tiny_cosy, profile, reqs, tracer, tokens)
@@ -222,14 +231,14 @@ def test_speed_stretches_a_full_response_as_officially_and_is_refused_when_strea
     frames, _, prompt = alone_tokens(cosy64, TEXTS[1], ref, params)
     expected = official_full(cosy64, frames, prompt.conditioning, speed=1.5)
     assert len(got) == 1 and got[0].audio.shape[0] == expected.shape[0] == int(2 * 40 / 1.5) * 480
-    assert torch.allclose(torch.from_numpy(got[0].audio).double(), expected.double(), atol=1e-9, rtol=0)
+    assert_same_audio(got[0].audio, expected)
     streaming = load_profile("cosyvoice3-streaming", device="cpu")
     refused = run_engine(cosy64, streaming, [SynthesisRequest("t", TEXTS[1], [ref], params, speed=1.5)])["t"]
     assert refused[0].error_code == "invalid_request" and refused[0].error_field == "speed"
 
 
 def test_a_stream_with_the_flex_attention_flow_releases_the_same_audio(cosy64):
-    """codec.flow_attention: flex, set through the profile, reaches the flow and changes no sample (float64)."""
+    """cosyvoice3.flow.attention: flex, set through the profile, reaches the flow and changes no sample (float64)."""
     refs = voices(2)
     reqs = [SynthesisRequest(f"x{i}", TEXTS[i], [refs[i]], SamplingParams(seed=3 + i, min_new_tokens=60,
                                                                            max_new_tokens=90)) for i in range(2)]
@@ -237,7 +246,7 @@ def test_a_stream_with_the_flex_attention_flow_releases_the_same_audio(cosy64):
     try:
         for kernel in ("flex", "sdpa"):
             profile = load_profile("cosyvoice3-streaming", device="cpu",
-                                   **{"ar.max_num_seqs": 2, "codec.flow_attention": kernel})
+                                   **{"ar.max_num_seqs": 2, "cosyvoice3.flow.attention": kernel})
             runs[kernel] = run_engine(cosy64, profile, reqs)
             assert cosy64.flow.decoder.estimator.attention_kernel == kernel
     finally:  # the model is shared by the module's tests

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from intone.engine.offline import OfflineRequest, run_to_completion
+from tests.offline import OfflineRequest, run_to_completion
 from intone.errors import InvalidRequestError
 from intone.protocol import SamplingParams, VoiceReference
 

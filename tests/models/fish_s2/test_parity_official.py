@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from intone.engine.offline import OfflineRequest, run_to_completion
+from tests.offline import OfflineRequest, run_to_completion
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import BlockManager, KVCache
 from intone.protocol import SamplingParams, VoiceReference

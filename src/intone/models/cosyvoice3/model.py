@@ -18,11 +18,12 @@ from intone.models.cosyvoice3.frontend import (
 from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
 from intone.models.cosyvoice3.loader import install_noise, load_cosyvoice3
 from intone.models.cosyvoice3.noise import official_noise
+from intone.models.cosyvoice3.options import CosyVoice3Options
 from intone.models.cosyvoice3.prompt import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, talker_prompt
 from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.tokenizer import BLANK_EN, CosyTokenizer
-from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage, stretch
+from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage
 from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
@@ -66,9 +67,10 @@ class CosyVoice3(TTSModel):
         f = extract_reference(audio, sample_rate, self.speech_tokenizer, self.speaker_encoder, field=field)
         return {"speech_tokens": f.speech_tokens, "prompt_mel": f.prompt_mel, "speaker": f.speaker}
 
-    def configure_frontend(self, config) -> None:
+    def configure_frontend(self, options: CosyVoice3Options | None) -> None:
+        options = options or CosyVoice3Options()
         if hasattr(self.speaker_encoder, "set_batching"):
-            self.speaker_encoder.set_batching(config.speaker_rows, config.speaker_bucket_s)
+            self.speaker_encoder.set_batching(options.speaker_rows, options.speaker_bucket_s)
 
     def warm_up_frontend(self, graphs=None) -> None:
         if getattr(self.speech_tokenizer, "device", torch.device("cpu")).type == "cuda":
@@ -148,19 +150,21 @@ class CosyVoice3(TTSModel):
 
     # ---- codec ------------------------------------------------------------------------------
 
-    def make_codec_stage(self, config) -> CosyCodecStage:
-        """The flow + HiFT stage; `codec.flow_dtype` recasts this model's flow (the model belongs to
-        one engine), `codec.compile` compiles its DiT now."""
+    def make_codec_stage(self, config, options: CosyVoice3Options | None = None) -> CosyCodecStage:
+        """The flow + HiFT stage; `cosyvoice3.flow.dtype` recasts this model's flow (the model belongs
+        to one engine), `cosyvoice3.flow.compile` compiles its DiT now."""
+        flow = (options or CosyVoice3Options()).flow
         gpu = self.codec_device.type == "cuda"
-        if config.flow_attention == "flex" and gpu and not config.compile:
-            raise ValueError("codec.flow_attention flex needs codec.compile on a GPU (flex attention is fast only compiled)")
-        self.flow.decoder.estimator.attention_kernel = config.flow_attention
-        if config.flow_dtype != "auto" and gpu:
-            self.flow.to(getattr(torch, config.flow_dtype))
-        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, config.autocast, config.call_cost,
-                               config.flow_cache)
-        if config.compile and gpu:
-            stage.compile_flow(config.compile_unit)
+        if flow.attention == "flex" and gpu and not flow.compile:
+            raise ValueError("cosyvoice3.flow.attention flex needs cosyvoice3.flow.compile on a GPU "
+                             "(flex attention is fast only compiled)")
+        self.flow.decoder.estimator.attention_kernel = flow.attention
+        if flow.dtype != "auto" and gpu:
+            self.flow.to(getattr(torch, flow.dtype))
+        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
+                               flow.cache, flow.graph_frames if flow.cuda_graphs else None)
+        if flow.compile and gpu:
+            stage.compile_flow(flow.compile_unit)
         return stage
 
     def mel_zeros(self) -> Tensor:
@@ -180,17 +184,6 @@ class CosyVoice3(TTSModel):
             f = prompt.conditioning = ReferenceFeatures(f.speech_tokens.to(dev), f.prompt_mel.to(dev), f.speaker.to(dev))
         return FlowRequest(tokens=tokens[:n].to(dev), prompt_tokens=f.speech_tokens, prompt_mel=f.prompt_mel,
                            speaker=f.speaker, streaming=not finished, finalize=finished)
-
-    @torch.inference_mode()
-    def vocode(self, codes: Tensor, prompt: Prompt, speed: float = 1.0) -> Tensor:
-        """The non-streaming (full response) audio of a whole utterance (with the official tempo change)."""
-        job = self.flow_request(prompt, codes[0], codes.shape[1], True)
-        if job is None:
-            return torch.zeros(0)
-        mel = self.flow.inference([job])[0]
-        if speed != 1.0:
-            mel = stretch(mel, speed)
-        return self.hift.vocode_batch([mel], [True])[0].float().cpu()
 
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         raise NotImplementedError("CosyVoice3 decodes through its codec stage (it needs the reference)")

@@ -70,11 +70,13 @@ def compile_dit(estimator, unit: str) -> None:
 
 class CosyCodecStage:
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
-                 call_cost: int | None = None, flow_cache: bool = False):
+                 call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (HiFT's stay as
         full as the bounds allow: its windows are of similar lengths and its calls launch-bound).
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
-        frames against it (`flow_cache.solve_continued`)."""
+        frames against it (`flow_cache.solve_continued`). graph_frames: the longest flow call that
+        `capture_graphs` gives a graph (None: no graphs)."""
+        self.graph_frames = graph_frames
         self.model = model
         self.call_cost = call_cost
         self.flow_cache = flow_cache
@@ -98,11 +100,11 @@ class CosyCodecStage:
         return torch.autocast(self.model.codec_device.type, self.autocast or torch.float32,
                               enabled=self.autocast is not None, cache_enabled=False)
 
-    def capture_graphs(self, graphs, max_frames: int) -> None:
+    def capture_graphs(self, graphs) -> None:
         """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to (`graph_shape`), up to
-        `max_frames` conditioned mel frames and MAX_GRAPH_CELLS rows x frames (start-up only: nothing
+        `graph_frames` conditioned mel frames and MAX_GRAPH_CELLS rows x frames (start-up only: nothing
         else may use the GPU); longer calls run eagerly. Largest first: the pool is sized once."""
-        self.graphs = graphs
+        self.graphs, max_frames = graphs, self.graph_frames
         dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
         rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
         shapes = [(r, f) for r in rows for f in range(GRAPH_FRAME_BUCKET, max_frames + 1, GRAPH_FRAME_BUCKET)

@@ -1,0 +1,63 @@
+"""CosyVoice3's section of a deploy profile (`cosyvoice3:`): the knobs only this family has.
+
+Torch-free (the API process validates profiles); the model reads it in `configure_frontend` and
+`make_codec_stage`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FlowOptions(_Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the flow's weights in this dtype (GPU only; its ODE state stays fp32)")
+    autocast: Literal["none", "bfloat16", "float16"] = Field(
+        "none", description="run the flow's DiT under autocast, weights unchanged (GPU only)")
+    compile: bool = Field(False, description="torch.compile the DiT at start-up (GPU only; minutes)")
+    compile_unit: Literal["dit", "block"] = Field(
+        "dit", description="with compile: the whole DiT as one graph, or each transformer block (the same code "
+                           "compiled once: start-up ~10x shorter, the kernels between blocks eager)")
+    attention: Literal["sdpa", "flex"] = Field(
+        "sdpa", description="the DiT's attention as SDPA under a dense mask, or flex attention under a block mask "
+                            "that skips the key blocks padding and the chunk mask hide (GPU: with compile only; "
+                            "not with cuda_graphs)")
+    cuda_graphs: bool = Field(False, description="replay the flow's ODE solve (ten DiT passes) from CUDA graphs "
+                                                 "captured at start-up, one per (rows, frames) bucket (GPU)")
+    graph_frames: int = Field(1024, ge=128, le=4096,
+                              description="with cuda_graphs: the longest flow call (reference + output, mel frames "
+                                          "at 50 per second) with a graph; longer ones run eagerly")
+    call_cost: int | None = Field(None, ge=0, description="split the flow's waiting jobs into calls of similar "
+                                                        "lengths, a call worth this many padded tokens of work (None: "
+                                                        "each call as full as codec.max_batch and "
+                                                        "codec.max_padded_frames allow)")
+    cache: bool = Field(False, description="streaming: each stream keeps its flow's keys and values (per Euler step "
+                                           "and layer) and its input embedding's last frames across its non-final "
+                                           "hops, and a hop solves only its new frames: the official whole-prefix "
+                                           "solve's mel, with less work; ~1.8 MB a mel frame in bf16 at real size "
+                                           "(not with cuda_graphs)")
+
+    @model_validator(mode="after")
+    def _not_with_graphs(self):
+        if self.cuda_graphs and self.attention == "flex":
+            raise ValueError("cosyvoice3.flow.attention flex needs cosyvoice3.flow.cuda_graphs off "
+                             "(its block masks are not captured)")
+        if self.cuda_graphs and self.cache:
+            raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
+                             "(the graphs replay the whole-prefix solve)")
+        return self
+
+
+class CosyVoice3Options(_Strict):
+    flow: FlowOptions = FlowOptions()
+    speaker_rows: int = Field(1, ge=1, le=32, description="clips per CAM++ call, always this many rows (padded), so "
+                                                         "same-bucket clips share a call and each gets what it gets "
+                                                         "alone")
+    speaker_bucket_s: int = Field(1, ge=1, le=30, description="CAM++'s length bucket in seconds (coarser: more clips "
+                                                              "share a call, each padded further)")
