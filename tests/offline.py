@@ -30,6 +30,7 @@ class OfflineRequest:
     last_codes: np.ndarray | None = None
     finished: bool = False
     stop_reason: str = ""
+    block_table: list[int] = field(default_factory=list)  # all it may need, lent up front
 
     @property
     def codes(self) -> torch.Tensor:
@@ -46,19 +47,21 @@ def run_to_completion(model: TTSModel, requests: list[OfflineRequest]) -> list[O
 
     num_blocks = sum(-(-(len(r.prompt) + r.params.max_new_tokens) // BLOCK_SIZE) for r in requests)
     blocks = BlockManager(num_blocks, BLOCK_SIZE)
-    runner = ModelRunner(model, KVCache(model.kv_layout, num_blocks, BLOCK_SIZE, model.dtype, model.device), blocks)
+    for r in requests:
+        blocks.grow(r.block_table, len(r.prompt) + r.params.max_new_tokens)
+    runner = ModelRunner(model, KVCache(model.kv_layout, num_blocks, BLOCK_SIZE, model.dtype, model.device))
     try:
         while active := [r for r in requests if not r.finished]:
             _step(runner, active)
     finally:
         for r in requests:
-            blocks.free(r.request_id)
+            blocks.free(r.block_table)
     return requests
 
 
 def _step(runner: ModelRunner, active: list[OfflineRequest]) -> None:
     out = runner.run([
-        StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in active
+        StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table) for r in active
     ])
     out_tokens, stopped, out_codes = out.to_host()
     for i, r in enumerate(active):

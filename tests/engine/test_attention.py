@@ -31,7 +31,7 @@ def test_paged_attention_matches_dense(reqs, rnd):
     for r, (q_len, ctx) in enumerate(reqs):
         total = q_len + ctx
         q, k, v = torch.randn(total, H, D), torch.randn(total, HKV, D), torch.randn(total, HKV, D)
-        table = manager.ensure(str(r), total)
+        table = manager.grow([], total)
         if ctx:  # earlier steps wrote the cached part
             prior = AttentionMetadata.build([ctx], [0], [table], BLOCK)
             store_kv(k_cache, v_cache, k[:ctx], v[:ctx], prior.slot_mapping)
@@ -49,29 +49,27 @@ def test_paged_attention_matches_dense(reqs, rnd):
         assert torch.allclose(out[rows[r] : rows[r + 1]], expected, atol=1e-5)
 
 
-def test_block_manager_frees_idempotently():
+def test_block_manager_grows_a_table_and_frees_it_idempotently():
     m = BlockManager(8, 4)
-    table = m.ensure("a", 9)
+    table: list[int] = []
+    assert m.grow(table, 9) is table and len(table) == 3 and m.num_free == 5
+    m.grow(table, 12)  # still fits
     assert len(table) == 3 and m.num_free == 5
-    assert m.ensure("a", 12) == table and m.num_free == 5  # still fits
-    m.ensure("a", 13)
+    m.grow(table, 13)
     assert m.num_free == 4
-    m.free("a")
-    m.free("a")
-    assert m.num_free == 8 and m.owners() == []
+    m.free(table)
+    m.free(table)
+    assert m.num_free == 8 and table == []
 
 
 def test_block_manager_refuses_when_full():
     m = BlockManager(2, 4)
-    m.ensure("a", 8)
-    assert not m.can_allocate("b", 1)
-    try:
-        m.ensure("b", 1)
-    except MemoryError:
-        pass
-    else:
-        raise AssertionError("expected MemoryError")
-    assert m.owners() == ["a"]
+    a: list[int] = []
+    b: list[int] = []
+    m.grow(a, 8)
+    with pytest.raises(MemoryError):
+        m.grow(b, 1)
+    assert b == [] and len(a) == 2 and m.num_free == 0
 
 
 @pytest.mark.gpu
@@ -82,7 +80,7 @@ def test_paged_attention_on_cuda_matches_dense():
     v_cache = torch.zeros_like(k_cache)
     seqs = [(torch.randn(n, H, D, device="cuda"), torch.randn(n, HKV, D, device="cuda"),
              torch.randn(n, HKV, D, device="cuda")) for n in (7, 13)]
-    tables = [manager.ensure(str(i), q.shape[0]) for i, (q, _, _) in enumerate(seqs)]
+    tables = [manager.grow([], q.shape[0]) for q, _, _ in seqs]
     meta = AttentionMetadata.build([7, 13], [0, 0], tables, BLOCK, "cuda")
     store_kv(k_cache, v_cache, torch.cat([s[1] for s in seqs]), torch.cat([s[2] for s in seqs]), meta.slot_mapping)
     out = paged_attention(torch.cat([s[0] for s in seqs]), k_cache, v_cache, meta)

@@ -259,7 +259,7 @@ def test_kv_admission_needs_exactly_the_blocks_left(max_new, admitted):
     s = scheduler(blocks=12, block_size=4)  # one running request holds 1 block and may claim 1 more
     s.add(request("run", prompt=4, max_new=4))
     s.schedule()
-    s.blocks.ensure("run", 4)
+    assert len(s.running[0].block_table) == 1  # the step's prompt tokens, grown by the scheduler
     s.add(request("new", prompt=4, max_new=max_new))  # 40 tokens: 10 blocks == 12 - 1 held - 1 owed
     assert ("new" in [r.request_id for r in s.schedule()]) is admitted
 
@@ -269,5 +269,5 @@ def test_fits_ever_counts_free_and_running_blocks_inclusively(tokens, fits):
     s = scheduler(blocks=10, block_size=4)
     s.add(request("run", prompt=4, max_new=4))
     s.schedule()
-    s.blocks.ensure("run", 8)  # 2 blocks held by a running request still count
+    s.blocks.grow(s.running[0].block_table, 8)  # 2 blocks held by a running request still count
     assert s.fits_ever(request("big", prompt=4, max_new=tokens - 4)) is fits

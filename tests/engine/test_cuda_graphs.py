@@ -24,12 +24,16 @@ def _prompt(model, n: int, g: torch.Generator) -> Prompt:
     return Prompt(tokens=tokens, codes=torch.full((n, model.num_codebooks), fill, dtype=torch.long))
 
 
-def _decodes(model, runner, lens, g):
+def _new(blocks, rid: str, prompt: Prompt, params: SamplingParams) -> StepInput:
+    """A request's prefill input, its block table lent enough for the prefill and one decode."""
+    return StepInput(rid, prompt, params, [], None, blocks.grow([], len(prompt) + 1))
+
+
+def _decodes(model, runner, blocks, lens, g):
     """Prefill len(lens) requests through `runner`, then return their decode inputs."""
-    reqs = [StepInput(f"r{i}", _prompt(model, n, g), SamplingParams(seed=i, top_k=7 + i), [], None)
-            for i, n in enumerate(lens)]
+    reqs = [_new(blocks, f"r{i}", _prompt(model, n, g), SamplingParams(seed=i, top_k=7 + i)) for i, n in enumerate(lens)]
     tokens, _, codes = runner.run(reqs).to_host()
-    return [StepInput(r.request_id, r.prompt, r.params, [t], c) for r, t, c in zip(reqs, tokens, codes)]
+    return [StepInput(r.request_id, r.prompt, r.params, [t], c, r.block_table) for r, t, c in zip(reqs, tokens, codes)]
 
 
 @pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])
@@ -37,20 +41,20 @@ def test_replayed_step_equals_the_eager_static_step_bitwise(name, tiny_cache):
     model = load_model(str(resolve_model_dir(f"tiny:{name}")), device="cuda", dtype=torch.float32)
     blocks = BlockManager(256, 16)
     kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
-    graphed = ModelRunner(model, kv, blocks, cuda_graphs=True)
+    graphed = ModelRunner(model, kv, cuda_graphs=True)
     report = graphed.capture(8, 600)
     assert report.failed == 0 and report.graphs == len(graphed.graphs.captured) > 0
-    eager = ModelRunner(model, kv, blocks, cuda_graphs=True)  # same padded buffers, nothing captured
+    eager = ModelRunner(model, kv, cuda_graphs=True)  # same padded buffers, nothing captured
     g = torch.Generator().manual_seed(0)
     for lens in ([5, 40, 17], [3, 90, 4, 61, 8], [33] * 8):
-        batch = _decodes(model, graphed, lens, g)
+        batch = _decodes(model, graphed, blocks, lens, g)
         k0, v0 = kv.k.clone(), kv.v.clone()
         a = graphed.run(batch)
         kv.k.copy_(k0), kv.v.copy_(v0)
         b = eager.run(batch)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.codes, b.codes)
         for r in batch:
-            blocks.free(r.request_id)
+            blocks.free(r.block_table)
     assert graphed.graphs.replays == 3 and graphed.graphs.eager == 0 and eager.graphs.eager == 3
 
 
@@ -58,11 +62,11 @@ def test_a_step_with_prefills_keeps_its_decodes_on_the_graphs(tiny_cache):
     model = load_model(str(resolve_model_dir("tiny:fish-s2")), device="cuda", dtype=torch.float32)
     blocks = BlockManager(256, 16)
     kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
-    runner = ModelRunner(model, kv, blocks, cuda_graphs=True)
+    runner = ModelRunner(model, kv, cuda_graphs=True)
     runner.capture(8, 600)
     g = torch.Generator().manual_seed(1)
-    decodes = _decodes(model, runner, [12, 30], g)
-    new = StepInput("new", _prompt(model, 20, g), SamplingParams(seed=9), [], None)
+    decodes = _decodes(model, runner, blocks, [12, 30], g)
+    new = _new(blocks, "new", _prompt(model, 20, g), SamplingParams(seed=9))
     out = runner.run([decodes[0], new, decodes[1]])  # any order in, the same order out
     assert out.tokens.shape == (3,) and runner.graphs.replays == 1
 
@@ -97,11 +101,11 @@ def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
     model = load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cuda", dtype=torch.float32)
     blocks = BlockManager(256, 16)
     kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
-    runner = ModelRunner(model, kv, blocks, cuda_graphs=True)
+    runner = ModelRunner(model, kv, cuda_graphs=True)
     runner.capture(8, 600, 512)
     g = torch.Generator().manual_seed(2)
-    decodes = _decodes(model, runner, [12, 50], g)
-    new = [StepInput(f"n{i}", _prompt(model, n, g), SamplingParams(seed=i), [], None) for i, n in enumerate((20, 70))]
+    decodes = _decodes(model, runner, blocks, [12, 50], g)
+    new = [_new(blocks, f"n{i}", _prompt(model, n, g), SamplingParams(seed=i)) for i, n in enumerate((20, 70))]
     batch = runner.build(new + decodes)
     x = model.embed(batch.tokens, batch.codes)
     k0, v0 = kv.k.clone(), kv.v.clone()
@@ -174,14 +178,14 @@ def test_fused_elementwise_pieces_replay_bitwise_and_stay_close_to_eager(name, t
             eager = model.forward_decode(x, *args).clone()
             blocks = BlockManager(256, 16)
             cache = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
-            graphed = ModelRunner(model, cache, blocks, cuda_graphs=True)
+            graphed = ModelRunner(model, cache, cuda_graphs=True)
             assert graphed.capture(8, 600).failed == 0
             g = torch.Generator().manual_seed(0)
-            batch = _decodes(model, graphed, [5, 40, 17], g)
+            batch = _decodes(model, graphed, blocks, [5, 40, 17], g)
             k0, v0 = cache.k.clone(), cache.v.clone()
             a = graphed.run(batch)
             cache.k.copy_(k0), cache.v.copy_(v0)
-            b = ModelRunner(model, cache, blocks, cuda_graphs=True).run(batch)
+            b = ModelRunner(model, cache, cuda_graphs=True).run(batch)
         finally:
             fused.use_compiled(False)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.codes, b.codes)

@@ -27,15 +27,15 @@ def _paths(model):
 
 def _prefilled(model, lens, device):
     embed, eager, _ = _paths(model)
-    blocks = BlockManager(64, 16)
+    blocks, tables = BlockManager(64, 16), [[] for _ in lens]
     kv = KVCache(model.kv_layout, 64, 16, model.dtype, device)
     torch.manual_seed(0)
-    for r, n in enumerate(lens):
-        meta = AttentionMetadata.build([n], [0], [blocks.ensure(f"r{r}", n)], 16, device)
+    for table, n in zip(tables, lens):
+        meta = AttentionMetadata.build([n], [0], [blocks.grow(table, n)], 16, device)
         eager(embed(torch.randint(0, 50, (n,), device=device)), meta, kv)
-    meta = AttentionMetadata.build([1] * len(lens), lens, [blocks.ensure(f"r{r}", n + 1) for r, n in enumerate(lens)],
+    meta = AttentionMetadata.build([1] * len(lens), lens, [blocks.grow(t, n + 1) for t, n in zip(tables, lens)],
                                    16, device)
-    return kv, meta, blocks
+    return kv, meta, tables
 
 
 @pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])
@@ -43,7 +43,7 @@ def test_static_decode_equals_eager_and_padding_rows_touch_only_the_scratch_bloc
     model = _model(name, tiny_cache)
     embed, eager, static = _paths(model)
     lens = [5, 40, 17]
-    kv, meta, blocks = _prefilled(model, lens, "cpu")
+    kv, meta, tables_of = _prefilled(model, lens, "cpu")
     x = embed(torch.tensor([7, 8, 9]))
     k0, v0 = kv.k.clone(), kv.v.clone()
     expected = eager(x, meta, kv)
@@ -55,6 +55,6 @@ def test_static_decode_equals_eager_and_padding_rows_touch_only_the_scratch_bloc
                  torch.cat([meta.slot_mapping, torch.tensor([kv.scratch_slot])]), tables,
                  torch.cat([meta.seq_lens, torch.ones(1, dtype=torch.long)]), kv)
     assert torch.allclose(got[:3].double(), expected.double(), atol=1e-10, rtol=0)
-    owned = {b for r in range(3) for b in blocks.table(f"r{r}")}
+    owned = {b for table in tables_of for b in table}
     changed = (kv.k[:, : kv.num_blocks] != k0[:, : kv.num_blocks]).any(dim=(0, 2, 3, 4)).nonzero().flatten()
     assert set(changed.tolist()) <= owned

@@ -38,7 +38,7 @@ def test_each_request_admitted_in_one_step_is_counted_in_whole_blocks(blocks, ad
     s.schedule()
     assert len(s.running) == admitted and len(s.waiting) == 3 - admitted
     for r in s.running:  # and every admitted request can really grow to its maximum
-        s.blocks.ensure(r.request_id, r.kv_tokens_needed)
+        s.blocks.grow(r.block_table, r.kv_tokens_needed)
     s.add(request("late", prompt=4, max_new=1))
     s.schedule()  # nothing is left unclaimed: the late one waits behind the rest
     assert "late" not in ids(s.running)
@@ -51,7 +51,7 @@ def test_a_request_cancelled_while_queued_leaves_the_queue_and_a_running_one_fre
         s.add(r)
     assert [r.status for r in (a, b, c)] == [Status.WAITING] * 3
     assert ids(s.schedule()) == ["a"] and a.status is Status.RUNNING and b.status is Status.WAITING
-    s.blocks.ensure("a", a.kv_tokens_needed)
+    s.blocks.grow(a.block_table, a.kv_tokens_needed)
     s.remove(b)  # cancelled while queued
     assert ids(s.waiting) == ["c"] and b.status is Status.FINISHED
     s.remove(b)  # idempotent

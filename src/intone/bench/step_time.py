@@ -19,7 +19,7 @@ from intone.engine.model_runner import ModelRunner, sampling_batch
 from intone.models.base import StepBatch
 from intone.models.fish_s2.model import FishS2, random_s2_pro
 from intone.ops.attention import AttentionMetadata
-from intone.ops.kv_cache import BlockManager, KVCache
+from intone.ops.kv_cache import KVCache
 from intone.ops.token_history import CAPACITY
 from intone.protocol import SamplingParams
 
@@ -60,7 +60,7 @@ def decode_batch(model: FishS2, batch: int, context: int) -> tuple[StepBatch, KV
 
 
 def step_runner(model: FishS2, kv: KVCache, graphs: bool, max_rows: int, max_kv: int) -> ModelRunner:
-    runner = ModelRunner(model, kv, BlockManager(kv.num_blocks, BLOCK), cuda_graphs=graphs)
+    runner = ModelRunner(model, kv, cuda_graphs=graphs)
     runner.capture(max_rows, max_kv)
     return runner
 

@@ -59,7 +59,7 @@ class EngineCore:
         num_blocks = max(1, kv_tokens // ar.block_size)
         self.blocks = BlockManager(num_blocks, ar.block_size)
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.kv, self.blocks, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         policy = profile.chunking.policy(ar.max_num_seqs)
         # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
@@ -251,7 +251,7 @@ class EngineCore:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             live_requests=len(self.requests), planner_requests=len(self.planner), preparing=len(self._preparing),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
-            kv_tables=len(self.blocks.owners()), steps=self.stats.steps, frames=self.stats.frames,
+            kv_tables=sum(1 for r in self.requests.values() if r.block_table), steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
@@ -333,7 +333,7 @@ class EngineCore:
 
     def _run_ar(self, batch: list[EngineRequest], finished: list[str], start: float) -> None:
         out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes) for r in batch
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table) for r in batch
         ])
         tokens, stopped, codes = out.to_host()
         now = time.perf_counter()

@@ -21,7 +21,7 @@ from intone.engine.cuda_graphs import CaptureReport, StepGraphs
 from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel
 from intone.ops import paged_decode
 from intone.ops.attention import AttentionMetadata
-from intone.ops.kv_cache import BlockManager, KVCache
+from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
 from intone.ops.token_history import CAPACITY, TokenHistory
 from intone.protocol import SamplingParams
@@ -29,23 +29,23 @@ from intone.protocol import SamplingParams
 
 @dataclass
 class StepInput:
-    """What the runner needs of a request: its prompt, params and frames so far."""
+    """What the runner needs of a request: its prompt, params, frames so far and KV blocks."""
 
     request_id: str
     prompt: Prompt
     params: SamplingParams
     tokens: list[int]  # main tokens generated so far
     last_codes: np.ndarray | None  # [K] codes of the last generated frame on the host (None before the first)
+    block_table: list[int]  # KV blocks holding at least len(prompt) + len(tokens) tokens (the scheduler grew it)
 
 
 MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 
 class ModelRunner:
-    def __init__(self, model: TTSModel, kv: KVCache, blocks: BlockManager, cuda_graphs: bool = False,
-                 max_seats: int = 64):
+    def __init__(self, model: TTSModel, kv: KVCache, cuda_graphs: bool = False, max_seats: int = 64):
         """max_seats: requests per step expected (the token history grows beyond it if need be)."""
-        self.model, self.kv, self.blocks = model, kv, blocks
+        self.model, self.kv = model, kv
         self.history = TokenHistory(model.device, max_seats)
         self.max_graph_tokens = 0
         self.cuda_graphs = cuda_graphs
@@ -113,10 +113,12 @@ class ModelRunner:
         for r in reqs:
             q = len(r.prompt) if prefill else 1
             ctx = 0 if prefill else len(r.prompt) + len(r.tokens) - 1
+            if len(r.block_table) * self.kv.block_size < ctx + q:
+                raise ValueError(f"{r.request_id}: {len(r.block_table)} KV blocks cannot hold {ctx + q} tokens")
             q_lens.append(q)
             ctx_lens.append(ctx)
-            tables.append(self.blocks.ensure(r.request_id, ctx + q))
-        return AttentionMetadata.build(q_lens, ctx_lens, tables, self.blocks.block_size, self.model.device)
+            tables.append(r.block_table)
+        return AttentionMetadata.build(q_lens, ctx_lens, tables, self.kv.block_size, self.model.device)
 
     # ---- running -------------------------------------------------------------------------------
 

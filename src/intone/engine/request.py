@@ -82,6 +82,7 @@ class EngineRequest:
     codes: Tensor | None = None  # [K, max_new_tokens] codec frames; [0, num_frames) are valid
     num_frames: int = 0  # generated frames forwarded to the codec (a model may trim some)
     codec_state: object = None  # the codec stage's per-request state (dropped with the request)
+    block_table: list[int] = field(default_factory=list)  # its KV blocks (grown by the scheduler)
     speed: float = 1.0
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far

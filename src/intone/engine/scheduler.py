@@ -4,7 +4,9 @@ Admission is first come, first served, bounded by the AR capacity (`max_num_seqs
 tokens one step may carry, and the KV cache. A request is admitted only when the cache can
 hold its prompt plus all the frames it may generate, counting what running requests may
 still claim; so a running request never runs out of blocks and nothing is ever preempted.
-Every step runs the new requests' prefills and all running decodes together.
+Every step runs the new requests' prefills and all running decodes together; the scheduler
+grows each one's block table (a field of the request) to hold the step's tokens, so the batch
+it returns is what the model runner executes.
 """
 
 from __future__ import annotations
@@ -31,13 +33,10 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.blocks.block_size)
-
     def fits_ever(self, req: EngineRequest) -> bool:
         """Could this request run if it were alone?"""
-        return self._blocks_for(req.kv_tokens_needed) <= self.blocks.num_free + sum(
-            self.blocks.num_blocks_of(r.request_id) for r in self.running
+        return self.blocks.blocks_for(req.kv_tokens_needed) <= self.blocks.num_free + sum(
+            len(r.block_table) for r in self.running
         )
 
     def queue_bound(self) -> int:
@@ -57,23 +56,24 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.blocks.free(req.request_id)
+        self.blocks.free(req.block_table)
         req.status = Status.FINISHED
 
     def _unclaimed_blocks(self) -> int:
         """Free blocks less what running requests may still need to reach their maximum."""
-        owed = sum(self._blocks_for(r.kv_tokens_needed) - self.blocks.num_blocks_of(r.request_id) for r in self.running)
+        owed = sum(self.blocks.blocks_for(r.kv_tokens_needed) - len(r.block_table) for r in self.running)
         return self.blocks.num_free - owed
 
     def schedule(self) -> list[EngineRequest]:
-        """Admit what fits, then return this step's batch: new prefills first, then decodes."""
+        """Admit what fits, then return this step's batch (new prefills first, then decodes), each
+        request's block table grown to hold its tokens after the step."""
         budget = self.max_num_batched_tokens - len(self.running)
         soft = self.step_token_target - len(self.running)
         spare = self._unclaimed_blocks()
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
-            need = self._blocks_for(req.kv_tokens_needed)
+            need = self.blocks.blocks_for(req.kv_tokens_needed)
             if need > spare or len(req.prompt) > budget or (admitted and len(req.prompt) > soft):
                 break
             soft -= len(req.prompt)
@@ -84,4 +84,7 @@ class Scheduler:
             budget -= len(req.prompt)
         decodes = list(self.running)
         self.running.extend(admitted)
-        return admitted + decodes
+        batch = admitted + decodes
+        for req in batch:  # within what admission reserved: never fails
+            self.blocks.grow(req.block_table, len(req.prompt) + len(req.tokens))
+        return batch

@@ -49,43 +49,29 @@ class KVCache:
 
 
 class BlockManager:
-    """Hands out cache blocks. A request's table grows a block at a time; free() is idempotent."""
+    """Lends the cache's blocks. A request's block table is a list it owns (on the request
+    object); `grow` extends it a block at a time and `free` gives it back whole (idempotent: the
+    list is emptied)."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._tables: dict[str, list[int]] = {}
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        have = len(self._tables.get(request_id, ()))
-        return max(0, -(-num_tokens // self.block_size) - have)
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.blocks_needed(request_id, num_tokens) <= len(self._free)
-
-    def ensure(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's table to hold num_tokens; raises MemoryError if blocks run out."""
-        need = self.blocks_needed(request_id, num_tokens)
+    def grow(self, table: list[int], num_tokens: int) -> list[int]:
+        """Extend `table` to hold num_tokens; raises MemoryError if blocks run out."""
+        need = max(0, self.blocks_for(num_tokens) - len(table))
         if need > len(self._free):
-            raise MemoryError(f"KV cache full: {request_id} needs {need} blocks, {len(self._free)} free")
-        table = self._tables.setdefault(request_id, [])
+            raise MemoryError(f"KV cache full: {need} blocks needed, {len(self._free)} free")
         table.extend(self._free.pop() for _ in range(need))
         return table
 
-    def table(self, request_id: str) -> list[int]:
-        return self._tables[request_id]
-
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self._tables.get(request_id, ()))
-
-    def free(self, request_id: str) -> None:
-        table = self._tables.pop(request_id, None)
-        if table:
-            self._free.extend(reversed(table))
-
-    def owners(self) -> list[str]:
-        return list(self._tables)
+    def free(self, table: list[int]) -> None:
+        self._free.extend(reversed(table))
+        table.clear()

@@ -27,13 +27,13 @@ def hf_qwen(model):
 
 def run_steps(model, prompt, continuation: list[int]):
     """Our engine path: prefill, then one decode step per continuation token; logits per step."""
-    blocks = BlockManager(64, 16)
+    blocks, table = BlockManager(64, 16), []
     kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
     out, ctx = [], 0
     tokens, codes = prompt.tokens, prompt.codes[:, 0]
     for step in range(len(continuation) + 1):
         q = tokens.shape[0]
-        meta = AttentionMetadata.build([q], [ctx], [blocks.ensure("r", ctx + q)], 16)
+        meta = AttentionMetadata.build([q], [ctx], [blocks.grow(table, ctx + q)], 16)
         out.append(model.talker(model.talker.embed(tokens, codes), meta, kv)[0])
         ctx += q
         if step < len(continuation):

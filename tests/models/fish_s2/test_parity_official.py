@@ -63,11 +63,11 @@ def test_greedy_frames_are_the_official_ones(tiny_fish, official):
 
 def slow_hidden(model, prompt, frames: np.ndarray, steps: int) -> list[torch.Tensor]:
     """Normed slow-AR hidden state of each step: prefill, then the official frames fed back one by one."""
-    blocks, ctx, out = BlockManager(64, 16), 0, []
+    blocks, table, ctx, out = BlockManager(64, 16), [], 0, []
     kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
     tokens, codes = prompt.tokens, prompt.codes
     for step in range(steps):
-        meta = AttentionMetadata.build([len(tokens)], [ctx], [blocks.ensure("r", ctx + len(tokens))], 16)
+        meta = AttentionMetadata.build([len(tokens)], [ctx], [blocks.grow(table, ctx + len(tokens))], 16)
         out.append(model.forward(model.embed(tokens, codes), meta, kv))
         ctx += len(tokens)
         tokens, codes = torch.from_numpy(frames[:1, step]).long(), torch.from_numpy(frames[1:, step][None]).long()
