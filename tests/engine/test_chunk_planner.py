@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner, ChunkPolicy
 
+from .planner_tables import PlannerTables
+
 K = 3
 
 
@@ -69,7 +71,7 @@ def frames_of(rid: str, n: int) -> torch.Tensor:
 def test_every_frame_exactly_once_in_order(sizes, initial, as_list, lengths, finish_repeats, data):
     policy = ChunkPolicy(initial_chunk_frames=initial, steady_chunk_frames=25, backlog_chunk_frames=50,
                          left_context_frames=25)
-    planner = ScriptedPlanner(policy, capacity=4, sizes=sizes)
+    planner = PlannerTables(ScriptedPlanner(policy, capacity=4, sizes=sizes))
     rids = [f"r{i}" for i in range(len(lengths))]
     for rid in rids:
         planner.add(rid)
@@ -99,7 +101,7 @@ def test_every_frame_exactly_once_in_order(sizes, initial, as_list, lengths, fin
 @settings(max_examples=100, deadline=None)
 @given(lengths=st.lists(st.integers(1, 80), min_size=1, max_size=5), data=st.data())
 def test_cancel_at_any_step_leaves_nothing(lengths, data):
-    planner = ChunkPlanner(ChunkPolicy(initial_chunk_frames=4), capacity=2)
+    planner = PlannerTables(ChunkPlanner(ChunkPolicy(initial_chunk_frames=4), capacity=2))
     rids = [f"r{i}" for i in range(len(lengths))]
     for r in rids:
         planner.add(r)
@@ -125,7 +127,7 @@ def test_cancel_at_any_step_leaves_nothing(lengths, data):
 
 def test_forty_frames_backlog_dropped_at_completion_flushes_the_tail():
     policy = ChunkPolicy(initial_chunk_frames=4, steady_chunk_frames=25, backlog_chunk_frames=50, left_context_frames=25)
-    planner = ScriptedPlanner(policy, capacity=1, sizes=[50])  # backlog from the start
+    planner = PlannerTables(ScriptedPlanner(policy, capacity=1, sizes=[50]))  # backlog from the start
     planner.add("r0")
     chunks = []
     for n in range(1, 41):
@@ -138,7 +140,7 @@ def test_forty_frames_backlog_dropped_at_completion_flushes_the_tail():
 def test_real_backlog_switch_depends_on_load():
     policy = ChunkPolicy(steady_chunk_frames=2, backlog_chunk_frames=4, backlog_load_threshold=0.75,
                          backlog_min_ready=2, left_context_frames=1)
-    planner = ChunkPlanner(policy, capacity=2)
+    planner = PlannerTables(ChunkPlanner(policy, capacity=2))
     for r in ("a", "b"):
         planner.add(r)
     assert planner.plan({"a": 2, "b": 2}) == []  # both ready, load 1.0: backlog size 4
@@ -173,7 +175,7 @@ def official_cosy_schedule(n_tokens: int, prompt_tokens: int) -> list[tuple[int,
 @settings(max_examples=150, deadline=None)
 @given(n=st.integers(0, 700), prompt=st.integers(0, 400), others=st.integers(0, 3))
 def test_cosy_schedule_equals_the_official_loop(n, prompt, others):
-    planner = ChunkPlanner(COSY, capacity=8)
+    planner = PlannerTables(ChunkPlanner(COSY, capacity=8))
     planner.add("r", prompt_frames=prompt)
     for i in range(others):  # other requests interleave; their hops are their own
         planner.add(f"o{i}", prompt_frames=prompt + 7 * i)

@@ -12,13 +12,15 @@ from intone.models.base import Prompt
 from intone.ops.kv_cache import BlockManager
 from intone.protocol import SamplingParams
 
+from .planner_tables import PlannerTables
+
 STEADY, BACKLOG = 4, 8
 
 
 def planner(capacity=4, **kw):
     policy = dict(steady_chunk_frames=STEADY, backlog_chunk_frames=BACKLOG, backlog_load_threshold=0.5,
                   backlog_min_ready=2, left_context_frames=2)
-    return ChunkPlanner(ChunkPolicy(**{**policy, **kw}), capacity)
+    return PlannerTables(ChunkPlanner(ChunkPolicy(**{**policy, **kw}), capacity))
 
 
 def spans(chunks):

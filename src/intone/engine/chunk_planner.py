@@ -1,6 +1,7 @@
 """Which frames go to the codec, and when (design invariant 1).
 
-Each request keeps an absolute frontier `emitted`: frames [0, emitted) have been released.
+Each request keeps an absolute frontier `emitted` (its `Frontier`, a field of the request object):
+frames [0, emitted) have been released.
 A chunk is always the next contiguous span [emitted, end) plus up to `left_context` frames
 before it as codec context only. The chunk-size policy (initial chunk, steady size, backlog
 size under load, growth) only decides *when* a chunk is due and how long it may be; it never
@@ -16,7 +17,7 @@ codec's prompt plus the first hop ends on a multiple of `align_first_chunk` fram
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ class Chunk:
 
 
 @dataclass
-class _Frontier:
+class Frontier:
+    """One request's chunking state (owned by the request; made by `ChunkPlanner.frontier`)."""
+
     initial: int  # this request's first-chunk size (0: none)
     whole: bool = False  # no chunk before the terminal one (a non-streamed request)
     emitted: int = 0
@@ -64,19 +67,18 @@ class _Frontier:
 
 
 class ChunkPlanner:
-    """Frontiers of all live requests. `plan()` is called once per engine step."""
+    """The chunk policy applied to the live requests' frontiers. `plan()` is called once per engine step."""
 
     def __init__(self, policy: ChunkPolicy, capacity: int):
         self.policy = policy
         self.capacity = capacity
-        self._frontiers: dict[str, _Frontier] = {}
         self.backlog_active = False  # the mode chosen at the last plan(), for tracing
 
-    def add(self, request_id: str, initial_chunk_frames: int | None = None, prompt_frames: int = 0,
-            whole: bool = False) -> None:
-        """initial_chunk_frames overrides the policy's for this request (capped at the steady size);
-        prompt_frames: the codec prompt's length, for `align_first_chunk`; whole: the request's
-        audio is its terminal chunk alone."""
+    def frontier(self, initial_chunk_frames: int | None = None, prompt_frames: int = 0,
+                 whole: bool = False) -> Frontier:
+        """A new request's frontier. initial_chunk_frames overrides the policy's for this request (capped
+        at the steady size); prompt_frames: the codec prompt's length, for `align_first_chunk`; whole:
+        the request's audio is its terminal chunk alone."""
         p = self.policy
         initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
         initial = max(0, min(initial, p.steady_chunk_frames))
@@ -84,20 +86,7 @@ class ChunkPlanner:
             # the official pad is (-prompt) % hop with align == hop; this equals it then, and keeps
             # prompt + hop on a multiple of align for any other pair too
             initial = p.steady_chunk_frames + (-(prompt_frames + p.steady_chunk_frames)) % p.align_first_chunk
-        self._frontiers.setdefault(request_id, _Frontier(initial, whole))
-
-    def remove(self, request_id: str) -> None:
-        """Cancel: forget the request; it gets no more chunks. Idempotent."""
-        self._frontiers.pop(request_id, None)
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._frontiers
-
-    def __len__(self) -> int:
-        return len(self._frontiers)
-
-    def emitted(self, request_id: str) -> int:
-        return self._frontiers[request_id].emitted
+        return Frontier(initial, whole)
 
     def steady_size(self, pending: dict[str, int]) -> int:
         """Backlog size when enough requests wait with enough frames; re-decided every step."""
@@ -111,15 +100,16 @@ class ChunkPlanner:
         self.backlog_active = load >= p.backlog_load_threshold and ready >= p.backlog_min_ready
         return p.backlog_chunk_frames if self.backlog_active else p.steady_chunk_frames
 
-    def _hop(self, front: _Frontier, steady: int) -> int:
+    def _hop(self, front: Frontier, steady: int) -> int:
         if front.chunks == 0 and front.initial > 0:
             return front.initial
         p = self.policy
         hop = steady * p.growth_factor ** front.chunks
         return min(hop, p.max_chunk_frames) if p.max_chunk_frames else hop
 
-    def plan(self, frames: dict[str, int], finished: Sequence[str] = ()) -> list[Chunk]:
-        """frames: frames generated so far per live request; finished: requests that stopped.
+    def plan(self, streams: Mapping[str, tuple[Frontier, int]], finished: Sequence[str] = ()) -> list[Chunk]:
+        """streams: each live request's frontier and the frames it has generated so far; finished:
+        requests that stopped.
 
         Returns the chunks due now: per request at most one regular chunk and, for a finished
         request, then one terminal chunk with the whole pending tail (possibly empty), once;
@@ -128,13 +118,12 @@ class ChunkPlanner:
         when a request stops.
         """
         done = set(finished)
-        pending = {rid: frames[rid] - f.emitted for rid, f in self._frontiers.items() if rid in frames}
+        pending = {rid: n - front.emitted for rid, (front, n) in streams.items()}
         steady = self.steady_size(pending)
         chunks = []
-        for rid, front in self._frontiers.items():
-            if front.terminated or rid not in frames:
+        for rid, (front, n) in streams.items():
+            if front.terminated:
                 continue
-            n = frames[rid]
             if n < front.emitted:
                 raise ValueError(f"{rid}: frame count went backwards ({n} < {front.emitted})")
             target = self._hop(front, steady)
@@ -144,7 +133,7 @@ class ChunkPlanner:
                 chunks.append(self._release(rid, front, n, True))
         return chunks
 
-    def _release(self, rid: str, front: _Frontier, end: int, final: bool) -> Chunk:
+    def _release(self, rid: str, front: Frontier, end: int, final: bool) -> Chunk:
         # The first chunk never takes context: there is nothing before it.
         chunk = Chunk(rid, front.emitted, end, min(front.emitted, self.policy.left_context_frames), final)
         front.emitted, front.terminated = end, final

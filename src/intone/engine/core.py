@@ -211,7 +211,8 @@ class EngineCore:
         req.times.arrived, req.times.frontend_s = arrived, prepared.seconds
         req.times.ready = time.perf_counter()
         self.requests[rid] = req
-        self.planner.add(rid, request.initial_chunk_frames, prompt.codec_prompt_frames, whole=not request.stream)
+        req.frontier = self.planner.frontier(request.initial_chunk_frames, prompt.codec_prompt_frames,
+                                             whole=not request.stream)
 
     def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
         chunk = self._terminal(rid, 0, "error", error=message)
@@ -249,7 +250,8 @@ class EngineCore:
         codec_graphs = getattr(self.codec, "graphs", None)  # in this process (not with codec.process)
         return dict(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            live_requests=len(self.requests), planner_requests=len(self.planner), preparing=len(self._preparing),
+            live_requests=len(self.requests), preparing=len(self._preparing),
+            planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
             kv_tables=sum(1 for r in self.requests.values() if r.block_table), steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
@@ -322,7 +324,7 @@ class EngineCore:
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - start
         done = set(finished)
-        live = {rid: r.num_frames for rid, r in self.requests.items()
+        live = {rid: (r.frontier, r.num_frames) for rid, r in self.requests.items()
                 if r.status is Status.RUNNING or rid in done}
         self._emit(self._plan(live, finished))
         if worker:
@@ -355,7 +357,7 @@ class EngineCore:
                 finished.append(req.request_id)
         self.stats.prefill_steps += prefilled
 
-    def _plan(self, live: dict[str, int], finished: list[str]) -> list[Chunk]:
+    def _plan(self, live: dict, finished: list[str]) -> list[Chunk]:
         chunks = self.planner.plan(live, finished)
         if self.planner.backlog_active:
             self.stats.backlog_steps += 1
@@ -440,7 +442,6 @@ class EngineCore:
     def _release(self, req: EngineRequest, reason: str | None) -> None:
         """The one cleanup for every exit path; idempotent."""
         self.scheduler.remove(req)
-        self.planner.remove(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.stats.finished[reason or "unknown"] += 1
         if self.codec_worker is not None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from intone.engine.chunk_planner import Frontier
 from intone.errors import InvalidRequestError
 from intone.models.base import Prompt
 from intone.protocol import SamplingParams
@@ -83,6 +84,7 @@ class EngineRequest:
     num_frames: int = 0  # generated frames forwarded to the codec (a model may trim some)
     codec_state: object = None  # the codec stage's per-request state (dropped with the request)
     block_table: list[int] = field(default_factory=list)  # its KV blocks (grown by the scheduler)
+    frontier: Frontier | None = None  # its chunking state (from the chunk planner, at admission)
     speed: float = 1.0
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far

@@ -30,6 +30,7 @@ from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.prompt import SOS, TASK_ID
 from intone.protocol import SamplingParams, VoiceReference
 from tests import parity
+from tests.engine.planner_tables import PlannerTables
 
 from .test_talker import run_steps
 
@@ -144,7 +145,7 @@ def our_stream(model, prompt, tokens: list[int]) -> list[tuple[int, int, np.ndar
     profile = load_profile("cosyvoice3-streaming", device="cpu")
     policy = profile.chunking.policy(1)
     policy = dataclasses.replace(policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
-    planner, stage = ChunkPlanner(policy, 1), model.make_codec_stage(profile.codec, profile.cosyvoice3)
+    planner, stage = PlannerTables(ChunkPlanner(policy, 1)), model.make_codec_stage(profile.codec, profile.cosyvoice3)
     planner.add("r", None, prompt.codec_prompt_frames)
     params = resolve_params(SamplingParams(max_new_tokens=len(tokens)), prompt, model.max_seq_len)
     req = EngineRequest("r", prompt, params)
