@@ -154,18 +154,16 @@ class EngineCore:
             self.frontend.submit(request)
             return
         try:
-            prompt, error = self.model.build_prompt(request.text, request.references, request.instructions), None
+            prompt, error = self.model.prepare(request), None
         except Exception as e:  # noqa: BLE001 - refused below, naming the field where it can
             prompt, error = None, e
         self._admit(Prepared(request, prompt, error, 0.0), arrived)
 
-    def _check_speed(self, request: SynthesisRequest, params: SamplingParams) -> None:
-        """speed != 1 stretches the whole utterance at once, so the request must be one chunk."""
-        self.model.check_speed(request.speed)
-        if request.speed == 1.0:
-            return
-        if not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens, not request.stream):
-            raise InvalidRequestError("speed", "needs a non-streamed request or a full-response profile")
+    def _check_one_chunk(self, request: SynthesisRequest, prompt, params: SamplingParams) -> None:
+        """A prompt that needs its audio in one chunk (`Prompt.one_chunk_for`) must get it so here."""
+        field = prompt.one_chunk_for
+        if field and not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens, not request.stream):
+            raise InvalidRequestError(field, "needs a non-streamed request or a full-response profile")
 
     def _admit_prepared(self) -> None:
         """Admit the requests whose references are encoded, in the order they were encoded."""
@@ -183,7 +181,7 @@ class EngineCore:
             prompt = prepared.prompt
             params = resolve_params(request.params, prompt, self.model.max_seq_len)
             req = EngineRequest(rid, prompt, params, request.initial_chunk_frames, speed=request.speed)
-            self._check_speed(request, params)
+            self._check_one_chunk(request, prompt, params)
             if len(prompt) > self.scheduler.max_num_batched_tokens:
                 raise TooLarge(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens")
             if not self.scheduler.fits_ever(req):

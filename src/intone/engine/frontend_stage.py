@@ -303,7 +303,7 @@ class FrontendStage:
                 if isinstance(result, Exception):
                     raise result
                 refs.append(VoiceReference(text=ref.text, features=features_as_numpy(result)))  # views, no copy
-            prompt = self.model.build_prompt(request.text, refs, request.instructions)
+            prompt = self.model.prepare(request, refs)
             return Prepared(replace(request, references=refs), prompt, None, time.perf_counter() - job.submitted)
         except Exception as e:  # noqa: BLE001 - refuses this request alone
             return Prepared(request, None, e, time.perf_counter() - job.submitted)

@@ -18,7 +18,7 @@ from intone.errors import InvalidRequestError
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
-from intone.protocol import VoiceReference
+from intone.protocol import SynthesisRequest, VoiceReference
 from intone.sampling_bounds import describe, within
 
 
@@ -67,6 +67,9 @@ class Prompt:
     codec_prompt_frames: int = 0  # frames of reference the codec sees before frame 0 (chunk alignment)
     min_new_tokens: int = 0  # the model's own length rules for this prompt
     max_new_tokens: int | None = None
+    # The request field that needs the whole audio in one codec chunk (e.g. speed: a tempo change
+    # stretches the utterance at once); the engine refuses such a request where chunks would split it.
+    one_chunk_for: str | None = None
 
     def __post_init__(self):
         self._length = int(self.tokens.shape[0])  # read per request every step: a Python int, not a tensor call
@@ -93,6 +96,18 @@ class TTSModel(abc.ABC):
 
         A reference's arrays are numpy as they crossed the process boundary (`intone.protocol`);
         the model makes the tensors it needs of them (tensors are taken too)."""
+
+    def prepare(self, request: SynthesisRequest, references: list[VoiceReference] | None = None) -> Prompt:
+        """The request's prompt, its model-specific options checked (an error names the field): speed
+        (the model's range; a tempo change needs the audio in one chunk: `Prompt.one_chunk_for`),
+        instructions and references (`build_prompt`). references: the request's with their audio
+        encoded (default: as sent)."""
+        self.check_speed(request.speed)
+        prompt = self.build_prompt(request.text, request.references if references is None else references,
+                                   request.instructions)
+        if request.speed != 1.0:
+            prompt.one_chunk_for = "speed"
+        return prompt
 
     @abc.abstractmethod
     def encode_reference(self, audio: Tensor, sample_rate: int) -> Tensor:
@@ -173,12 +188,12 @@ class TTSModel(abc.ABC):
     # so the runner may capture it per row bucket; padding rows are copies of row 0.
     head_is_static: bool = False
 
-    def check_speed(self, speed: float, field: str = "speed") -> None:
+    def check_speed(self, speed: float) -> None:
         """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""
         if not within("speed", speed):
-            raise InvalidRequestError(field, f"{describe('speed')}, got {speed}")
+            raise InvalidRequestError("speed", f"{describe('speed')}, got {speed}")
         if speed != 1.0 and not self.supports_speed:
-            raise InvalidRequestError(field, f"{self.name} supports only 1.0")
+            raise InvalidRequestError("speed", f"{self.name} supports only 1.0")
 
     @abc.abstractmethod
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:

@@ -11,7 +11,7 @@ from intone.errors import InvalidRequestError, ModelLoadError
 from intone.models.cosyvoice3.config import read_model_yaml
 from intone.models.cosyvoice3.prompt import SOS, SYSTEM_PROMPT, TASK_ID
 from intone.models.registry import load_model
-from intone.protocol import VoiceReference
+from intone.protocol import SynthesisRequest, VoiceReference
 
 from tests.procs import run_all
 
@@ -135,6 +135,16 @@ def test_bad_requests_name_the_field(tiny_cosy, voice, refs, text, field):
     with pytest.raises(InvalidRequestError) as e:
         tiny_cosy.build_prompt(text, refs)
     assert e.value.field == field
+
+
+def test_prepare_checks_speed_and_says_a_tempo_change_needs_one_chunk(tiny_cosy, voice):
+    """`prepare`: the model's own options checked before its prompt is built; a tempo change marks the
+    prompt as needing its audio in one chunk (the engine refuses it where chunks would split it)."""
+    assert tiny_cosy.prepare(SynthesisRequest("a", "Hi.", [voice], speed=1.0)).one_chunk_for is None
+    assert tiny_cosy.prepare(SynthesisRequest("b", "Hi.", [voice], speed=1.5)).one_chunk_for == "speed"
+    with pytest.raises(InvalidRequestError) as e:
+        tiny_cosy.prepare(SynthesisRequest("c", "Hi.", [voice], speed=9.0))
+    assert e.value.field == "speed"
 
 
 def test_stored_features_give_the_same_prompt_as_the_audio(tiny_cosy, voice):
