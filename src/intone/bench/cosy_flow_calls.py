@@ -9,7 +9,9 @@ normal(128, 45) length). Per attention kernel the DiT is compiled as the streami
 bounds allow and in the cheapest split (`cosyvoice3.flow.call_cost`). `--sms` runs everything on a stream of a
 green context of that many SMs (`codec.sms`), to price the codec's share alone. `--continued` also times
 the full calls as `cosyvoice3.flow.cache` runs them: each streamed job solves only its new frames, against the
-state its request's earlier hops kept (solved beforehand, untimed).
+state its request's earlier hops kept (solved beforehand, untimed). `--first-chunks N` times one call of N new
+streams' first hops (what a served first-chunk call holds), the flow and then HiFT on its mels: wall time, the
+GPU's busy time in it (profiler) and its kernel count, to tell launch-bound from GPU-bound.
 """
 
 from __future__ import annotations
@@ -96,6 +98,48 @@ def run_continued(flow, jobs, caches, groups, device) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
+def first_chunk_jobs(n: int) -> list[tuple[int, int, bool]]:
+    """(prompt tokens, tokens, streamed) of n new streams' first hops: 25 tokens plus the pad to the
+    25-token grid, plus the 3 lookahead tokens."""
+    rng = random.Random(1)
+    prompts = [rng.randint(75, 200) for _ in range(n)]
+    return [(p, 25 + (-p) % 25 + 3, True) for p in prompts]
+
+
+def time_first_chunks(model, n: int, device, repeats: int) -> dict:
+    """One call of n first hops as the stage runs it (compiled DiT, bf16 autocast): wall ms, GPU busy ms
+    and kernels, for the flow and for HiFT on its mels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    jobs = flow_jobs(first_chunk_jobs(n), device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def flow_call():
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
+            return model.flow.inference(jobs)
+
+    mels = flow_call()
+    pieces = {"flow": flow_call, "hift": lambda: model.hift.vocode_batch(mels, [False] * n)}
+    out = dict(rows=n, frames=[m.shape[1] for m in mels])
+    for name, fn in pieces.items():
+        fn()
+        sync()
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            sync()
+            walls.append(1000 * (time.perf_counter() - start))
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            fn()
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out[name] = dict(wall_ms=round(min(walls), 1), gpu_busy_ms=round(sum(e.device_time for e in kernels) / 1000, 1),
+                         kernels=len(kernels))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=48)
@@ -105,11 +149,13 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--continued", action="store_true")
+    ap.add_argument("--first-chunks", type=int, default=0, help="also time one call of this many first hops")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    flow = random_cosyvoice3(device).flow
+    model = random_cosyvoice3(device)
+    flow = model.flow
     stream, _context = codec_stream(device, args.sms)
     served = served_jobs(args.jobs)
     lengths = [job[:3] for job in served]
@@ -138,6 +184,9 @@ def main(argv=None) -> None:
                 print(json.dumps(dict(kernel=kernel, calls="full, continued", n_calls=len(splits["full"]),
                                       jobs=args.jobs, ms=round(ms, 1), cache_gib=round(gib, 2))), flush=True)
                 del caches
+            if args.first_chunks:
+                print(json.dumps(dict(kernel=kernel, calls="first chunks",
+                                      **time_first_chunks(model, args.first_chunks, device, args.repeats))), flush=True)
 
 
 if __name__ == "__main__":
