@@ -24,6 +24,7 @@ import time
 from dataclasses import replace
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from intone.engine.codec_worker import codec_stream
 from intone.models.cosyvoice3.flow import FlowRequest
@@ -109,8 +110,6 @@ def first_chunk_jobs(n: int) -> list[tuple[int, int, bool]]:
 def time_first_chunks(model, n: int, device, repeats: int) -> dict:
     """One call of n first hops as the stage runs it (compiled DiT, bf16 autocast): wall ms, GPU busy ms
     and kernels, for the flow and for HiFT on its mels."""
-    from torch.profiler import ProfilerActivity, profile
-
     jobs = flow_jobs(first_chunk_jobs(n), device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
