@@ -52,14 +52,14 @@ def test_paged_attention_matches_dense(reqs, rnd):
 def test_block_manager_grows_a_table_and_frees_it_idempotently():
     m = BlockManager(8, 4)
     table: list[int] = []
-    assert m.grow(table, 9) is table and len(table) == 3 and m.num_free == 5
+    assert m.grow(table, 9) is table and len(table) == 3 and m.num_free == 5 and m.tables == 1
     m.grow(table, 12)  # still fits
     assert len(table) == 3 and m.num_free == 5
     m.grow(table, 13)
     assert m.num_free == 4
     m.free(table)
     m.free(table)
-    assert m.num_free == 8 and table == []
+    assert m.num_free == 8 and table == [] and m.tables == 0
 
 
 def test_block_manager_refuses_when_full():

@@ -58,3 +58,33 @@ def test_static_decode_equals_eager_and_padding_rows_touch_only_the_scratch_bloc
     owned = {b for table in tables_of for b in table}
     changed = (kv.k[:, : kv.num_blocks] != k0[:, : kv.num_blocks]).any(dim=(0, 2, 3, 4)).nonzero().flatten()
     assert set(changed.tolist()) <= owned
+
+
+def test_the_static_step_reads_only_the_blocks_a_step_needs(tiny_cache):
+    """The GPU's static step (padded buffers per (rows, KV) bucket; run here on the CPU) given block tables
+    lent far ahead, as a harness may lend them: the tokens of the runner's dynamic steps, and no error
+    from tables wider than the step's KV bucket."""
+    from intone.engine.model_runner import ModelRunner, StepInput
+    from intone.models.base import Prompt
+    from intone.protocol import SamplingParams
+
+    model = _model("fish-s2", tiny_cache)
+    g = torch.Generator().manual_seed(3)
+    prompts = [Prompt(torch.randint(0, 50, (n,), generator=g), torch.zeros(n, model.num_codebooks, dtype=torch.long))
+               for n in (38, 9)]
+    tokens = {}
+    for static in (False, True):
+        kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
+        blocks, runner = BlockManager(64, 16), ModelRunner(model, kv)
+        if static:
+            runner.graphs = runner._step_graphs()  # what a GPU builds, graphs or not
+        reqs = [StepInput(f"r{i}", p, SamplingParams(seed=i), [], None, blocks.grow([], len(p) + 300))
+                for i, p in enumerate(prompts)]
+        for _ in range(4):
+            out, _, codes = runner.run(reqs).to_host()
+            reqs = [StepInput(r.request_id, r.prompt, r.params, r.tokens + [t], c, r.block_table)
+                    for r, t, c in zip(reqs, out, codes)]
+        tokens[static] = [r.tokens for r in reqs]
+        if static:
+            assert runner.graphs.eager == 3  # the three decode steps ran the static step
+    assert tokens[True] == tokens[False]

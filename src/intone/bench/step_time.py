@@ -4,7 +4,8 @@
 
 Runs Fish S2 Pro's real-size architecture (or any config.json via --config) on the GPU. The
 numbers are the yardstick for the engine's step times; compare them with
-shared/tools/roofline-h200.txt.
+shared/tools/roofline-h200.txt. Since session 16 the rows without graphs time the runner's static step run
+eagerly at its padded shapes (what an engine without graphs runs on a GPU), not the unpadded decode forward.
 """
 
 from __future__ import annotations

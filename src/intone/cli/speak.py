@@ -12,6 +12,7 @@ import numpy as np
 from intone.errors import InvalidRequestError
 
 MAX_REFERENCE_SECONDS = 30.0
+PROMPT_TEMPLATE_TOKENS = 512  # a prompt's tokens besides its text, transcripts and reference frames (bound)
 # the engine's request fields -> this command's options
 OPTION_OF_FIELD = {"speed": "--speed", "instructions": "--instructions", "ref_audio": "--ref-audio",
                    "ref_text": "--ref-text", "input": "text"}
@@ -40,7 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stream", action="store_true",
                    help="run through the engine (its own process) and write the wav as chunks arrive")
     p.add_argument("--profile", default=None,
-                   help="deploy profile (path or name under profiles/): sampling defaults, and the engine with --stream")
+                   help="deploy profile (path or name under profiles/): the engine's settings and sampling defaults")
     p.add_argument("--trace-frames", default=None, metavar="FILE", help="with --stream: one JSON line per chunk")
     p.set_defaults(run=run)
 
@@ -77,8 +78,13 @@ def run(args: argparse.Namespace) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         return asyncio.run(_stream(args, segments, references, params, device))
-    # seats for these segments only: no start-up captures for a batch this run never has
+    # Seats and KV cache for these segments only (no start-up captures or cache for a batch this run never
+    # has): a prompt is at most its text's and transcripts' bytes as tokens, its references' frames (at
+    # most 50 a second) and the template, plus the frames it may generate.
     profile.ar.max_num_seqs = len(segments)
+    prompt_bound = (max(len(text.encode()) for text in segments) + sum(len(r.text.encode()) for r in references)
+                    + sum(50 * len(r.audio) // r.sample_rate for r in references) + PROMPT_TEMPLATE_TOKENS)
+    profile.ar.kv_cache_tokens = profile.ar.kv_cache_tokens or len(segments) * (prompt_bound + params.max_new_tokens)
     core = EngineCore.build(args.model, profile)
     try:
         start = time.perf_counter()

@@ -251,7 +251,7 @@ class EngineCore:
             live_requests=len(self.requests), preparing=len(self._preparing),
             planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
-            kv_tables=sum(1 for r in self.requests.values() if r.block_table), steps=self.stats.steps, frames=self.stats.frames,
+            kv_tables=self.blocks.tables, steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,

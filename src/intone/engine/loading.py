@@ -9,7 +9,7 @@ import torch
 
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
-from intone.models import family_of
+from intone.models import family_of, resolve_model_dir
 from intone.models.registry import load_model
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 def load_for_profile(model_spec: str, profile: Profile):
     """The model on the profile's device, with the profile's AR and codec precisions, this
     process's CUDA state set up (TF32, a stream of its own for the calling thread)."""
-    profile.options_for(family_of(model_spec))  # refuses another family's section before the load
     device = profile.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,6 +39,9 @@ def load_for_profile(model_spec: str, profile: Profile):
         # A stream of its own, so the other threads' streams can overlap it (the legacy default
         # stream would serialise them).
         torch.cuda.set_stream(torch.cuda.Stream(torch.device(device)))
+    if not model_spec.startswith(("tiny:", "random:")):
+        resolve_model_dir(model_spec)  # a path that is not there is named as such, before anything else
+    profile.options_for(family_of(model_spec))  # another family's section is refused before the load
     return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
 
 

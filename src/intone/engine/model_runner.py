@@ -113,11 +113,12 @@ class ModelRunner:
         for r in reqs:
             q = len(r.prompt) if prefill else 1
             ctx = 0 if prefill else len(r.prompt) + len(r.tokens) - 1
-            if len(r.block_table) * self.kv.block_size < ctx + q:
+            used = -(-(ctx + q) // self.kv.block_size)
+            if len(r.block_table) < used:
                 raise ValueError(f"{r.request_id}: {len(r.block_table)} KV blocks cannot hold {ctx + q} tokens")
             q_lens.append(q)
             ctx_lens.append(ctx)
-            tables.append(r.block_table)
+            tables.append(r.block_table[:used])  # a table lent ahead holds more: the step reads these
         return AttentionMetadata.build(q_lens, ctx_lens, tables, self.kv.block_size, self.model.device)
 
     # ---- running -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The flow's solve continued from a stream's earlier hops (`codec.flow_cache`).
+"""The flow's solve continued from a stream's earlier hops (`cosyvoice3.flow.cache`).
 
 Officially every streamed hop re-solves the flow over the reference and *all* tokens so far. Under the
 chunk mask a frame sees only frames before the end of its 50-frame chunk, and the DiT's convolutions are

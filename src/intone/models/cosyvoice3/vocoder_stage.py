@@ -48,7 +48,7 @@ class StreamState:
     released: int = 0
     phase: Tensor | None = None
     phase_at: int = 0
-    flow: FlowCache | None = None  # codec.flow_cache: the flow's state after the stream's last non-final hop
+    flow: FlowCache | None = None  # cosyvoice3.flow.cache: the flow's state after the stream's last non-final hop
 
 
 def stretch(mel: Tensor, speed: float) -> Tensor:
