@@ -4,6 +4,7 @@
 #                                         cosy-stream, cosy-ab (cosy-stream once per AB variant: AB='name:serve args;name:serve args'),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
+# BENCH_ARGS: more `intone bench` options for fish-http / fish-stream (e.g. --reference-pool 16).
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,10 +33,10 @@ for stage in "$@"; do
         | grep -v Warn | tail -20 ;;
     cosy-frontend) timeout 200 python3 tools/cosy_frontend_timing.py 2>&1 | tee "$OUT/cosy-frontend.txt" | tail -20 ;;
     fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
-        --num-requests "$N" --output-dir "$OUT/fish-http$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
+        --num-requests "$N" --output-dir "$OUT/fish-http$TAG" ${BENCH_ARGS:-} ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       tail -5 "$OUT/fish-http$TAG/server.log"; grep -A12 "Where the time" "$OUT/fish-http$TAG/report.md" ;;
     fish-stream) timeout 420 $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
-        --num-requests "$N" --stream --output-dir "$OUT/fish-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
+        --num-requests "$N" --stream --output-dir "$OUT/fish-stream$TAG" ${BENCH_ARGS:-} ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/fish-stream$TAG/report.md" ;;
     fish-engine) timeout 420 python3 -m intone.bench.engine_throughput --model random:fish-s2 \
         --profile fish-s2-high-concurrency --concurrency 64 --num-requests "$N" --warmup 64 \

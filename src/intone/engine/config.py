@@ -44,6 +44,10 @@ class ARConfig(_Strict):
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = Field(True, description="replay captured graphs where the model has them (GPU only)")
+    prefix_caching: bool = Field(False, description="a request whose prompt starts as an earlier one's (e.g. the same "
+                                                    "voice first, as Fish's prompts put it) takes that prefix's KV "
+                                                    "blocks instead of computing them again (whole blocks; kept until "
+                                                    "the cache lends them out afresh)")
     fuse_elementwise: bool = Field(False, description="the AR's norms, RoPE and SwiGLU gate through torch.compile, "
                                                       "one kernel each, inside the graphs (GPU only; see ops.fused)")
     decode_splits: Literal[1, 2, 4, 8, 16] = Field(

@@ -30,7 +30,7 @@ from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
 from intone.ops import fused, paged_decode
-from intone.ops.kv_cache import BlockManager, KVCache
+from intone.ops.kv_cache import BlockManager, KVCache, prefix_hashes
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,8 @@ class EngineCore:
             self._refuse(rid, f"cannot prepare the request: {e}", "internal")
             return
         req.allocate_codes(self.model.num_codebooks)
+        if self.profile.ar.prefix_caching:  # whole blocks, short of the last token (its step makes the first frame)
+            req.prefix_hashes = prefix_hashes(prompt.tokens, prompt.codes, self.blocks.block_size, len(prompt) - 1)
         req.times.arrived, req.times.frontend_s = arrived, prepared.seconds
         req.times.ready = time.perf_counter()
         self.requests[rid] = req
@@ -251,7 +253,7 @@ class EngineCore:
             live_requests=len(self.requests), preparing=len(self._preparing),
             planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
-            kv_tables=self.blocks.tables, steps=self.stats.steps, frames=self.stats.frames,
+            kv_tables=self.blocks.tables, prefix_cache_blocks=self.blocks.shared_blocks, steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
@@ -333,7 +335,8 @@ class EngineCore:
 
     def _run_ar(self, batch: list[EngineRequest], finished: list[str], start: float) -> None:
         out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table) for r in batch
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table,
+                      r.cached_tokens if not r.tokens else 0) for r in batch
         ])
         tokens, stopped, codes = out.to_host()
         now = time.perf_counter()
@@ -342,6 +345,7 @@ class EngineCore:
             if not req.tokens and req.times.prefill_s is None:
                 req.times.scheduled, req.times.prefill_s = start, now - start
                 prefilled = True
+                self.blocks.publish(req.block_table, req.prefix_hashes)  # later steps run after its writes
             if stopped[i]:
                 req.stop_reason = "stop"
             else:

@@ -37,6 +37,7 @@ class StepInput:
     tokens: list[int]  # main tokens generated so far
     last_codes: np.ndarray | None  # [K] codes of the last generated frame on the host (None before the first)
     block_table: list[int]  # KV blocks holding at least len(prompt) + len(tokens) tokens (the scheduler grew it)
+    cached: int = 0  # prompt tokens already in its KV blocks (a shared prefix): its prefill computes the rest
 
 
 MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
@@ -89,8 +90,8 @@ class ModelRunner:
             raise ValueError("prefills must come before decodes")
         # A decode's input is its last frame: one tensor for all of them, not one per row.
         decodes = reqs[n_prefill:]
-        tokens = [r.prompt.tokens for r in reqs[:n_prefill]]
-        codes = [r.prompt.codes for r in reqs[:n_prefill]]
+        tokens = [r.prompt.tokens[r.cached:] for r in reqs[:n_prefill]]
+        codes = [r.prompt.codes[r.cached:] for r in reqs[:n_prefill]]
         if decodes:
             tokens.append(torch.tensor([r.tokens[-1] for r in decodes], dtype=torch.long))
             codes.append(torch.from_numpy(np.stack([r.last_codes for r in decodes])))
@@ -111,8 +112,8 @@ class ModelRunner:
             return None
         q_lens, ctx_lens, tables = [], [], []
         for r in reqs:
-            q = len(r.prompt) if prefill else 1
-            ctx = 0 if prefill else len(r.prompt) + len(r.tokens) - 1
+            q = len(r.prompt) - r.cached if prefill else 1
+            ctx = r.cached if prefill else len(r.prompt) + len(r.tokens) - 1
             used = -(-(ctx + q) // self.kv.block_size)
             if len(r.block_table) < used:
                 raise ValueError(f"{r.request_id}: {len(r.block_table)} KV blocks cannot hold {ctx + q} tokens")

@@ -85,6 +85,8 @@ class EngineRequest:
     codec_state: object = None  # the codec stage's per-request state (dropped with the request)
     block_table: list[int] = field(default_factory=list)  # its KV blocks (grown by the scheduler)
     frontier: Frontier | None = None  # its chunking state (from the chunk planner, at admission)
+    prefix_hashes: list[bytes] = field(default_factory=list)  # ar.prefix_caching: digests of its prompt's blocks
+    cached_tokens: int = 0  # prompt tokens whose KV it took from an earlier prompt (at admission)
     speed: float = 1.0
     stop_reason: str | None = None
     seq: int = 0  # chunks sent so far

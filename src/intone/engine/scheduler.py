@@ -73,15 +73,21 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
-            need = self.blocks.blocks_for(req.kv_tokens_needed)
-            if need > spare or len(req.prompt) > budget or (admitted and len(req.prompt) > soft):
+            free_before = self.blocks.num_free
+            shared = self.blocks.share(req.block_table, req.prefix_hashes) if req.prefix_hashes else 0
+            # blocks it takes from the free pool: new ones, and shared ones no running request held
+            need = self.blocks.blocks_for(req.kv_tokens_needed) - shared + free_before - self.blocks.num_free
+            tokens = len(req.prompt) - shared * self.blocks.block_size
+            if need > spare or tokens > budget or (admitted and tokens > soft):
+                self.blocks.free(req.block_table)
                 break
-            soft -= len(req.prompt)
+            req.cached_tokens = shared * self.blocks.block_size
+            soft -= tokens
             self.waiting.popleft()
             req.status = Status.RUNNING
             admitted.append(req)
             spare -= need
-            budget -= len(req.prompt)
+            budget -= tokens
         decodes = list(self.running)
         self.running.extend(admitted)
         batch = admitted + decodes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +53,22 @@ class KVCache:
 class BlockManager:
     """Lends the cache's blocks. A request's block table is a list it owns (on the request
     object); `grow` extends it a block at a time and `free` gives it back whole (idempotent: the
-    list is emptied)."""
+    list is emptied).
+
+    Prefix sharing: a block full of prompt tokens may be published under the hash of the prompt up
+    to its end (`publish`); a later request whose prompt starts the same takes those blocks into its
+    table (`share`) instead of computing them. A block is lent to every table holding it (a count)
+    and goes back to the free pool when the last one frees it, still holding its keys and values:
+    it is shared again until the pool lends it out afresh (least recently freed first)."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
+        self._users = [0] * num_blocks  # tables holding each block
+        self._by_hash: dict[bytes, int] = {}  # published prefix -> its last block
+        self._hash_of: dict[int, bytes] = {}
         self.tables = 0  # tables holding blocks now (what a leak check counts)
+        self.shared_blocks = 0  # blocks taken from earlier prompts so far
 
     @property
     def num_free(self) -> int:
@@ -71,10 +83,58 @@ class BlockManager:
         if need > len(self._free):
             raise MemoryError(f"KV cache full: {need} blocks needed, {len(self._free)} free")
         self.tables += bool(need and not table)
-        table.extend(self._free.pop() for _ in range(need))
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)  # lent afresh: what it held is overwritten
+            self._users[block] = 1
+            table.append(block)
         return table
+
+    def share(self, table: list[int], prefix_hashes: list[bytes]) -> int:
+        """Start an empty `table` with the published blocks of the longest prefix found; returns how
+        many blocks it took."""
+        if table:
+            raise ValueError("a table shares a prefix only before it holds blocks")
+        for h in prefix_hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            if self._users[block] == 0:
+                del self._free[block]
+            self._users[block] += 1
+            table.append(block)
+        self.tables += bool(table)
+        self.shared_blocks += len(table)
+        return len(table)
+
+    def publish(self, table: list[int], prefix_hashes: list[bytes]) -> None:
+        """The table's first len(prefix_hashes) blocks now hold those prefixes' keys and values."""
+        for block, h in zip(table, prefix_hashes):
+            if h not in self._by_hash and block not in self._hash_of:
+                self._by_hash[h], self._hash_of[block] = block, h
 
     def free(self, table: list[int]) -> None:
         self.tables -= bool(table)
-        self._free.extend(reversed(table))
+        for block in table:
+            self._users[block] -= 1
+            if self._users[block] == 0:
+                self._free[block] = None
         table.clear()
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._by_hash[h]
+
+
+def prefix_hashes(tokens: Tensor, codes: Tensor, block_size: int, limit: int) -> list[bytes]:
+    """A digest per full block of the first `limit` positions: of every token and code up to the
+    block's end (so equal digests mean equal prefixes, and so equal keys and values)."""
+    out, digest = [], b""
+    for end in range(block_size, limit + 1, block_size):
+        h = hashlib.blake2b(digest, digest_size=16)
+        h.update(tokens[end - block_size: end].numpy().tobytes())
+        h.update(codes[end - block_size: end].numpy().tobytes())
+        digest = h.digest()
+        out.append(digest)
+    return out
