@@ -1,5 +1,7 @@
 """Paged attention against plain causal attention, for any split into blocks and batches."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,9 @@ def test_paged_attention_matches_dense(reqs, rnd):
     torch.manual_seed(rnd.randint(0, 10**6))
     manager = BlockManager(64, BLOCK)
     k_cache, v_cache = torch.zeros(64, BLOCK, HKV, D), torch.zeros(64, BLOCK, HKV, D)
-    rnd.shuffle(manager._free)
+    order = list(manager._free)  # blocks lent in a shuffled order
+    rnd.shuffle(order)
+    manager._free = OrderedDict.fromkeys(order)
     seqs = []
     for r, (q_len, ctx) in enumerate(reqs):
         total = q_len + ctx

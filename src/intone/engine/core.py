@@ -187,6 +187,8 @@ class EngineCore:
             if not self.scheduler.fits_ever(req):
                 raise TooLarge(f"request needs {req.kv_tokens_needed} tokens of KV cache, "
                                   f"more than the cache holds ({self.kv.num_blocks * self.kv.block_size})")
+            if self.profile.ar.prefix_caching:  # whole blocks, short of the last token (its step makes the first frame)
+                req.prefix_hashes = prefix_hashes(prompt.tokens, prompt.codes, self.blocks.block_size, len(prompt) - 1)
             self.scheduler.add(req)
         except InvalidRequestError as e:
             self._refuse(rid, str(e), "invalid_request", e.field)
@@ -206,8 +208,6 @@ class EngineCore:
             self._refuse(rid, f"cannot prepare the request: {e}", "internal")
             return
         req.allocate_codes(self.model.num_codebooks)
-        if self.profile.ar.prefix_caching:  # whole blocks, short of the last token (its step makes the first frame)
-            req.prefix_hashes = prefix_hashes(prompt.tokens, prompt.codes, self.blocks.block_size, len(prompt) - 1)
         req.times.arrived, req.times.frontend_s = arrived, prepared.seconds
         req.times.ready = time.perf_counter()
         self.requests[rid] = req
@@ -253,7 +253,7 @@ class EngineCore:
             live_requests=len(self.requests), preparing=len(self._preparing),
             planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
-            kv_tables=self.blocks.tables, prefix_cache_blocks=self.blocks.shared_blocks, steps=self.stats.steps, frames=self.stats.frames,
+            kv_tables=self.blocks.tables, prefix_cache_blocks=self.scheduler.shared_blocks, steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,

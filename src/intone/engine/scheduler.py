@@ -32,12 +32,11 @@ class Scheduler:
         self.step_token_target = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        self.shared_blocks = 0  # KV blocks admitted requests took from earlier prompts (ar.prefix_caching)
 
     def fits_ever(self, req: EngineRequest) -> bool:
         """Could this request run if it were alone?"""
-        return self.blocks.blocks_for(req.kv_tokens_needed) <= self.blocks.num_free + sum(
-            len(r.block_table) for r in self.running
-        )
+        return self.blocks.blocks_for(req.kv_tokens_needed) <= self.blocks.num_blocks
 
     def queue_bound(self) -> int:
         """How many requests may wait: `max_waiting` beyond the seats that are free now (a burst that
@@ -82,6 +81,7 @@ class Scheduler:
                 self.blocks.free(req.block_table)
                 break
             req.cached_tokens = shared * self.blocks.block_size
+            self.shared_blocks += shared
             soft -= tokens
             self.waiting.popleft()
             req.status = Status.RUNNING

@@ -62,13 +62,12 @@ class BlockManager:
     it is shared again until the pool lends it out afresh (least recently freed first)."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest freed first
         self._users = [0] * num_blocks  # tables holding each block
         self._by_hash: dict[bytes, int] = {}  # published prefix -> its last block
         self._hash_of: dict[int, bytes] = {}
         self.tables = 0  # tables holding blocks now (what a leak check counts)
-        self.shared_blocks = 0  # blocks taken from earlier prompts so far
 
     @property
     def num_free(self) -> int:
@@ -104,7 +103,6 @@ class BlockManager:
             self._users[block] += 1
             table.append(block)
         self.tables += bool(table)
-        self.shared_blocks += len(table)
         return len(table)
 
     def publish(self, table: list[int], prefix_hashes: list[bytes]) -> None:
@@ -115,7 +113,7 @@ class BlockManager:
 
     def free(self, table: list[int]) -> None:
         self.tables -= bool(table)
-        for block in table:
+        for block in reversed(table):  # a prompt's tail is lent afresh before its head (its chain stays findable)
             self._users[block] -= 1
             if self._users[block] == 0:
                 self._free[block] = None
