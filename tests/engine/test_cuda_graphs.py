@@ -117,6 +117,32 @@ def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
     assert (rows - packed).abs().max() < 1e-4
 
 
+def test_a_prefill_after_a_shared_prefix_as_graph_rows_equals_the_packed_prefill(tiny_cache):
+    """ar.prefix_caching on the GPU: a prompt whose first two blocks are another prompt's (their keys and
+    values written by its prefill) prefills only the rest, as rows of the static step and packed alike."""
+    model = load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cuda", dtype=torch.float32)
+    blocks = BlockManager(256, 16)
+    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+    runner = ModelRunner(model, kv, cuda_graphs=True)
+    runner.capture(8, 600, 512)
+    g = torch.Generator().manual_seed(4)
+    first = _new(blocks, "a", _prompt(model, 40, g), SamplingParams(seed=1))
+    runner.run([first])
+    tail = _prompt(model, 12, g)
+    prompt = Prompt(torch.cat([first.prompt.tokens[:32], tail.tokens]), torch.cat([first.prompt.codes[:32], tail.codes]))
+    table = first.block_table[:2] + blocks.grow([], 32)  # 48 tokens: the prompt's 44 and a frame
+    batch = runner.build([StepInput("b", prompt, SamplingParams(seed=2), [], None, table, cached=32)])
+    assert batch.num_prefill_tokens == 12
+    x = model.embed(batch.tokens, batch.codes)
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    with torch.inference_mode():
+        rows = runner._as_rows(x, batch)
+        kv.k.copy_(k0), kv.v.copy_(v0)
+        packed = runner._split(x, batch, batch.num_prefill_tokens)
+    assert rows is not None and rows.shape == packed.shape == (1, packed.shape[1])
+    assert (rows - packed).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("temperature", [0.05, 0.8, 1.5])
 def test_triton_race_draws_the_tokens_of_the_torch_race(temperature):
     """The fused race kernel and the torch ops it replaces pick the same token on every row."""
