@@ -67,8 +67,8 @@ def stage_tables(results: dict) -> list[str]:
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
               "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % | "
               "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | chunks per first-chunk call "
-              "| preempted calls |",
-              "|" + "---|" * 22]
+              "| preempted calls | prefix-cache blocks |",
+              "|" + "---|" * 23]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -83,7 +83,8 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)}"
             + f" | {_count(k.get('codec_first_calls'))} | {_fmt(_per_call(k, 'codec_first_call_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_gpu_seconds'), 3)}"
-            + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))} |")
+            + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))}"
+            + f" | {_count(k.get('prefix_cache_blocks'))} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
