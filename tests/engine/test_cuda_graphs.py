@@ -106,15 +106,19 @@ def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
     g = torch.Generator().manual_seed(2)
     decodes = _decodes(model, runner, blocks, [12, 50], g)
     new = [_new(blocks, f"n{i}", _prompt(model, n, g), SamplingParams(seed=i)) for i, n in enumerate((20, 70))]
-    batch = runner.build(new + decodes)
+    rows, packed = _rows_and_packed(model, runner, kv, runner.build(new + decodes))
+    assert rows is not None and rows.shape == packed.shape == (4, packed.shape[1])
+    assert (rows - packed).abs().max() < 1e-4
+
+
+def _rows_and_packed(model, runner, kv, batch):
+    """A step's outputs as rows of the static step and through the packed prefill, from the same cache."""
     x = model.embed(batch.tokens, batch.codes)
     k0, v0 = kv.k.clone(), kv.v.clone()
     with torch.inference_mode():
         rows = runner._as_rows(x, batch)
         kv.k.copy_(k0), kv.v.copy_(v0)
-        packed = runner._split(x, batch, batch.num_prefill_tokens)
-    assert rows is not None and rows.shape == packed.shape == (4, packed.shape[1])
-    assert (rows - packed).abs().max() < 1e-4
+        return rows, runner._split(x, batch, batch.num_prefill_tokens)
 
 
 def test_a_prefill_after_a_shared_prefix_as_graph_rows_equals_the_packed_prefill(tiny_cache):
@@ -133,12 +137,7 @@ def test_a_prefill_after_a_shared_prefix_as_graph_rows_equals_the_packed_prefill
     table = first.block_table[:2] + blocks.grow([], 32)  # 48 tokens: the prompt's 44 and a frame
     batch = runner.build([StepInput("b", prompt, SamplingParams(seed=2), [], None, table, cached=32)])
     assert batch.num_prefill_tokens == 12
-    x = model.embed(batch.tokens, batch.codes)
-    k0, v0 = kv.k.clone(), kv.v.clone()
-    with torch.inference_mode():
-        rows = runner._as_rows(x, batch)
-        kv.k.copy_(k0), kv.v.copy_(v0)
-        packed = runner._split(x, batch, batch.num_prefill_tokens)
+    rows, packed = _rows_and_packed(model, runner, kv, batch)
     assert rows is not None and rows.shape == packed.shape == (1, packed.shape[1])
     assert (rows - packed).abs().max() < 1e-4
 

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if len(args.ref_audio) != len(args.ref_text):
         missing = "--ref-text" if len(args.ref_audio) > len(args.ref_text) else "--ref-audio"
         raise InvalidRequestError(missing, "give one --ref-text for each --ref-audio")
-    profile = load_profile(args.profile or default_profile(args.model), **({"device": args.device} if args.device else {}))
+    profile = load_profile(args.profile or default_profile(args.model),
+                           **({"device": args.device} if args.device else {}))
     seed = secrets.randbits(63) if args.seed is None else args.seed  # drawn here, so the output can name it
     params = default_params(
         profile, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, mode=args.sampling_mode,

@@ -36,10 +36,9 @@ import torch
 import zmq
 
 from intone.engine.child import parent_sockets, watch_parent
-from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
 from intone.engine.config import Profile
-from intone.engine.loading import load_for_profile, warm_up_codec
+from intone.engine.loading import codec_stage_for, load_for_profile, warm_up_codec
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
         profile = profile.model_copy(update={"device": profile.codec.device})
     model = load_for_profile(model_spec, profile)
     c = profile.codec
-    stage = model.make_codec_stage(c, profile.options_for(model.name)) or CodecStage(model, c.max_batch, c.max_padded_frames, c.carry_state)
+    stage = codec_stage_for(model, profile)
     with torch.inference_mode():
         if model.device.type == "cuda":
             torch.backends.cudnn.benchmark = c.cudnn_benchmark

@@ -15,13 +15,12 @@ import torch
 
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_process import CodecProcess
-from intone.engine.codec_stage import CodecStage
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
-from intone.engine.loading import load_for_profile, warm_up_codec
+from intone.engine.loading import codec_stage_for, load_for_profile, warm_up_codec
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
@@ -68,13 +67,11 @@ class EngineCore:
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         if profile.codec.carry_state and model.stream_decoder() is None:
             raise ValueError(f"codec.carry_state: {model.name} has no stream decoder")
-        options = profile.options_for(model.name)
-        self.codec = None if codec_process else model.make_codec_stage(profile.codec, options) or CodecStage(
-            model, profile.codec.max_batch, profile.codec.max_padded_frames, profile.codec.carry_state)
+        self.codec = None if codec_process else codec_stage_for(model, profile)
         self.codec_worker: CodecWorker | CodecProcess | None = codec_process
         # Most urgent: the frontend's small kernels otherwise wait behind the codec's for every SM.
         self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
-        model.configure_frontend(options)
+        model.configure_frontend(profile.options_for(model.name))
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority,
                                       each=profile.frontend.hand_back == "each", workers=profile.frontend.workers)
         self.requests: dict[str, EngineRequest] = {}
@@ -162,7 +159,8 @@ class EngineCore:
     def _check_one_chunk(self, request: SynthesisRequest, prompt, params: SamplingParams) -> None:
         """A prompt that needs its audio in one chunk (`Prompt.one_chunk_for`) must get it so here."""
         field = prompt.one_chunk_for
-        if field and not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens, not request.stream):
+        if field and not self.planner.one_chunk(request.initial_chunk_frames, params.max_new_tokens,
+                                                not request.stream):
             raise InvalidRequestError(field, "needs a non-streamed request or a full-response profile")
 
     def _admit_prepared(self) -> None:
@@ -253,7 +251,8 @@ class EngineCore:
             live_requests=len(self.requests), preparing=len(self._preparing),
             planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
-            kv_tables=self.blocks.tables, prefix_cache_blocks=self.scheduler.shared_blocks, steps=self.stats.steps, frames=self.stats.frames,
+            kv_tables=self.blocks.tables, prefix_cache_blocks=self.scheduler.shared_blocks,
+            steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
@@ -335,8 +334,8 @@ class EngineCore:
 
     def _run_ar(self, batch: list[EngineRequest], finished: list[str], start: float) -> None:
         out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table,
-                      r.cached_tokens if not r.tokens else 0) for r in batch
+            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table, r.cached_tokens)
+            for r in batch
         ])
         tokens, stopped, codes = out.to_host()
         now = time.perf_counter()

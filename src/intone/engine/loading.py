@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from intone.engine.codec_stage import CodecStage
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models import family_of, resolve_model_dir
@@ -43,6 +44,13 @@ def load_for_profile(model_spec: str, profile: Profile):
         resolve_model_dir(model_spec)  # a path that is not there is named as such, before anything else
     profile.options_for(family_of(model_spec))  # another family's section is refused before the load
     return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
+
+
+def codec_stage_for(model, profile: Profile):
+    """The model's own codec stage (given the family's profile section), else the engine's default."""
+    c = profile.codec
+    return model.make_codec_stage(c, profile.options_for(model.name)) or CodecStage(
+        model, c.max_batch, c.max_padded_frames, c.carry_state)
 
 
 def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:

@@ -37,7 +37,7 @@ class StepInput:
     tokens: list[int]  # main tokens generated so far
     last_codes: np.ndarray | None  # [K] codes of the last generated frame on the host (None before the first)
     block_table: list[int]  # KV blocks holding at least len(prompt) + len(tokens) tokens (the scheduler grew it)
-    cached: int = 0  # prompt tokens already in its KV blocks (a shared prefix): its prefill computes the rest
+    cached: int = 0  # prompt tokens already in its KV blocks (a shared prefix): its prefill computes the rest (decodes: unread)
 
 
 MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
