@@ -98,17 +98,23 @@ def test_triton_decode_attention_matches_the_reference(dtype, tol, heads, kv_hea
 
 
 def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
-    model = load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cuda", dtype=torch.float32)
-    blocks = BlockManager(256, 16)
-    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
-    runner = ModelRunner(model, kv, cuda_graphs=True)
-    runner.capture(8, 600, 512)
+    model, blocks, kv, runner = _cosy_runner()
     g = torch.Generator().manual_seed(2)
     decodes = _decodes(model, runner, blocks, [12, 50], g)
     new = [_new(blocks, f"n{i}", _prompt(model, n, g), SamplingParams(seed=i)) for i, n in enumerate((20, 70))]
     rows, packed = _rows_and_packed(model, runner, kv, runner.build(new + decodes))
     assert rows is not None and rows.shape == packed.shape == (4, packed.shape[1])
     assert (rows - packed).abs().max() < 1e-4
+
+
+def _cosy_runner():
+    """Tiny CosyVoice3 on the GPU, its runner's graphs captured with prompt rows up to 512 tokens a step."""
+    model = load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cuda", dtype=torch.float32)
+    blocks = BlockManager(256, 16)
+    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+    runner = ModelRunner(model, kv, cuda_graphs=True)
+    runner.capture(8, 600, 512)
+    return model, blocks, kv, runner
 
 
 def _rows_and_packed(model, runner, kv, batch):
@@ -124,11 +130,7 @@ def _rows_and_packed(model, runner, kv, batch):
 def test_a_prefill_after_a_shared_prefix_as_graph_rows_equals_the_packed_prefill(tiny_cache):
     """ar.prefix_caching on the GPU: a prompt whose first two blocks are another prompt's (their keys and
     values written by its prefill) prefills only the rest, as rows of the static step and packed alike."""
-    model = load_model(str(resolve_model_dir("tiny:cosyvoice3")), device="cuda", dtype=torch.float32)
-    blocks = BlockManager(256, 16)
-    kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
-    runner = ModelRunner(model, kv, cuda_graphs=True)
-    runner.capture(8, 600, 512)
+    model, blocks, kv, runner = _cosy_runner()
     g = torch.Generator().manual_seed(4)
     first = _new(blocks, "a", _prompt(model, 40, g), SamplingParams(seed=1))
     runner.run([first])
