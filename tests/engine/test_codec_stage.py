@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.engine.codec_stage import CodecJob, CodecStage
+from intone.models.vocoder import CodecJob, WindowVocoder
 from intone.ops.batching import group_jobs
 
 
@@ -64,9 +64,9 @@ def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):
     g = torch.Generator().manual_seed(0)
     jobs = [CodecJob(torch.randint(0, 4096, (10, n), generator=g), ctx, first)
             for n, ctx, first in [(29, 25, 4), (4, 0, 0), (50, 25, 29), (7, 7, 100), (31, 25, 200)]]
-    stage = CodecStage(model, max_batch=8, max_padded_frames=256)
-    batched = stage.decode(jobs)
-    assert stage.calls == 1  # one call, four real windows (one is context only)
+    vocoder = WindowVocoder(model, max_batch=8, max_padded_frames=256)
+    batched = vocoder.decode_jobs(jobs)
+    assert vocoder.calls == 1  # one call, four real windows (one is context only)
     for job, audio in zip(jobs, batched):
         if job.length == job.context:
             assert audio.shape == (0,)

@@ -60,8 +60,9 @@ def _gated_worker(tiny_fish, max_call, first_alone=False):
     from intone.engine.codec_stage import CodecStage
     from intone.engine.codec_worker import CodecWorker
     from intone.engine.request import EngineRequest
+    from intone.models.vocoder import WindowVocoder
 
-    stage = CodecStage(tiny_fish, max_batch=64, max_padded_frames=4096)
+    stage = CodecStage(WindowVocoder(tiny_fish, max_batch=64, max_padded_frames=4096))
     gate, calls, decode = threading.Event(), [], stage.run
 
     def gated(items):
@@ -159,8 +160,9 @@ def test_preempt_decodes_a_new_streams_first_chunk_at_the_backlog_calls_next_pau
     from intone.engine.codec_stage import CodecStage
     from intone.engine.codec_worker import CodecWorker
     from intone.engine.request import EngineRequest
+    from intone.models.vocoder import WindowVocoder
 
-    stage = CodecStage(tiny_fish, max_batch=1, max_padded_frames=4096)  # one window per decode
+    stage = CodecStage(WindowVocoder(tiny_fish, max_batch=1, max_padded_frames=4096))  # one window per decode
     entered, gate, decoded, model_decode = threading.Event(), threading.Event(), [], tiny_fish.decode
 
     def gated_decode(codes, offsets):

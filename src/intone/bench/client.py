@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import soundfile as sf
 
 from intone.bench.metrics import RequestRecord
 from intone.eval.meta import MetaItem
@@ -84,8 +85,6 @@ def clip_bytes(use: ClipUse) -> bytes:
     data = use.wav.read_bytes()
     if not use.variant:
         return data
-    import soundfile as sf
-
     samples, rate = sf.read(io.BytesIO(data), dtype="float32")
     buf = io.BytesIO()
     sf.write(buf, samples * (1.0 - use.variant / 1000.0), rate, format="WAV", subtype="PCM_16")
@@ -174,7 +173,5 @@ async def _one(client: httpx.AsyncClient, item: MetaItem, i: int, spec: LoadSpec
 
 
 def _save(path: Path, pcm: bytearray, sample_rate: int) -> None:
-    import soundfile as sf
-
     samples = np.frombuffer(bytes(pcm), dtype="<i2").astype(np.float32) / 32767.0
     sf.write(path, samples, sample_rate, subtype="PCM_16")

@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.model import random_cosyvoice3
-from intone.models.cosyvoice3.vocoder_stage import compile_dit
+from intone.models.cosyvoice3.vocoder import compile_dit
 
 
 def timed(fn, repeats: int = 3) -> tuple[float, object]:

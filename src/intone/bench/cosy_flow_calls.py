@@ -30,7 +30,7 @@ from intone.engine.codec_worker import codec_stream
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.flow_cache import solve_continued
 from intone.models.cosyvoice3.model import random_cosyvoice3
-from intone.models.cosyvoice3.vocoder_stage import compile_dit
+from intone.models.cosyvoice3.vocoder import compile_dit
 from intone.ops.batching import group_jobs
 
 

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 
 from intone.eval.meta import MetaItem
 
@@ -47,8 +48,6 @@ def _sentence(rnd: random.Random, words: int) -> str:
 
 
 def _write_voice(path: Path, seconds: float, pitch: float, rate: int, seed: int) -> None:
-    import soundfile as sf
-
     g = np.random.default_rng(seed)
     t = np.arange(int(seconds * rate)) / rate
     f0 = pitch * (1 + 0.1 * np.sin(2 * np.pi * 0.5 * t))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
 from intone.bench.client import LoadSpec, ReferencePlan, run_load
 from intone.bench.dataset import synthetic_items
@@ -24,6 +25,7 @@ from intone.bench.soak import settle
 from intone.engine.trace import audit_file
 from intone.errors import IntoneError
 from intone.eval.meta import MetaItem, parse_meta_list
+from intone.eval.wer import evaluate_wer
 
 TRACE, TRACE_SUFFIX = "frames", ".jsonl"  # the server's frame trace; with several engine cores frames.<k>.jsonl
 
@@ -137,8 +139,6 @@ def sweep(args, base_url: str, out_dir: Path, tag: str = "") -> dict:
 
 
 async def _measured(base_url, items, c, spec, rate, headers, tag):
-    from tqdm import tqdm
-
     with tqdm(total=len(items), desc=f"concurrency {c}", unit="req") as bar:
         return await run_load(base_url, items, c, spec, rate, headers, progress=bar, tag=tag)
 
@@ -227,8 +227,6 @@ def _evaluate_quality(args, results: dict) -> None:
     for level in results["levels"]:
         audio_dir, quality = Path(level["audio_dir"]), {}
         if args.asr_model:  # the quality models (torch, transformers) load only when asked for
-            from intone.eval.wer import evaluate_wer
-
             quality.update(evaluate_wer(audio_dir, list(items.values()), Path(args.asr_model)).summary())
         if args.sim_checkpoint:
             from intone.eval.sim import evaluate_sim

@@ -11,6 +11,7 @@ Stages overlap (`codec` counts every codec call that carried a request's chunks 
 from __future__ import annotations
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from intone.protocol import REQUEST_STAGES as STAGES
 
@@ -52,8 +53,6 @@ GAUGES = {
 
 def scrape(base_url: str, headers: dict | None = None, timeout: float = 30) -> dict | None:
     """{(sample name, ((label, value), ...)): value} from GET /metrics, or None if it has none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     try:
         r = httpx.get(base_url + "/metrics", headers=headers, timeout=timeout)
         if r.status_code != 200:

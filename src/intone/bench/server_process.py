@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,9 +66,6 @@ class GpuMemorySampler:
     """Peak GPU memory in use (MiB) while it runs, from nvidia-smi; None without a GPU."""
 
     def __init__(self, interval_s: float = 0.5):
-        import shutil
-        import threading
-
         self.peak_mib: float | None = None
         self._stop = threading.Event()
         self._thread = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from intone.engine.trace import audit_file
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("audit-frames", help="check a --trace-frames file: every frame exactly once")
@@ -12,8 +14,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from intone.engine.trace import audit_file
-
     report = audit_file(args.trace)
     bad = [a for a in report.values() if not a.exact]
     for a in report.values():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from intone.bench.presets import PRESETS, apply_preset
+from intone.bench.runner import run as run_sweep
+from intone.bench.runner import run_abba
 
 
 def _describe(preset: dict) -> str:
@@ -58,9 +60,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from intone.bench.runner import run as run_sweep
-    from intone.bench.runner import run_abba
-
     apply_preset(args)
     if args.mode == "abba":
         run_abba(args)

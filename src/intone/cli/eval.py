@@ -6,6 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+from intone.eval.meta import parse_meta_list
+from intone.eval.wer import evaluate_wer
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="WER (Whisper) or speaker similarity (WavLM + ECAPA) of generated audio")
@@ -26,15 +29,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from intone.eval.meta import parse_meta_list
+    import torch  # the quality models' own (torch-free until a metric runs)
 
     items = parse_meta_list(args.meta)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.metric == "wer":
-        from intone.eval.wer import evaluate_wer
-
         report = evaluate_wer(Path(args.audio_dir), items, Path(args.asr_model), device=device,
                               lang=args.lang, batch_size=args.batch_size)
     else:

@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from intone.cli import audit_frames, bench, make_tiny, serve, speak
+from intone.cli import eval as eval_cmd
 from intone.errors import IntoneError
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="intone", description="Serve LLM-based text-to-speech models.")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    from intone.cli import audit_frames, bench, make_tiny, serve, speak
-    from intone.cli import eval as eval_cmd
 
     for module in (speak, serve, bench, eval_cmd, make_tiny, audit_frames):
         module.add_parser(sub)

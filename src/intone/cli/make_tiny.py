@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from intone.models import TINY_MAKERS, make_tiny
+
 
 def add_parser(sub) -> None:
-    from intone.models import TINY_MAKERS
-
     p = sub.add_parser("make-tiny", help="write a tiny random checkpoint in a model's real on-disk layout")
     p.add_argument("family", choices=sorted(TINY_MAKERS))
     p.add_argument("out_dir")
@@ -16,8 +16,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from intone.models import make_tiny
-
     out = make_tiny(args.family, args.out_dir, seed=args.seed)
     print(f"wrote tiny {args.family} checkpoint to {out}")
     return 0

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
+
+import uvicorn
+import yaml
+
+from intone.api.engine_pool import parse_device
+from intone.api.media import MediaPolicy
+from intone.api.server import Settings, create_app
 
 
 def add_parser(sub) -> None:
@@ -65,7 +73,6 @@ def positive_int(text: str) -> int:
 
 
 def device_list(text: str) -> list[str]:
-    from intone.api.engine_pool import parse_device
 
     try:
         return [parse_device(part) for part in text.split(",")]
@@ -81,8 +88,6 @@ def voice_alias(text: str) -> tuple[str, str]:
 
 
 def profile_override(text: str) -> tuple[str, object]:
-    import yaml
-
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"{text!r}: use KEY=VALUE, e.g. codec.process=true")
@@ -90,13 +95,6 @@ def profile_override(text: str) -> tuple[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    import uvicorn
-
-    from intone.api.media import MediaPolicy
-    from intone.api.server import Settings, create_app
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = Settings(
         model=args.model, profile=args.profile, served_model_name=args.served_model_name, api_key=args.api_key,

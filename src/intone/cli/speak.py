@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import secrets
 import sys
 import time
 
 import numpy as np
+import soundfile as sf
 
+from intone.api.segments import cut, generate_segments, read_transcripts, segment_request
+from intone.audio import read_audio, write_wav
+from intone.engine.client import Engine
+from intone.engine.config import default_params, load_profile
 from intone.errors import InvalidRequestError
+from intone.protocol import SynthesisRequest, VoiceReference
 
 MAX_REFERENCE_SECONDS = 30.0
 PROMPT_TEMPLATE_TOKENS = 512  # a prompt's tokens besides its text, transcripts and reference frames (bound)
@@ -47,15 +54,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import secrets
-
-    from intone.audio import read_audio, write_wav
-    from intone.api.segments import cut, read_transcripts, segment_request
-    from intone.engine.config import default_params, load_profile
+    # the engine core and the models bring torch: loaded only when a command runs them
     from intone.engine.core import EngineCore
     from intone.engine.offline import synthesize
     from intone.models import default_profile, text_frontend
-    from intone.protocol import SynthesisRequest, VoiceReference
 
     if len(args.ref_audio) != len(args.ref_text):
         missing = "--ref-text" if len(args.ref_audio) > len(args.ref_text) else "--ref-audio"
@@ -114,12 +116,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _stream(args, segments: list[str], references, params, device: str) -> int:
-    import soundfile as sf
-
-    from intone.api.segments import generate_segments
-    from intone.engine.client import Engine
-    from intone.protocol import SynthesisRequest
-
     engine = await Engine.from_profile(args.profile, model=args.model, trace_frames=args.trace_frames, device=device)
     start = time.perf_counter()
     first_audio = None

@@ -33,7 +33,7 @@ from intone.ops.kv_cache import BlockManager, KVCache, prefix_hashes
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
 log = logging.getLogger(__name__)
-# a codec stage's own counters (CosyVoice3's), exported as codec_<name>
+# a vocoder's own counters (CosyVoice3's), exported as codec_<name>
 CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocoder_seconds")
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
@@ -245,7 +245,8 @@ class EngineCore:
     def snapshot(self) -> dict:
         """Counters and occupancy, for metrics and for tests that check nothing is left behind."""
         cache, graphs, front = self.frontend.cache, self.runner.graphs, self.frontend_graphs
-        codec_graphs = getattr(self.codec, "graphs", None)  # in this process (not with codec.process)
+        vocoder = getattr(self.codec, "vocoder", None)  # in this process (not with codec.process)
+        codec_graphs = getattr(vocoder, "graphs", None)
         return dict(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             live_requests=len(self.requests), preparing=len(self._preparing),
@@ -271,8 +272,8 @@ class EngineCore:
             frontend_eager_runs=front.eager if front is not None else 0,
             codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,
             codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
-            # CosyVoice3's stage in this process only: absent keys export no series
-            **{f"codec_{key}": getattr(self.codec, key) for key in CODEC_PIECE_COUNTERS if hasattr(self.codec, key)},
+            # CosyVoice3's vocoder in this process only: absent keys export no series
+            **{f"codec_{key}": getattr(vocoder, key) for key in CODEC_PIECE_COUNTERS if hasattr(vocoder, key)},
         )
 
     def close(self) -> None:

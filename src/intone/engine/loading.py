@@ -46,22 +46,19 @@ def load_for_profile(model_spec: str, profile: Profile):
     return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
 
 
-def codec_stage_for(model, profile: Profile):
-    """The model's own codec stage (given the family's profile section), else the engine's default."""
-    c = profile.codec
-    return model.make_codec_stage(c, profile.options_for(model.name)) or CodecStage(
-        model, c.max_batch, c.max_padded_frames, c.carry_state)
+def codec_stage_for(model, profile: Profile) -> CodecStage:
+    """The codec stage over the model's vocoder (given the profile's codec section and the family's own)."""
+    return CodecStage(model.make_vocoder(profile.codec, profile.options_for(model.name)))
 
 
 def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
     """Decode every bucketed window shape the profile's chunks can reach, and capture the codec's
     graphs where the profile asks for them (start-up, GPU: nothing else may use it meanwhile)."""
-    if hasattr(stage, "warm_up"):
-        c = profile.chunking
-        chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
-        stage.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
-    if getattr(stage, "graph_frames", None) and stage.model.codec_device.type == "cuda":
+    vocoder, c = stage.vocoder, profile.chunking
+    chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
+    vocoder.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
+    if vocoder.graph_frames and vocoder.device.type == "cuda":
         graphs = FunctionGraphs()
-        stage.capture_graphs(graphs)
+        vocoder.capture_graphs(graphs)
         r = graphs.report
         log.info("captured %d codec graphs in %.1f s (%d failed and run eagerly)", r.graphs, r.seconds, r.failed)

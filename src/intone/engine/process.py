@@ -22,6 +22,7 @@ import time
 import zmq
 
 from intone.engine.child import parent_sockets, watch_parent
+from intone.engine.config import Profile
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_fr
     """Process entry point (spawned): build the core, answer 'ready', loop until 'shutdown'."""
     if inbox.startswith("ipc://"):
         watch_parent(os.getppid(), [inbox, outbox])
-    from intone.engine.config import Profile
+    # After the watch: torch and the models take seconds to import, and a parent that dies
+    # meanwhile must still take this process with it.
     from intone.engine.core import EngineCore
 
     with parent_sockets(inbox, outbox) as (pull, push):

@@ -23,6 +23,7 @@ import soundfile as sf
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from intone.errors import ModelLoadError
 from intone.eval.ecapa import EcapaTdnnSmall
@@ -323,8 +324,6 @@ def evaluate_sim(audio_dir: Path, items: list[MetaItem], checkpoint: Path, wavlm
 
 def score_items(model: SpeakerSimModel, audio_dir: Path, items: list[MetaItem], progress: bool = True) -> SimReport:
     """Score every item with an already loaded model; each pair is scored or recorded as a failure."""
-    from tqdm import tqdm
-
     prompt_cache: dict[Path, Tensor | PairError] = {}  # prompts repeat across rows
     report = SimReport()
     for item in tqdm(items, desc="SIM", unit="pair", disable=not progress):

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import jiwer
 import numpy as np
+import soundfile as sf
 import zhon.hanzi
+from tqdm import tqdm
 
 from intone.eval.meta import MetaItem
 from intone.errors import IntoneError, ModelLoadError
@@ -217,8 +219,6 @@ class WhisperASR:
 
 def read_wav(path: Path) -> tuple[tuple[np.ndarray, int] | None, str | None]:
     """(audio, sample rate) of the first channel, or None and the reason it cannot be scored."""
-    import soundfile as sf
-
     if not path.is_file():
         return None, f"missing wav: {path.name}"
     try:
@@ -247,8 +247,6 @@ def evaluate_wer(
     if lang != "en":
         raise WerError(f"WER for lang={lang!r} is not supported: only 'en' (Whisper) is implemented; "
                        "'zh' needs FunASR paraformer-zh")
-    from tqdm import tqdm
-
     asr = WhisperASR(asr_model_dir, device=device, batch_size=batch_size, max_new_tokens=max_new_tokens)
     audio_dir = Path(audio_dir)
     records: list[WerRecord] = []

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from intone.errors import InvalidRequestError
+from intone.models.vocoder import Vocoder, WindowVocoder
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
@@ -156,11 +157,11 @@ class TTSModel(abc.ABC):
         decoded with re-decoded left context through `decode`."""
         return None
 
-    def make_codec_stage(self, config, options=None):
-        """A codec stage of the model's own (CosyVoice3: flow + HiFT), or None: the engine's default
-        stage, which decodes windows through `decode`. config: the profile's `codec` section;
-        options: the family's own section (`Profile.options_for`)."""
-        return None
+    def make_vocoder(self, config, options=None) -> Vocoder:
+        """The model's vocoder (`models.vocoder`). config: the profile's `codec` section; options: the
+        family's own section (`Profile.options_for`). Default: windows through `decode`, or (with
+        `codec.carry_state`) streamed chunks through `stream_decoder`."""
+        return WindowVocoder(self, config.max_batch, config.max_padded_frames, config.carry_state)
 
     # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
 

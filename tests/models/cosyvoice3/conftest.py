@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from intone.models.cosyvoice3.vocoder_stage import StreamState  # noqa: F401  (import check)
+from intone.models.cosyvoice3.vocoder import StreamState  # noqa: F401  (import check)
 from intone.protocol import VoiceReference
 
 

@@ -13,7 +13,7 @@ from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models.cosyvoice3.dit import DiTConfig, RotaryEmbedding, apply_rope
 from intone.models.cosyvoice3.flow import (GRAPH_FRAME_BUCKET, CosyFlow, FlowConfig, FlowRequest, cosine_euler_steps,
                                           graph_rows, graph_shape, pad_solve_inputs)
-from intone.models.cosyvoice3.vocoder_stage import compile_dit
+from intone.models.cosyvoice3.vocoder import compile_dit
 
 TINY = FlowConfig(pre_lookahead_channels=32, dit=DiTConfig(dim=64, depth=2, heads=4, dim_head=16))
 CHUNK = TINY.dit.static_chunk_size

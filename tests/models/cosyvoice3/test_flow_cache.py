@@ -122,7 +122,7 @@ def test_on_the_gpu_compiled_flex_hops_in_bf16_stay_near_the_whole_prefix_solves
     """As the stage runs it (compiled DiT, flex attention, bf16 autocast without the cast cache): two
     streams' three hops continued from their caches against the eager SDPA whole-prefix solves: the same mel
     to bf16 rounding, and no compile after the first call of each kind (no cache, continued)."""
-    from intone.models.cosyvoice3.vocoder_stage import compile_dit
+    from intone.models.cosyvoice3.vocoder import compile_dit
 
     flow = make_flow(torch.float32).cuda()
     g = torch.Generator().manual_seed(12)

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from intone.engine.chunk_planner import ChunkPlanner
+from intone.engine.codec_stage import CodecStage
 from intone.engine.config import load_profile
 from intone.engine.request import EngineRequest, resolve_params
 from intone.models.cosyvoice3.flow import FlowRequest
@@ -140,12 +141,14 @@ def test_hift_audio_matches_the_official(cosy64, official):
 
 
 def our_stream(model, prompt, tokens: list[int]) -> list[tuple[int, int, np.ndarray]]:
-    """Our streaming path for fixed tokens: the shipped streaming profile's planner and the model's codec
-    stage, fed one token per step as the engine core feeds them. [(start, end, audio)] per chunk."""
+    """Our streaming path for fixed tokens: the shipped streaming profile's planner and the engine's codec
+    stage over the model's vocoder, fed one token per step as the engine core feeds them.
+    [(start, end, audio)] per chunk."""
     profile = load_profile("cosyvoice3-streaming", device="cpu")
     policy = profile.chunking.policy(1)
     policy = dataclasses.replace(policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
-    planner, stage = PlannerTables(ChunkPlanner(policy, 1)), model.make_codec_stage(profile.codec, profile.cosyvoice3)
+    planner = PlannerTables(ChunkPlanner(policy, 1))
+    stage = CodecStage(model.make_vocoder(profile.codec, profile.cosyvoice3))
     planner.add("r", None, prompt.codec_prompt_frames)
     params = resolve_params(SamplingParams(max_new_tokens=len(tokens)), prompt, model.max_seq_len)
     req = EngineRequest("r", prompt, params)

@@ -23,7 +23,7 @@ from intone.models.cosyvoice3.prompt import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT
 from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.tokenizer import BLANK_EN, CosyTokenizer
-from intone.models.cosyvoice3.vocoder_stage import CosyCodecStage
+from intone.models.cosyvoice3.vocoder import CosyVocoder
 from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
@@ -150,8 +150,8 @@ class CosyVoice3(TTSModel):
 
     # ---- codec ------------------------------------------------------------------------------
 
-    def make_codec_stage(self, config, options: CosyVoice3Options | None = None) -> CosyCodecStage:
-        """The flow + HiFT stage; `cosyvoice3.flow.dtype` recasts this model's flow (the model belongs
+    def make_vocoder(self, config, options: CosyVoice3Options | None = None) -> CosyVocoder:
+        """The flow + HiFT vocoder; `cosyvoice3.flow.dtype` recasts this model's flow (the model belongs
         to one engine), `cosyvoice3.flow.compile` compiles its DiT now."""
         flow = (options or CosyVoice3Options()).flow
         gpu = self.codec_device.type == "cuda"
@@ -161,11 +161,11 @@ class CosyVoice3(TTSModel):
         self.flow.decoder.estimator.attention_kernel = flow.attention
         if flow.dtype != "auto" and gpu:
             self.flow.to(getattr(torch, flow.dtype))
-        stage = CosyCodecStage(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
+        vocoder = CosyVocoder(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
                                flow.cache, flow.graph_frames if flow.cuda_graphs else None)
         if flow.compile and gpu:
-            stage.compile_flow(flow.compile_unit)
-        return stage
+            vocoder.compile_flow(flow.compile_unit)
+        return vocoder
 
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
@@ -186,7 +186,7 @@ class CosyVoice3(TTSModel):
                            speaker=f.speaker, streaming=not finished, finalize=finished)
 
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
-        raise NotImplementedError("CosyVoice3 decodes through its codec stage (it needs the reference)")
+        raise NotImplementedError("CosyVoice3 decodes through its vocoder (it needs the reference)")
 
 
 def random_cosyvoice3(device="cuda", dtype: torch.dtype | None = None, codec_dtype=torch.float32) -> CosyVoice3:

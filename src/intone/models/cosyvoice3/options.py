@@ -1,7 +1,7 @@
 """CosyVoice3's section of a deploy profile (`cosyvoice3:`): the knobs only this family has.
 
 Torch-free (the API process validates profiles); the model reads it in `configure_frontend` and
-`make_codec_stage`.
+`make_vocoder`.
 """
 
 from __future__ import annotations

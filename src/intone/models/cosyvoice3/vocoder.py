@@ -1,7 +1,7 @@
-"""CosyVoice3's codec stage: speech tokens -> mel (flow) -> audio (HiFT), batched across requests.
+"""CosyVoice3's vocoder: speech tokens -> mel (flow) -> audio (HiFT), batched across requests.
 
 Per chunk it does what the official streaming loop (`CosyVoice2Model.tts` with
-`CosyVoice3Model.token2wav`) does for one request, with the state kept on the request:
+`CosyVoice3Model.token2wav`) does for one request, with the state the engine keeps per request:
   - flow over the reference tokens plus *all* tokens up to the chunk's end (+3 lookahead
     tokens, read as context) with the chunk-causal mask; the final chunk runs with full
     attention and no lookahead, as officially;
@@ -32,6 +32,7 @@ from torch import Tensor
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows
 from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
 from intone.models.cosyvoice3.hift_source import SourceWindow
+from intone.models.vocoder import CodecWindow, Vocoder
 from intone.ops.batching import group_jobs
 
 MAX_GRAPH_CELLS = 64 * 1024  # rows x mel frames of the largest flow graph (its activations, x2 for CFG)
@@ -68,7 +69,7 @@ def compile_dit(estimator, unit: str) -> None:
         block.forward = torch.compile(block.forward, dynamic=True)
 
 
-class CosyCodecStage:
+class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (HiFT's stay as
@@ -78,6 +79,7 @@ class CosyCodecStage:
         `capture_graphs` gives a graph (None: no graphs)."""
         self.graph_frames = graph_frames
         self.model = model
+        self.device = model.codec_device
         self.call_cost = call_cost
         self.flow_cache = flow_cache
         self.max_batch = max_batch
@@ -158,10 +160,9 @@ class CosyCodecStage:
         """Seconds between two marks (for events, once the stream has passed the second)."""
         return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000
 
-    def run(self, items: list, pause=None) -> list[np.ndarray]:
-        """items: (EngineRequest, Chunk) pairs -> the audio each chunk releases. pause: called after each
-        Euler step of an eager flow solve and before HiFT; it may run whole calls of its own (on
-        other requests), whose spans are not counted again in this call's."""
+    def decode(self, windows: list[CodecWindow], states: dict, pause=None) -> tuple[list, dict]:
+        """pause: called after each Euler step of an eager flow solve and before HiFT; it may run whole
+        calls of its own (on other requests), whose spans are not counted again in this call's."""
         nested = [0.0]  # the spans of the calls run at the pause points
 
         def paused():
@@ -169,58 +170,58 @@ class CosyCodecStage:
             pause()
             nested[0] += self.gpu_seconds - before
         marks = [self._mark()]
-        new_mel, flows = self._flow(items, paused if pause is not None else None)
+        new_mel, flows = self._flow(windows, states, paused if pause is not None else None)
         if pause is not None:
             paused()
         marks.append(self._mark())
         # Every chunk's HiFT window starts where its request's committed state does (a request may
-        # have two chunks here: regular + terminal), and states are committed only once the batch
-        # succeeded, so a failed batch can be retried chunk by chunk.
+        # have two chunks here: regular + terminal; the second's history holds the first's mel).
         hift = self.model.hift
         context, held_back, hop = hift.cfg.stream_context_frames, hift.cfg.held_back_frames, hift.cfg.hop
-        latest: dict[int, Tensor] = {}
-        mels, finals, starts, windows = [], [], [], []
-        for (req, chunk), mel in zip(items, new_mel):
-            state = req.codec_state or StreamState(mel.new_zeros(mel.shape[0], 0))
-            history = latest[id(req)] = torch.cat([latest.get(id(req), state.mel), mel], dim=1)
-            if req.speed != 1.0:  # one whole-utterance chunk (checked at admission): stretch as officially
-                history = stretch(history, req.speed)
-            end = state.start + (history.shape[1] if chunk.finished else max(history.shape[1] - held_back, 0))
+        latest: dict[str, Tensor] = {}
+        mels, finals, starts, spans = [], [], [], []
+        for w, mel in zip(windows, new_mel):
+            state = states.get(w.key) or StreamState(mel.new_zeros(mel.shape[0], 0))
+            history = latest[w.key] = torch.cat([latest.get(w.key, state.mel), mel], dim=1)
+            if w.speed != 1.0:  # one whole-utterance chunk (checked at admission): stretch as officially
+                history = stretch(history, w.speed)
+            end = state.start + (history.shape[1] if w.finished else max(history.shape[1] - held_back, 0))
             after = max(0, end - context)  # where the next window starts
             mels.append(history)
-            finals.append(chunk.finished)
+            finals.append(w.finished)
             starts.append(after)
             # The next window's phase is carried from the first frame whose F0 it computes correctly.
             record_at = max(state.phase_at, after + hift.cfg.f0_history_frames if after else 0)
-            windows.append((state.start, state.phase_at, state.phase, record_at))
-        audio, phases = self._hift(mels, finals, windows)
+            spans.append((state.start, state.phase_at, state.phase, record_at))
+        audio, phases = self._hift(mels, finals, spans)
         marks.append(self._mark())
-        out, released = [], {}
-        for (req, _), history, wav, after, phase, (first, _, _, record_at), flow in zip(
-                items, mels, audio, starts, phases, windows, flows):
-            state = req.codec_state
-            done = released.get(id(req), state.released if state is not None else 0)
+        out, released, after_call = [], {}, dict(states)
+        for w, history, wav, after, phase, (first, _, _, record_at), flow in zip(
+                windows, mels, audio, starts, phases, spans, flows):
+            state = states.get(w.key)
+            done = released.get(w.key, state.released if state is not None else 0)
             out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
-            released[id(req)] = max(done, first * hop + wav.shape[0])
-            req.codec_state = StreamState(history[:, after - first :], after, released[id(req)], phase, record_at, flow)
+            released[w.key] = max(done, first * hop + wav.shape[0])
+            after_call[w.key] = StreamState(history[:, after - first :], after, released[w.key], phase, record_at, flow)
         if not isinstance(marks[-1], float):
             marks[-1].synchronize()  # an empty slice's .cpu() above does not wait for the stream
         with self._counting:
             self.flow_seconds += self._span(marks[0], marks[1]) - nested[0]
             self.vocoder_seconds += self._span(marks[1], marks[2])
-        return out
+        return out, after_call
 
-    def _flow(self, items: list, pause=None) -> tuple[list[Tensor], list[FlowCache | None]]:
+    def _flow(self, windows: list[CodecWindow], states: dict, pause=None) -> tuple[list[Tensor], list[FlowCache | None]]:
         """The new mel frames [80, 2 * (end - start)] of each chunk, and (flow_cache) its stream's flow state after it."""
         model = self.model
-        jobs = [model.flow_request(req.prompt, req.codes[0], chunk.end, chunk.finished) for req, chunk in items]
+        jobs = [model.flow_request(w.prompt, w.codes[0], w.end, w.finished) for w in windows]
         # a stream's chunks in one call all continue from its committed state (a later one solves more frames)
-        given = [req.codec_state.flow if self.flow_cache and req.codec_state is not None and not chunk.finished
-                 else None for req, chunk in items]
-        keep = [self.flow_cache and not chunk.finished for _, chunk in items]
+        committed = [states.get(w.key) for w in windows]
+        given = [s.flow if self.flow_cache and s is not None and not w.finished else None
+                 for w, s in zip(windows, committed)]
+        keep = [self.flow_cache and not w.finished for w in windows]
         empty = model.mel_zeros()
-        out: list[Tensor] = [empty] * len(items)
-        flows: list[FlowCache | None] = [None] * len(items)
+        out: list[Tensor] = [empty] * len(windows)
+        flows: list[FlowCache | None] = [None] * len(windows)
         live = [i for i, job in enumerate(jobs) if job is not None]
         ratio = model.flow.config.token_mel_ratio
         # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead) and
@@ -243,23 +244,23 @@ class CosyCodecStage:
                 # mel starts at the prompt's end or (continued) the cache's, whichever is later
                 solved = given[i].frames if given[i] is not None else 0
                 skip = max(jobs[i].prompt_mel.shape[0], solved) - jobs[i].prompt_mel.shape[0]
-                out[i], flows[i] = mel[:, ratio * items[i][1].start - skip:], flow
+                out[i], flows[i] = mel[:, ratio * windows[i].start - skip:], flow
         return out, flows
 
-    def _hift(self, mels: list[Tensor], finalize: list[bool], windows: list[tuple]) -> tuple[list, list]:
+    def _hift(self, mels: list[Tensor], finalize: list[bool], spans: list[tuple]) -> tuple[list, list]:
         """HiFT over each chunk's window: (first frame, phase_at, phase or None, record_at) ->
         the window's audio and the phase to carry, per chunk."""
         out: list[Tensor] = [mels[0].new_zeros(0)] * len(mels)
-        phases: list[Tensor | None] = [w[2] for w in windows]
+        phases: list[Tensor | None] = [w[2] for w in spans]
         live = [i for i, m in enumerate(mels) if m.shape[1] > 0]
         lengths = [mels[i].shape[1] // self.model.flow.config.token_mel_ratio for i in live]
         harmonics = self.model.hift.cfg.nb_harmonics + 1
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
             zero = mels[idx[0]].new_zeros(harmonics, dtype=torch.float64)
-            window = SourceWindow([windows[i][0] for i in idx], [windows[i][1] for i in idx],
-                                  torch.stack([zero if windows[i][2] is None else windows[i][2].to(zero) for i in idx]),
-                                  [windows[i][3] for i in idx])
+            window = SourceWindow([spans[i][0] for i in idx], [spans[i][1] for i in idx],
+                                  torch.stack([zero if spans[i][2] is None else spans[i][2].to(zero) for i in idx]),
+                                  [spans[i][3] for i in idx])
             audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx], window)
             for j, (i, wav) in enumerate(zip(idx, audio)):
                 out[i], phases[i] = wav, window.recorded[j]

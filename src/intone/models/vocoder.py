@@ -1,0 +1,203 @@
+"""The codec boundary: what a model's vocoder is given, and the default vocoder over a plain `decode`.
+
+The engine decides which chunks go into a call (its queue, schedule and preemption), makes a
+`CodecWindow` of each, hands the call to the model's `Vocoder` with each request's committed state,
+and commits the states the vocoder returns only when the whole call succeeded (so a failed call is
+retried chunk by chunk from the same states). A vocoder packs the call's windows into device
+batches under its bounds (`ops.batching.group_jobs`) and never touches an engine request.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs
+
+
+@dataclass
+class CodecWindow:
+    """One chunk of one request, as a vocoder reads it."""
+
+    key: str  # the request: its windows in one call come in order, each continuing from the one before
+    codes: Tensor  # [K, >= end] the request's frames (valid to `end`, plus the model's lookahead unless finished)
+    prompt: object  # the request's Prompt (its codec conditioning)
+    start: int  # first new frame
+    end: int  # one past the last new frame
+    context: int  # frames before `start` a stateless decode re-reads as context only
+    finished: bool  # the request's terminal chunk
+    speed: float = 1.0
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.start - self.context, self.end
+
+
+class Vocoder(abc.ABC):
+    """A model's frames -> audio, over one call's windows of several requests."""
+
+    calls = 0  # device calls made (for tests and metrics)
+    gpu_seconds = 0.0  # their spans on the codec's stream (a vocoder that times its pieces; else 0)
+    graph_frames: int | None = None  # the longest call `capture_graphs` gives a graph (None: no graphs)
+    device: torch.device
+
+    @abc.abstractmethod
+    def decode(self, windows: list[CodecWindow], states: dict[str, object], pause=None) -> tuple[list, dict]:
+        """(the audio each window releases (float32 numpy), each request's state after its last window).
+
+        states: each request's committed state (None before its first chunk); the vocoder leaves them
+        as they are. pause: called at the call's pause points; it may run whole calls of its own."""
+
+    def warm_up(self, max_window_frames: int) -> int:
+        """Run every shape the calls can reach up to this window length (start-up); returns the count."""
+        return 0
+
+    def capture_graphs(self, graphs) -> None:
+        """Capture CUDA graphs of the vocoder's calls (start-up, when `graph_frames` is set)."""
+
+
+@dataclass
+class CodecJob:
+    codes: Tensor  # [K, context + new] window codes
+    context: int  # leading frames that are context only
+    first_frame: int  # absolute index of codes[:, 0]
+
+    @property
+    def length(self) -> int:
+        return self.codes.shape[1]
+
+
+class WindowVocoder(Vocoder):
+    """The default vocoder, over the model's `decode` (codes [B, K, T] at absolute frame offsets).
+
+    Windows are sorted by length and grouped so that a group holds at most `max_batch` windows and
+    `max_batch * longest <= max_padded_frames` (at least one window per group). Shorter windows are
+    right-padded with code 0: the codec is causal, so padding after a window cannot change its
+    samples, and each row is decoded at its own absolute frame positions. Each call's shape is padded
+    further, frames to a bucket and rows to a power of two (padding rows are zeros and dropped), so
+    the codec meets few distinct shapes: its kernels choose their plans once per shape, and a new
+    shape costs more than the decode.
+
+    carry_state: a streamed chunk's new frames are decoded against its request's state (the model's
+    `stream_decoder`, which it must have) instead of a window that re-decodes its left context.
+    """
+
+    def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False):
+        self.model = model
+        self.device = model.device
+        self.max_batch = max_batch
+        self.max_padded_frames = max_padded_frames
+        self.stream = model.stream_decoder() if carry_state else None
+        self.calls = 0
+        self._counting = threading.Lock()  # the counters are read by the engine loop's thread
+
+    def warm_up(self, max_window_frames: int) -> int:
+        k, shapes = self.model.num_codebooks, 0
+        frames = [b for b in FRAME_BUCKETS if b < max_window_frames] + [bucket_frames(max_window_frames)]
+        for t in frames:
+            rows = 1
+            # a group of n windows is padded to bucket_rows(n) rows: warm every bucket a group can reach
+            while rows <= bucket_rows(self.max_batch) and (rows // 2 + 1) * t <= max(self.max_padded_frames, t):
+                codes = torch.zeros(rows, k, t, dtype=torch.long)
+                if self.stream is not None:  # streamed chunks; whole utterances take the plain decode
+                    self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
+                self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
+                shapes += 1
+                rows *= 2
+        return shapes
+
+    def decode(self, windows: list[CodecWindow], states: dict, pause=None) -> tuple[list, dict]:
+        states = dict(states)
+        if self.stream is None:
+            return self._decode_windows(windows, pause), states
+        # A window that is its request's whole utterance (a full response) is the one-pass decode
+        # either way, and the plain decode is cheaper (H200, Fish C64 full responses: 64.8 audio-s/s
+        # plain in session 7, 59.8 carried in session 8).
+        whole = [w.start == 0 and w.finished and states.get(w.key) is None for w in windows]
+        out: list = [None] * len(windows)
+        for wanted in (True, False):
+            idx = [i for i, w in enumerate(whole) if w is wanted]
+            if not idx:
+                continue
+            part = [windows[i] for i in idx]
+            audio = self._decode_windows(part, pause) if wanted else self._decode_carried(part, states, pause)
+            for i, samples in zip(idx, audio):
+                out[i] = samples
+        return out, states
+
+    def _decode_windows(self, windows: list[CodecWindow], pause=None) -> list[np.ndarray]:
+        jobs = [CodecJob(w.codes[:, w.window[0] : w.end], w.context, w.window[0]) for w in windows]
+        return self.decode_jobs(jobs, pause)
+
+    def decode_jobs(self, jobs: list[CodecJob], pause=None) -> list[np.ndarray]:
+        """Audio of each job's new frames (float32), in the order of `jobs`; pause: called after each decode."""
+        spf = self.model.samples_per_frame
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(jobs)
+        live = [i for i, j in enumerate(jobs) if j.length > j.context]
+        lengths = [jobs[i].length for i in live]
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+            idx = [live[g] for g in group]
+            longest = bucket_frames(max(jobs[i].length for i in idx))
+            codes = torch.zeros(bucket_rows(len(idx)), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long)
+            offsets = torch.zeros(codes.shape[0], dtype=torch.long)
+            for row, i in enumerate(idx):
+                codes[row, :, : jobs[i].length] = jobs[i].codes
+                offsets[row] = jobs[i].first_frame
+            audio = self.model.decode(codes.to(self.device), offsets.to(self.device)).cpu().numpy()
+            with self._counting:
+                self.calls += 1
+            for row, i in enumerate(idx):
+                job = jobs[i]
+                out[i] = np.ascontiguousarray(audio[row, job.context * spf : job.length * spf], dtype=np.float32)
+            if pause is not None:
+                pause()
+        return out
+
+    def _decode_carried(self, windows: list[CodecWindow], states: dict, pause=None) -> list[np.ndarray]:
+        """Each window's new frames against its request's state, updated in `states`. A request's
+        windows in one call go in successive rounds (each needs the state the one before leaves)."""
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(windows)
+        pending = [i for i, w in enumerate(windows) if w.end > w.start]
+        while pending:
+            round_, later, seen = [], [], set()
+            for i in pending:
+                (later if windows[i].key in seen else round_).append(i)
+                seen.add(windows[i].key)
+            lengths = [windows[i].end - windows[i].start for i in round_]
+            for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+                idx = [round_[g] for g in group]
+                for i, samples in zip(idx, self._decode_round([windows[i] for i in idx], states)):
+                    out[i] = samples
+                if pause is not None:
+                    pause()
+            pending = later
+        return out
+
+    def _decode_round(self, windows: list[CodecWindow], states: dict) -> list[np.ndarray]:
+        lengths = [w.end - w.start for w in windows]
+        for w in windows:
+            state = states.get(w.key)
+            at = state.frames if state is not None else 0
+            if at != w.start:
+                raise RuntimeError(f"{w.key}: chunk from frame {w.start}, but the codec state is at {at}")
+        rows = bucket_rows(len(windows))
+        codes = torch.zeros(rows, windows[0].codes.shape[0], bucket_frames(max(lengths)), dtype=torch.long)
+        for row, w in enumerate(windows):
+            codes[row, :, : w.end - w.start] = w.codes[:, w.start : w.end]
+        pad = rows - len(windows)
+        audio, new = self.stream.decode(codes.to(self.device), lengths + [0] * pad,
+                                        [states.get(w.key) for w in windows] + [None] * pad)
+        with self._counting:
+            self.calls += 1
+        audio = audio.float().cpu().numpy()
+        spf = self.model.samples_per_frame
+        out = []
+        for row, (w, n) in enumerate(zip(windows, lengths)):
+            out.append(np.ascontiguousarray(audio[row, : n * spf], dtype=np.float32))
+            states[w.key] = new[row]
+        return out
