@@ -5,10 +5,12 @@
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
 # BENCH_ARGS: more `intone bench` options for fish-http / fish-stream (e.g. --reference-pool 16).
+# before-after: BEFORE_STAGES (default "fish-http cosy-stream") on .before/ (tools/before_tree.sh COMMIT; carry .before), then here.
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
 set -uo pipefail
+# TREE: the source tree to run (default this one; `before-after` runs .before/, made by tools/before_tree.sh)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD/src || exit 1
+  && export PYTHONPATH=/tmp/site:${TREE:-$PWD}/src || exit 1
 export PYTHONUNBUFFERED=1 INTONE_CACHE=/tmp/intone-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 N=${N:-320}  # requests per bench stage; CosyVoice3's stages time out after 150 s + N/4 s unless T is set
@@ -52,6 +54,10 @@ for stage in "$@"; do
         [[ $v == *:* ]] || v="$v:"
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-')
         N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
+    # The same stages on an older commit's tree (.before/, carried) and on this one, alternating on one machine.
+    before-after) [ -d .before/src ] || { echo "no .before/: run tools/before_tree.sh COMMIT and carry .before"; exit 2; }
+      for s in ${BEFORE_STAGES:-fish-http cosy-stream}; do
+        TREE=$PWD/.before TAG=-before bash "$0" "$s"; TAG=-after bash "$0" "$s"; done ;;
     cosy-stream-engine) timeout ${T:-$((150 + N / 4))} python3 -m intone.bench.engine_throughput --model random:cosyvoice3 \
         --profile cosyvoice3-streaming --stream --concurrency 64 --num-requests "$N" --warmup 64 \
         --force-output-frames normal:128:45 ${ENGINE_SETS:-} --out "$OUT/cosy-stream-engine.json" 2>&1 | tail -20 ;;
