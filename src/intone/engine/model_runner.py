@@ -23,6 +23,7 @@ from intone.ops import paged_decode
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
+from intone.ops.staging import HostStaging
 from intone.ops.token_history import CAPACITY, TokenHistory
 from intone.protocol import SamplingParams
 
@@ -48,6 +49,7 @@ class ModelRunner:
         """max_seats: requests per step expected (the token history grows beyond it if need be)."""
         self.model, self.kv = model, kv
         self.history = TokenHistory(model.device, max_seats)
+        self.staging = HostStaging(model.device)
         self.max_graph_tokens = 0
         self.cuda_graphs = cuda_graphs
         # The static step's buffers per bucket (and its graphs, once captured); GPU only.
@@ -83,33 +85,42 @@ class ModelRunner:
     # ---- building ------------------------------------------------------------------------------
 
     def build(self, reqs: list[StepInput]) -> StepBatch:
-        """reqs must come prefills (no frames yet) first, then decodes."""
-        device = self.model.device
+        """reqs must come prefills (no frames yet) first, then decodes. The step's host data (tokens,
+        codes, attention descriptors, sampling values, token-history seats) reach the device in one
+        transfer (`ops.staging`)."""
         n_prefill = sum(1 for r in reqs if not r.tokens)
         if any(not r.tokens for r in reqs[n_prefill:]):
             raise ValueError("prefills must come before decodes")
-        # A decode's input is its last frame: one tensor for all of them, not one per row.
-        decodes = reqs[n_prefill:]
-        tokens = [r.prompt.tokens[r.cached:] for r in reqs[:n_prefill]]
-        codes = [r.prompt.codes[r.cached:] for r in reqs[:n_prefill]]
+        # A decode's input is its last frame: one array for all of them, not one per row.
+        prefills, decodes = reqs[:n_prefill], reqs[n_prefill:]
+        tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
+        codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
         if decodes:
-            tokens.append(torch.tensor([r.tokens[-1] for r in decodes], dtype=torch.long))
-            codes.append(torch.from_numpy(np.stack([r.last_codes for r in decodes])))
-        sampling = sampling_batch([r.params for r in reqs], [len(r.tokens) for r in reqs], device)
-        seats = self.history.seats_for([r.request_id for r in reqs], [r.tokens for r in reqs])
-        return StepBatch(
-            tokens=torch.cat(tokens).to(device, non_blocking=True),
-            codes=torch.cat(codes).to(device, non_blocking=True),
-            prefill=self._meta(reqs[:n_prefill], prefill=True),
-            decode=self._meta(reqs[n_prefill:], prefill=False),
-            sampling=sampling,
-            history=self.history.rows(seats, sampling.steps),
-            seats=seats,
-        )
+            tokens.append(np.array([r.tokens[-1] for r in decodes], dtype=np.int64))
+            codes.append(np.stack([r.last_codes for r in decodes]))
+        params, steps = [r.params for r in reqs], [len(r.tokens) for r in reqs]
+        floats, ints = sampling_columns(params, steps)
+        host = dict(tokens=np.concatenate(tokens).astype(np.int64, copy=False),
+                    codes=np.concatenate(codes).astype(np.int64, copy=False), sampling_floats=floats,
+                    sampling_ints=ints, seats=self.history.assign([r.request_id for r in reqs], [r.tokens for r in reqs]))
+        bounds = {}
+        for name, part, prefill in (("prefill", prefills, True), ("decode", decodes, False)):
+            if part:
+                arrays, max_q, max_k = self._meta_arrays(part, prefill)
+                host.update({f"{name}.{k}": v for k, v in arrays.items()})
+                bounds[name] = (max_q, max_k)
+        dev = self.staging.upload(host)
 
-    def _meta(self, reqs: list[StepInput], prefill: bool) -> AttentionMetadata | None:
-        if not reqs:
-            return None
+        def meta(name):
+            if name not in bounds:
+                return None
+            fields = {k.split(".", 1)[1]: v for k, v in dev.items() if k.startswith(name + ".")}
+            return AttentionMetadata.of(fields, *bounds[name])
+        sampling = sampling_from(params, dev["sampling_floats"], dev["sampling_ints"])
+        return StepBatch(tokens=dev["tokens"], codes=dev["codes"], prefill=meta("prefill"), decode=meta("decode"),
+                         sampling=sampling, history=self.history.rows(dev["seats"], sampling.steps), seats=dev["seats"])
+
+    def _meta_arrays(self, reqs: list[StepInput], prefill: bool):
         q_lens, ctx_lens, tables = [], [], []
         for r in reqs:
             q = len(r.prompt) - r.cached if prefill else 1
@@ -120,7 +131,7 @@ class ModelRunner:
             q_lens.append(q)
             ctx_lens.append(ctx)
             tables.append(r.block_table[:used])  # a table lent ahead holds more: the step reads these
-        return AttentionMetadata.build(q_lens, ctx_lens, tables, self.kv.block_size, self.model.device)
+        return AttentionMetadata.host_arrays(q_lens, ctx_lens, tables, self.kv.block_size)
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -199,13 +210,18 @@ def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
 
 
-def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:
-    """Every per-row field as a tensor (ban_stop, below_min, ras too), so a static head can take it."""
-    columns = np.array([[p.temperature, p.top_p, p.repetition_penalty] for p in params], dtype=np.float32)
+def sampling_columns(params: list[SamplingParams], steps: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Every per-row sampling field on the host: floats [R, 3] (temperature, top_p, repetition_penalty)
+    and ints [R, 6] (top_k, seed, step, ban_stop, below_min, ras)."""
+    floats = np.array([[p.temperature, p.top_p, p.repetition_penalty] for p in params], dtype=np.float32)
     ints = np.array([[p.top_k, p.seed, s, p.ignore_eos, s < p.min_new_tokens, p.mode != "standard"]
                      for p, s in zip(params, steps)], dtype=np.int64)
-    f = torch.from_numpy(columns).to(device, non_blocking=True)
-    i = torch.from_numpy(ints).to(device, non_blocking=True)
+    return floats, ints
+
+
+def sampling_from(params: list[SamplingParams], f: torch.Tensor, i: torch.Tensor) -> SamplingBatch:
+    """The batch over `sampling_columns`' arrays as tensors (every per-row field, ban_stop, below_min and
+    ras too, so a static head can take it), with the host-side bounds from the params."""
     return SamplingBatch(
         temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], repetition_penalty=f[:, 2], seeds=i[:, 1], steps=i[:, 2],
         max_top_k=max(p.top_k for p in params),
@@ -214,3 +230,8 @@ def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> Sa
         has_standard=any(p.mode == "standard" for p in params),
         all_standard=all(p.mode == "standard" for p in params),
     )
+
+
+def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:
+    f, i = (torch.from_numpy(a).to(device) for a in sampling_columns(params, steps))
+    return sampling_from(params, f, i)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,37 +51,35 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """From the real scheduled batch: per request, new tokens and tokens already cached."""
-        if not query_lens or min(query_lens) < 1:
+        arrays, max_q, max_k = cls.host_arrays(query_lens, context_lens, block_tables, block_size)
+        return cls.of({k: torch.as_tensor(v, device=device) for k, v in arrays.items()}, max_q, max_k)
+
+    @staticmethod
+    def host_arrays(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                    block_size: int) -> tuple[dict[str, np.ndarray], int, int]:
+        """The descriptor's fields as host arrays (int64), with max_seqlen_q and max_seqlen_k."""
+        q = np.asarray(query_lens, dtype=np.int64)
+        ctx = np.asarray(context_lens, dtype=np.int64)
+        if not len(q) or q.min() < 1:
             raise ValueError("every scheduled request needs at least one query token")
-        positions, slots, token_req, token_idx = [], [], [], []
-        for r, (q, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables)):
-            for i in range(q):
-                pos = ctx + i
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-                token_req.append(r)
-                token_idx.append(i)
-        seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-        max_blocks = max(len(t) for t in block_tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
+        cu = np.zeros(len(q) + 1, dtype=np.int64)
+        np.cumsum(q, out=cu[1:])
+        token_request = np.repeat(np.arange(len(q), dtype=np.int64), q)
+        token_index = np.arange(cu[-1], dtype=np.int64) - cu[token_request]
+        positions = ctx[token_request] + token_index
+        tables = np.zeros((len(q), max(len(t) for t in block_tables)), dtype=np.int64)
+        for row, table in enumerate(block_tables):
+            tables[row, : len(table)] = table
+        slots = tables[token_request, positions // block_size] * block_size + positions % block_size
+        seq_lens = q + ctx
+        arrays = dict(cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
+                      positions=positions, token_request=token_request, token_index=token_index)
+        return arrays, int(q.max()), int(seq_lens.max())
 
-        def as_tensor(values):
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        return cls(
-            cu_seqlens_q=as_tensor(cu),
-            seq_lens=as_tensor(seq_lens),
-            block_tables=as_tensor(padded),
-            slot_mapping=as_tensor(slots),
-            positions=as_tensor(positions),
-            token_request=as_tensor(token_req),
-            token_index=as_tensor(token_idx),
-            max_seqlen_q=max(query_lens),
-            max_seqlen_k=max(seq_lens),
-        )
+    @classmethod
+    def of(cls, tensors: dict[str, Tensor], max_seqlen_q: int, max_seqlen_k: int) -> "AttentionMetadata":
+        """From `host_arrays`' fields made tensors (e.g. by `ops.staging`)."""
+        return cls(**tensors, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
 
 
 def store_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

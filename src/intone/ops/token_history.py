@@ -13,6 +13,7 @@ its seat recorded (a new seat, or tokens set by hand) has its row written from t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,7 +30,11 @@ class TokenHistory:
         self._count: dict[str, int] = {}  # tokens the seat's row holds, by request
 
     def seats_for(self, request_ids: list[str], tokens: list[list[int]]) -> Tensor:
-        """The step's seats [R] (device), after freeing the seats of requests not in it and writing
+        """The step's seats [R] on the device (`assign`)."""
+        return torch.from_numpy(self.assign(request_ids, tokens)).to(self.device)
+
+    def assign(self, request_ids: list[str], tokens: list[list[int]]) -> np.ndarray:
+        """The step's seats [R] (host, int64), after freeing the seats of requests not in it and writing
         the rows whose device copy is not current."""
         live = set(request_ids)
         for rid in [r for r in self._seat if r not in live]:
@@ -48,7 +53,7 @@ class TokenHistory:
                 self._write_row(self._seat[rid], toks)
             self._count[rid] = len(toks) + 1  # after this step's token is recorded
             seats.append(self._seat[rid])
-        return torch.tensor(seats, dtype=torch.long).to(self.device, non_blocking=True)
+        return np.array(seats, dtype=np.int64)
 
     def rows(self, seats: Tensor, counts: Tensor) -> Tensor:
         """[R, capacity]: each row's generated tokens, -1 beyond its count."""
