@@ -74,3 +74,27 @@ def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):
         alone = model.decode(job.codes[None], job.first_frame)[0, job.context * 2048 :]
         assert audio.shape[0] == (job.length - job.context) * 2048
         assert (torch.from_numpy(audio).double() - alone).abs().max() < 1e-7
+
+
+def test_a_request_that_takes_an_ended_requests_id_decodes_from_a_state_of_its_own(tiny_fish_dir):
+    """An aborted request's chunk still queued and a new request under its id in one call (carried codec
+    state): each chunk continues from its own request's state and is its one-pass decode."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    stage = CodecStage(WindowVocoder(model, max_batch=8, max_padded_frames=4096, carry_state=True))
+    g = torch.Generator().manual_seed(0)
+    old, new = (EngineRequest("r", prompt=None, params=SamplingParams()) for _ in range(2))
+    for req in (old, new):
+        req.codes = torch.randint(0, 8, (model.num_codebooks, 12), generator=g)
+    stage.run([(old, Chunk("r", 0, 6, 0, False))])
+    tail, head = stage.run([(old, Chunk("r", 6, 12, 0, True)), (new, Chunk("r", 0, 6, 0, False))])
+    spf = model.samples_per_frame
+    one_pass = {id(r): model.decode(r.codes[None], 0)[0].numpy() for r in (old, new)}
+    assert abs(tail - one_pass[id(old)][6 * spf : 12 * spf]).max() < 1e-6
+    assert abs(head - one_pass[id(new)][: 6 * spf]).max() < 1e-6
+    assert old.codec_state.frames == 12 and new.codec_state.frames == 6

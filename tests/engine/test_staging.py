@@ -18,10 +18,10 @@ def arrays(draw):
     out = {}
     for n in range(draw(st.integers(1, 6))):
         dtype = draw(st.sampled_from(DTYPES))
-        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=1, max_size=2)))
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=2)))  # () too
         seed = draw(st.integers(0, 2**31))
         values = np.random.default_rng(seed).integers(0, 100, size=shape)
-        out[f"a{n}"] = (values % 2 == 0) if dtype is np.bool_ else values.astype(dtype)
+        out[f"a{n}"] = np.asarray((values % 2 == 0) if dtype is np.bool_ else values.astype(dtype))
     return out
 
 
@@ -80,6 +80,18 @@ def test_the_descriptor_from_arrays_is_the_per_token_one(requests, block_size, r
 def test_a_request_without_query_tokens_is_refused():
     with pytest.raises(ValueError, match="at least one query token"):
         AttentionMetadata.host_arrays([3, 0], [0, 5], [[1], [2]], 16)
+
+
+def test_a_table_too_short_for_its_request_is_refused_though_a_wider_one_pads_it():
+    with pytest.raises(ValueError, match="row 0: 1 KV blocks cannot hold 21 tokens"):
+        AttentionMetadata.host_arrays([1, 1], [20, 20], [[7], [1, 2]], 16)
+
+
+def test_every_view_starts_on_a_16_byte_boundary():
+    """Triton specializes its kernels on 16-byte pointer alignment: a view off it would compile anew."""
+    dev = HostStaging("cpu").upload({"odd": np.arange(3, dtype=np.int64), "b": np.ones(5, dtype=np.bool_),
+                                     "tables": np.zeros((2, 3), dtype=np.int64)})
+    assert all(t.data_ptr() % 16 == 0 for t in dev.values())
 
 
 @pytest.mark.gpu

@@ -15,8 +15,10 @@ from intone.models.vocoder import CodecWindow, Vocoder
 
 
 def window_of(req, chunk) -> CodecWindow:
-    """The window of a chunk of a request (an EngineRequest, or the codec process's copy of one)."""
-    return CodecWindow(req.request_id, req.codes, req.prompt, chunk.start, chunk.end, chunk.context,
+    """The window of a chunk of a request (an EngineRequest, or the codec process's copy of one). Keyed
+    by the request object, not its id: an aborted request's chunks may still be decoded after a new
+    request took its id, and the two must not share a state."""
+    return CodecWindow(id(req), req.request_id, req.codes, req.prompt, chunk.start, chunk.end, chunk.context,
                        chunk.finished, req.speed)
 
 
@@ -35,8 +37,8 @@ class CodecStage:
     def run(self, items: list, pause=None) -> list[np.ndarray]:
         """items: (request, Chunk) pairs -> the audio each chunk releases, in order. pause: called at
         the vocoder's pause points; it may run whole calls of its own, on other requests."""
-        states = {req.request_id: req.codec_state for req, _ in items}
+        states = {id(req): req.codec_state for req, _ in items}
         audio, after = self.vocoder.decode([window_of(req, chunk) for req, chunk in items], states, pause)
         for req, _ in items:
-            req.codec_state = after[req.request_id]
+            req.codec_state = after[id(req)]
         return audio

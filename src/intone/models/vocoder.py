@@ -24,7 +24,8 @@ from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group
 class CodecWindow:
     """One chunk of one request, as a vocoder reads it."""
 
-    key: str  # the request: its windows in one call come in order, each continuing from the one before
+    key: int  # the request's identity: its windows in one call come in order, each continuing from the one before
+    request_id: str
     codes: Tensor  # [K, >= end] the request's frames (valid to `end`, plus the model's lookahead unless finished)
     prompt: object  # the request's Prompt (its codec conditioning)
     start: int  # first new frame
@@ -47,7 +48,7 @@ class Vocoder(abc.ABC):
     device: torch.device
 
     @abc.abstractmethod
-    def decode(self, windows: list[CodecWindow], states: dict[str, object], pause=None) -> tuple[list, dict]:
+    def decode(self, windows: list[CodecWindow], states: dict[int, object], pause=None) -> tuple[list, dict]:
         """(the audio each window releases (float32 numpy), each request's state after its last window).
 
         states: each request's committed state (None before its first chunk); the vocoder leaves them
@@ -184,7 +185,7 @@ class WindowVocoder(Vocoder):
             state = states.get(w.key)
             at = state.frames if state is not None else 0
             if at != w.start:
-                raise RuntimeError(f"{w.key}: chunk from frame {w.start}, but the codec state is at {at}")
+                raise RuntimeError(f"{w.request_id}: chunk from frame {w.start}, but the codec state is at {at}")
         rows = bucket_rows(len(windows))
         codes = torch.zeros(rows, windows[0].codes.shape[0], bucket_frames(max(lengths)), dtype=torch.long)
         for row, w in enumerate(windows):

@@ -70,8 +70,12 @@ class AttentionMetadata:
         tables = np.zeros((len(q), max(len(t) for t in block_tables)), dtype=np.int64)
         for row, table in enumerate(block_tables):
             tables[row, : len(table)] = table
-        slots = tables[token_request, positions // block_size] * block_size + positions % block_size
         seq_lens = q + ctx
+        short = np.flatnonzero(seq_lens > np.array([len(t) for t in block_tables]) * block_size)
+        if short.size:
+            r = int(short[0])
+            raise ValueError(f"request row {r}: {len(block_tables[r])} KV blocks cannot hold {seq_lens[r]} tokens")
+        slots = tables[token_request, positions // block_size] * block_size + positions % block_size
         arrays = dict(cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
                       positions=positions, token_request=token_request, token_index=token_index)
         return arrays, int(q.max()), int(seq_lens.max())

@@ -2,7 +2,7 @@
 
 Each small tensor made from host data costs a transfer of its own (from pageable memory, which
 the driver stages synchronously) and an allocation; a step's metadata is some twenty of them.
-Here the arrays are packed into one host buffer at 8-byte offsets, copied once, and handed back
+Here the arrays are packed into one host buffer at 16-byte offsets, copied once, and handed back
 as views of the one device buffer. On CUDA the host buffers are pinned and reused, two in turn:
 a buffer is refilled only after the copy that read it has finished (its event), so the copy runs
 asynchronously and never reads a buffer being rewritten.
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-ALIGN = 8  # bytes: every array starts where an int64 / float64 view of the buffer may start
+ALIGN = 16  # bytes: every view starts where any dtype may, and as Triton's kernels like (it specializes on 16)
 
 
 def _aligned(n: int) -> int:
@@ -31,7 +31,7 @@ class HostStaging:
 
     def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, Tensor]:
         """The arrays (any shapes, fixed-size dtypes) as device tensors of the same dtypes and shapes."""
-        arrays = {k: np.ascontiguousarray(a) for k, a in arrays.items()}
+        arrays = {k: np.ascontiguousarray(a).reshape(np.shape(a)) for k, a in arrays.items()}
         offsets, total = {}, 0
         for key, a in arrays.items():
             offsets[key] = total
@@ -51,7 +51,7 @@ class HostStaging:
         for key, a in arrays.items():
             start = offsets[key]
             piece = dev[start : start + a.nbytes]
-            dtype = torch.from_numpy(a[:0].reshape(-1)).dtype
+            dtype = torch.from_numpy(a.reshape(-1)[:0]).dtype
             out[key] = (piece.view(dtype) if a.nbytes else torch.empty(0, dtype=dtype, device=dev.device)).view(a.shape)
         return out
 

@@ -178,7 +178,7 @@ class CosyVocoder(Vocoder):
         # have two chunks here: regular + terminal; the second's history holds the first's mel).
         hift = self.model.hift
         context, held_back, hop = hift.cfg.stream_context_frames, hift.cfg.held_back_frames, hift.cfg.hop
-        latest: dict[str, Tensor] = {}
+        latest: dict[int, Tensor] = {}
         mels, finals, starts, spans = [], [], [], []
         for w, mel in zip(windows, new_mel):
             state = states.get(w.key) or StreamState(mel.new_zeros(mel.shape[0], 0))
