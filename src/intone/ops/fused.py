@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from intone.ops.compiling import compile_settings
+
 
 def rms_norm_eager(x: Tensor, weight: Tensor, eps: float, compute: torch.dtype) -> Tensor:
     """Normalised in `compute`, cast back to x's dtype, then scaled."""
@@ -54,6 +56,8 @@ _active = dict(_EAGER)
 
 def use_compiled(on: bool) -> None:
     """Switch every AR model in this process to the compiled (on) or eager (off) functions."""
+    if on:
+        compile_settings()
     for name, fn in _EAGER.items():
         _active[name] = torch.compile(
             fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True}) if on else fn

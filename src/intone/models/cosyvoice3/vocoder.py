@@ -34,6 +34,7 @@ from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
 from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.models.vocoder import CodecWindow, Vocoder
 from intone.ops.batching import group_jobs
+from intone.ops.compiling import compile_settings
 
 MAX_GRAPH_CELLS = 64 * 1024  # rows x mel frames of the largest flow graph (its activations, x2 for CFG)
 
@@ -61,6 +62,7 @@ def compile_dit(estimator, unit: str) -> None:
     """torch.compile the DiT's forward ("dit"), or each transformer block's ("block"): the 22 blocks
     are one code object, so the second compiles one block once and reuses it (real size, on a CPU:
     8-15 s against 113 s), and leaves the few kernels around the blocks eager."""
+    compile_settings()
     if unit == "dit":
         estimator.forward = torch.compile(estimator.forward, dynamic=True)
         estimator.forward_continued = torch.compile(estimator.forward_continued, dynamic=True)

@@ -1,0 +1,13 @@
+"""Process-wide settings for the code intone compiles with torch.compile (the DiT, the AR's fused pieces)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_settings() -> None:
+    """Python floats reaching compiled code become constants, guarded (every such float in intone is a
+    model constant, e.g. a norm's epsilon). With symbolic floats dynamo traced the real-size DiT,
+    failed to turn one into a tensor and traced it all again, and the discarded trace missed the AOT
+    cache: on a CPU, start-up compile 119 -> 101 s cold and 36 -> 17 s with a warm cache."""
+    torch._dynamo.config.specialize_float = True
