@@ -24,6 +24,7 @@ def test_stage_histogram_and_engine_counters_after_a_request(server, reference_w
     for name in ("intone_reference_cache_misses_total", "intone_reference_cache_hits_total",
                  "intone_engine_steps_total", "intone_reference_cache_entries"):
         assert (name, ()) in samples, name
+    assert samples[("intone_compiled_graphs_total", ())] == 0  # the CPU profile compiles nothing
 
 
 def bench_args(server, out, **kw):

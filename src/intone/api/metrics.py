@@ -29,6 +29,8 @@ STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 ENGINE_COUNTERS = {
     "reference_cache_hits": ("intone_reference_cache_hits", "Reference-feature cache hits"),
     "prefix_cache_blocks": ("intone_prefix_cache_blocks", "KV blocks requests took from earlier prompts (ar.prefix_caching)"),
+    "compiled_graphs": ("intone_compiled_graphs", "Graphs torch.compile compiled in the engine process, start-up "
+                        "included (a rise while serving is a compile that requests waited for)"),
     "reference_cache_misses": ("intone_reference_cache_misses", "Reference-feature cache misses"),
     "frontend_batches": ("intone_frontend_batches", "Batched calls of the reference frontend"),
     "frontend_clips": ("intone_frontend_clips", "Reference clips encoded by the frontend"),

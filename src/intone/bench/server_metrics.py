@@ -21,6 +21,7 @@ COUNTERS = {
     "reference_cache_hits": "intone_reference_cache_hits_total",
     "reference_cache_misses": "intone_reference_cache_misses_total",
     "prefix_cache_blocks": "intone_prefix_cache_blocks_total",
+    "compiled_graphs": "intone_compiled_graphs_total",
     "frontend_batches": "intone_frontend_batches_total",
     "frontend_clips": "intone_frontend_clips_total",
     "frontend_jobs": "intone_frontend_jobs_total",

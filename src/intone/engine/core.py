@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 
 import numpy as np
@@ -33,6 +34,12 @@ from intone.ops.kv_cache import BlockManager, KVCache, prefix_hashes
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
 log = logging.getLogger(__name__)
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (0 where nothing imported its compiler)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
 # a vocoder's own counters (CosyVoice3's), exported as codec_<name>
 CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocoder_seconds")
 
@@ -253,6 +260,7 @@ class EngineCore:
             planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
             kv_tables=self.blocks.tables, prefix_cache_blocks=self.scheduler.shared_blocks,
+            compiled_graphs=compiled_graphs(),
             steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
