@@ -98,3 +98,32 @@ def test_a_request_that_takes_an_ended_requests_id_decodes_from_a_state_of_its_o
     assert abs(tail - one_pass[id(old)][6 * spf : 12 * spf]).max() < 1e-6
     assert abs(head - one_pass[id(new)][: 6 * spf]).max() < 1e-6
     assert old.codec_state.frames == 12 and new.codec_state.frames == 6
+
+
+def test_a_failed_call_commits_no_state_and_its_chunks_retried_alone_get_their_own_audio(tiny_fish_dir):
+    """Carried codec state: a call fails in its second round, after its first round had advanced states;
+    nothing of it was committed, so each chunk retried alone (`decode_batch`) continues from its request's
+    committed state and is its one-pass decode, and only the bad chunk gets an exception."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.codec_worker import decode_batch
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    stage = CodecStage(WindowVocoder(model, max_batch=8, max_padded_frames=4096, carry_state=True))
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (EngineRequest(rid, prompt=None, params=SamplingParams()) for rid in "abc")
+    for req in (a, b, c):
+        req.codes = torch.randint(0, 8, (model.num_codebooks, 12), generator=g)
+    stage.run([(a, Chunk("a", 0, 6, 0, False)), (b, Chunk("b", 0, 6, 0, False))])
+    items = [(a, Chunk("a", 6, 9, 0, False)), (b, Chunk("b", 6, 12, 0, True)), (c, Chunk("c", 0, 3, 0, False)),
+             (a, Chunk("a", 9, 12, 0, True)), (c, Chunk("c", 5, 8, 0, False))]  # c's second skips frames 3-4
+    out = decode_batch(stage, items)
+    spf = model.samples_per_frame
+    one_pass = {id(r): model.decode(r.codes[None], 0)[0].numpy() for r in (a, b, c)}
+    for (req, chunk), audio in zip(items[:4], out[:4]):
+        assert abs(audio - one_pass[id(req)][chunk.start * spf : chunk.end * spf]).max() < 1e-6
+    assert isinstance(out[4], RuntimeError) and "codec state is at 3" in str(out[4])
+    assert (a.codec_state.frames, b.codec_state.frames, c.codec_state.frames) == (12, 12, 3)
