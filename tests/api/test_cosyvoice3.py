@@ -242,5 +242,7 @@ def test_metrics_show_the_codec_busy_and_the_flow_padding(cosy_server):
     assert grew("intone_codec_first_calls_total") == 1 and grew("intone_codec_first_call_chunks_total") == 1
     first_call = grew("intone_codec_first_call_seconds_total")
     assert 0 < first_call < grew("intone_codec_busy_seconds_total")
-    assert 0 < grew("intone_codec_first_call_gpu_seconds_total") <= first_call  # its pieces' spans, within the call
+    gpu = grew("intone_codec_first_call_gpu_seconds_total")
+    assert 0 < gpu <= first_call  # its pieces' spans, within the call
+    assert 0 < grew("intone_codec_first_call_flow_seconds_total") < gpu  # the flow's part (HiFT the rest)
     assert grew("intone_codec_preempted_calls_total") == 0  # the server's schedule does not preempt

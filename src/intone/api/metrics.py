@@ -56,6 +56,8 @@ ENGINE_COUNTERS = {
                                  "Seconds of codec calls made only of streams' first chunks (wall time)"),
     "codec_first_call_gpu_seconds": ("intone_codec_first_call_gpu_seconds",
                                      "CosyVoice3: those calls' spans on the codec's CUDA stream"),
+    "codec_first_call_flow_seconds": ("intone_codec_first_call_flow_seconds",
+                                      "CosyVoice3: the flow's part of those spans (the rest is HiFT)"),
     "codec_first_call_chunks": ("intone_codec_first_call_chunks", "First chunks decoded in those calls"),
     "codec_preempted_calls": ("intone_codec_preempted_calls",
                               "Codec calls made at a pause point of a call over the backlog (schedule: preempt)"),

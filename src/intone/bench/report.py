@@ -66,9 +66,9 @@ def stage_tables(results: dict) -> list[str]:
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
               "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % | "
-              "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | chunks per first-chunk call "
+              "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | flow s of it | chunks per first-chunk call "
               "| preempted calls | prefix-cache blocks | compiles |",
-              "|" + "---|" * 24]
+              "|" + "---|" * 25]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -83,6 +83,7 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)}"
             + f" | {_count(k.get('codec_first_calls'))} | {_fmt(_per_call(k, 'codec_first_call_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_gpu_seconds'), 3)}"
+            + f" | {_fmt(_per_call(k, 'codec_first_call_flow_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))}"
             + f" | {_count(k.get('prefix_cache_blocks'))} | {_count(k.get('compiled_graphs'))} |")
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
@@ -92,7 +93,7 @@ def stage_tables(results: dict) -> list[str]:
                     "first-chunk calls: codec calls made only of streams' first chunks (`schedule: first` or "
                     "`preempt`, the latter's made at a backlog call's pause points too); their length against first_codec is how long a first chunk waited for "
                     "its call to start; their GPU span (CosyVoice3) against their length, how much of a call was "
-                    "host time. preempted calls: made at a backlog call's pause points. compiles: graphs torch.compile "
+                    "host time; flow s of it: the flow's part of that span (the rest is HiFT). preempted calls: made at a backlog call's pause points. compiles: graphs torch.compile "
                     "compiled during the level (a request waited for each; 0 when start-up compiled everything).", ""]
 
 

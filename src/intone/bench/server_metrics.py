@@ -37,6 +37,7 @@ COUNTERS = {
     "codec_first_calls": "intone_codec_first_calls_total",
     "codec_first_call_seconds": "intone_codec_first_call_seconds_total",
     "codec_first_call_gpu_seconds": "intone_codec_first_call_gpu_seconds_total",
+    "codec_first_call_flow_seconds": "intone_codec_first_call_flow_seconds_total",
     "codec_first_call_chunks": "intone_codec_first_call_chunks_total",
     "codec_preempted_calls": "intone_codec_preempted_calls_total",
     "codec_flow_seconds": "intone_codec_flow_seconds_total",

@@ -34,6 +34,11 @@ class CodecStage:
     def gpu_seconds(self) -> float:
         return self.vocoder.gpu_seconds
 
+    @property
+    def flow_seconds(self) -> float:
+        """CosyVoice3: the flow's part of `gpu_seconds` (0 for a vocoder without that piece)."""
+        return getattr(self.vocoder, "flow_seconds", 0.0)
+
     def run(self, items: list, pause=None) -> list[np.ndarray]:
         """items: (request, Chunk) pairs -> the audio each chunk releases, in order. pause: called at
         the vocoder's pause points; it may run whole calls of its own, on other requests."""

@@ -37,6 +37,7 @@ class DecodedBatch:
     seconds: float  # wall time of the decode calls that carried this batch
     tokens: list[int]  # per item: the request's generated tokens when the chunk was planned
     gpu_seconds: float = 0.0  # their spans on the codec's stream (a stage that times its pieces; else 0)
+    flow_seconds: float = 0.0  # CosyVoice3: the flow's part of gpu_seconds
     preempted: bool = False  # decoded at a pause point of a call over the backlog
 
 
@@ -146,7 +147,7 @@ class Preemption:
     def __init__(self, worker: "CodecWorker", stream):
         self.worker, self.stream = worker, stream
         self.behind = None  # the stream's mark at the previous pause point
-        self.seconds = self.gpu_seconds = 0.0  # of the calls made at the pause points
+        self.seconds = self.gpu_seconds = self.flow_seconds = 0.0  # of the calls made at the pause points
 
     def __call__(self) -> None:
         if self.stream is not None:
@@ -160,6 +161,7 @@ class Preemption:
             decoded = self.worker._decode(items, tokens, self.stream, preempted=True)
             self.seconds += decoded.seconds
             self.gpu_seconds += decoded.gpu_seconds
+            self.flow_seconds += decoded.flow_seconds
 
 
 class CodecWorker:
@@ -240,16 +242,17 @@ class CodecWorker:
 
     def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
                 preempted: bool = False) -> DecodedBatch:
-        start, gpu = time.perf_counter(), self.stage.gpu_seconds
+        start, gpu, flow = time.perf_counter(), self.stage.gpu_seconds, self.stage.flow_seconds
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if stream is None:
                 audio = decode_batch(self.stage, items, pause)
             else:
                 with torch.cuda.stream(stream):
                     audio = decode_batch(self.stage, items, pause)
-        nested = (pause.seconds, pause.gpu_seconds) if pause is not None else (0.0, 0.0)
+        nested = (pause.seconds, pause.gpu_seconds, pause.flow_seconds) if pause is not None else (0.0, 0.0, 0.0)
         decoded = DecodedBatch(items, audio, time.perf_counter() - start - nested[0], tokens,
-                               self.stage.gpu_seconds - gpu - nested[1], preempted)
+                               gpu_seconds=self.stage.gpu_seconds - gpu - nested[1],
+                               flow_seconds=self.stage.flow_seconds - flow - nested[2], preempted=preempted)
         with self._wake:
             self._done.append(decoded)
             self._ready.set()

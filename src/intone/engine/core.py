@@ -268,6 +268,7 @@ class EngineCore:
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,
             codec_first_calls=self.stats.first_calls, codec_first_call_seconds=self.stats.first_call_seconds,
             codec_first_call_gpu_seconds=self.stats.first_call_gpu_seconds,
+            codec_first_call_flow_seconds=self.stats.first_call_flow_seconds,
             codec_first_call_chunks=self.stats.first_call_chunks, codec_preempted_calls=self.stats.preempted_calls,
             reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
             reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,

@@ -23,6 +23,7 @@ class EngineStats:
     first_calls: int = 0
     first_call_seconds: float = 0.0
     first_call_gpu_seconds: float = 0.0
+    first_call_flow_seconds: float = 0.0  # CosyVoice3: the flow's part of their GPU span (the rest is HiFT)
     first_call_chunks: int = 0
     preempted_calls: int = 0  # calls made at a pause point of a call over the backlog
     captured_graphs: int = 0
@@ -36,4 +37,5 @@ class EngineStats:
             self.first_calls += 1
             self.first_call_seconds += decoded.seconds
             self.first_call_gpu_seconds += decoded.gpu_seconds
+            self.first_call_flow_seconds += decoded.flow_seconds
             self.first_call_chunks += len(decoded.items)
