@@ -7,6 +7,11 @@ from hypothesis import given, settings, strategies as st
 from intone.ops.token_history import TokenHistory, last_tokens
 
 
+def seats_of(history, ids, lists):
+    """The step's seats as the runner hands them to the device."""
+    return torch.from_numpy(history.assign(ids, lists))
+
+
 def expected_rows(lists, capacity):
     return torch.tensor([toks + [-1] * (capacity - len(toks)) for toks in lists])
 
@@ -24,7 +29,7 @@ def test_rows_follow_every_request_through_joins_leaves_and_growth(steps):
         lists = [tokens.setdefault(rid, []) for rid in ids]
         if any(len(t) >= 39 for t in lists):
             break
-        seats = history.seats_for(ids, lists)
+        seats = seats_of(history, ids, lists)
         counts = torch.tensor([len(t) for t in lists])
         if ids:
             assert torch.equal(history.rows(seats, counts), expected_rows(lists, 40))
@@ -38,9 +43,9 @@ def test_rows_follow_every_request_through_joins_leaves_and_growth(steps):
 
 def test_tokens_set_by_hand_are_written_before_they_are_read():
     history = TokenHistory("cpu", seats=4, capacity=8)
-    seats = history.seats_for(["a"], [[]])
+    seats = seats_of(history, ["a"], [[]])
     history.record(seats, torch.tensor([0]), torch.tensor([5]))
-    seats = history.seats_for(["a"], [[7, 8, 9]])  # the host's list disagrees with the seat's count
+    seats = seats_of(history, ["a"], [[7, 8, 9]])  # the host's list disagrees with the seat's count
     assert history.rows(seats, torch.tensor([3])).tolist() == [[7, 8, 9, -1, -1, -1, -1, -1]]
 
 

@@ -34,11 +34,6 @@ from intone.ops.kv_cache import BlockManager, KVCache, prefix_hashes
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
 log = logging.getLogger(__name__)
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process (0 where nothing imported its compiler)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
-
 
 # a vocoder's own counters (CosyVoice3's), exported as codec_<name>
 CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocoder_seconds")
@@ -46,6 +41,12 @@ CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocod
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
 IDLE_WAIT_S = 0.01  # with only references being encoded, wait this long for one to finish
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (0 where nothing imported its compiler)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 class TooLarge(IntoneError):

@@ -103,19 +103,17 @@ class ModelRunner:
         host = dict(tokens=np.concatenate(tokens).astype(np.int64, copy=False),
                     codes=np.concatenate(codes).astype(np.int64, copy=False), sampling_floats=floats,
                     sampling_ints=ints, seats=self.history.assign([r.request_id for r in reqs], [r.tokens for r in reqs]))
-        bounds = {}
-        for name, part, prefill in (("prefill", prefills, True), ("decode", decodes, False)):
-            if part:
-                arrays, max_q, max_k = self._meta_arrays(part, prefill)
-                host.update({f"{name}.{k}": v for k, v in arrays.items()})
-                bounds[name] = (max_q, max_k)
+        metas = {name: self._meta_arrays(part, prefill)
+                 for name, part, prefill in (("prefill", prefills, True), ("decode", decodes, False)) if part}
+        for name, (arrays, _, _) in metas.items():
+            host.update({f"{name}.{k}": v for k, v in arrays.items()})
         dev = self.staging.upload(host)
 
         def meta(name):
-            if name not in bounds:
+            if name not in metas:
                 return None
-            fields = {k.split(".", 1)[1]: v for k, v in dev.items() if k.startswith(name + ".")}
-            return AttentionMetadata.of(fields, *bounds[name])
+            arrays, max_q, max_k = metas[name]
+            return AttentionMetadata.of({k: dev[f"{name}.{k}"] for k in arrays}, max_q, max_k)
         sampling = sampling_from(params, dev["sampling_floats"], dev["sampling_ints"])
         return StepBatch(tokens=dev["tokens"], codes=dev["codes"], prefill=meta("prefill"), decode=meta("decode"),
                          sampling=sampling, history=self.history.rows(dev["seats"], sampling.steps), seats=dev["seats"])
@@ -125,12 +123,10 @@ class ModelRunner:
         for r in reqs:
             q = len(r.prompt) - r.cached if prefill else 1
             ctx = r.cached if prefill else len(r.prompt) + len(r.tokens) - 1
-            used = -(-(ctx + q) // self.kv.block_size)
-            if len(r.block_table) < used:
-                raise ValueError(f"{r.request_id}: {len(r.block_table)} KV blocks cannot hold {ctx + q} tokens")
             q_lens.append(q)
             ctx_lens.append(ctx)
-            tables.append(r.block_table[:used])  # a table lent ahead holds more: the step reads these
+            # a table lent ahead holds more: the step reads these (host_arrays refuses one too short)
+            tables.append(r.block_table[: -(-(ctx + q) // self.kv.block_size)])
         return AttentionMetadata.host_arrays(q_lens, ctx_lens, tables, self.kv.block_size)
 
     # ---- running -------------------------------------------------------------------------------

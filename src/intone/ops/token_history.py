@@ -29,10 +29,6 @@ class TokenHistory:
         self._seat: dict[str, int] = {}
         self._count: dict[str, int] = {}  # tokens the seat's row holds, by request
 
-    def seats_for(self, request_ids: list[str], tokens: list[list[int]]) -> Tensor:
-        """The step's seats [R] on the device (`assign`)."""
-        return torch.from_numpy(self.assign(request_ids, tokens)).to(self.device)
-
     def assign(self, request_ids: list[str], tokens: list[list[int]]) -> np.ndarray:
         """The step's seats [R] (host, int64), after freeing the seats of requests not in it and writing
         the rows whose device copy is not current."""
