@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
 #   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, encoder, ar-timing, flow-calls (FLOW_ARGS='--sms 96'), cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
-#                                         cosy-stream, cosy-ab (cosy-stream once per AB variant: AB='name:serve args;name:serve args'),
+#                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
 # BENCH_ARGS: more `intone bench` options for fish-http / fish-stream (e.g. --reference-pool 16).
@@ -49,11 +49,12 @@ for stage in "$@"; do
     cosy-stream) timeout ${T:-$((150 + N / 4))} $INTONE bench --model random:cosyvoice3 --profile cosyvoice3-streaming \
         --preset seedtts-cosyvoice3 --num-requests "$N" --stream --output-dir "$OUT/cosy-stream$TAG" ${SERVE_ARGS:+--serve-args "$SERVE_ARGS"} 2>&1 | grep -v "it/s\]" | tail -20
       grep -A12 "Where the time" "$OUT/cosy-stream$TAG/report.md" ;;
-    cosy-ab) IFS=';' read -ra variants <<< "${AB:-shipped:;fifo:--set codec.schedule=fifo}"
+    # ab: AB_STAGE (default cosy-stream; e.g. fish-http) once per AB variant; cosy-ab is ab on cosy-stream
+    ab|cosy-ab) IFS=';' read -ra variants <<< "${AB:-shipped:;fifo:--set codec.schedule=fifo}"
       for v in "${variants[@]}"; do
         [[ $v == *:* ]] || v="$v:"
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-')
-        N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" cosy-stream; done ;;
+        N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" "${AB_STAGE:-cosy-stream}"; done ;;
     # The same stages on an older commit's tree (.before/, carried) and on this one, alternating on one machine.
     before-after) [ -d .before/src ] || { echo "no .before/: run tools/before_tree.sh COMMIT and carry .before"; exit 2; }
       for s in ${BEFORE_STAGES:-fish-http cosy-stream}; do
