@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
 
 import numpy as np
@@ -30,6 +29,7 @@ from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
 from intone.ops import fused, paged_decode
+from intone.ops.compiling import compiled_graphs
 from intone.ops.kv_cache import BlockManager, KVCache, prefix_hashes
 from intone.protocol import AudioChunk, SamplingParams, SynthesisRequest
 
@@ -41,12 +41,6 @@ CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocod
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
 IDLE_WAIT_S = 0.01  # with only references being encoded, wait this long for one to finish
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process (0 where nothing imported its compiler)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
 class TooLarge(IntoneError):
