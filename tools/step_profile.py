@@ -174,6 +174,54 @@ def overlapped(core, run, steps):
         f"{k} {1000 * v / n:.1f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0))
 
 
+def busy_ms(intervals) -> float:
+    """Length of the union of [start, end) intervals (ns), in ms."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total / 1e6
+
+
+GAPS = ((0.05, "<50us"), (0.5, "50-500us"), (5.0, "0.5-5ms"), (float("inf"), ">5ms"))
+
+
+def gap_ms(spans) -> dict:
+    """A stream's idle time between consecutive kernels, summed by the gap's length (ms): short gaps
+    inside a burst of launches mean the host launches slower than the GPU runs them (launch-bound);
+    long ones, that the stream had no work (waiting for its thread or for other work)."""
+    out = dict.fromkeys((label for _, label in GAPS), 0.0)
+    spans = sorted(spans)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        gap = max(0, start - end) / 1e6
+        out[next(label for bound, label in GAPS if gap < bound)] += gap
+    return out
+
+
+def gpu_timeline(prof, wall_s: float, steps: int) -> None:
+    """Per CUDA stream: the kernels' busy time (union) and count; then the union over every stream
+    against the window's wall time: near 100% the GPU is saturated, well below it the host holds it up."""
+    kernels = [e for e in prof.profiler.kineto_results.events()
+               if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+               and not e.name().startswith(("Memcpy", "Memset"))]
+    streams, names = collections.defaultdict(list), collections.defaultdict(collections.Counter)
+    for e in kernels:
+        streams[e.device_resource_id()].append((e.start_ns(), e.end_ns()))
+        names[e.device_resource_id()][e.name()[:40]] += e.duration_ns() / 1e6
+    print(f"GPU timeline over {steps} steps ({1000 * wall_s:.0f} ms of wall time):")
+    for stream, spans in sorted(streams.items(), key=lambda kv: -len(kv[1])):
+        gaps = gap_ms(spans)
+        print(f"  stream {stream}: {len(spans)} kernels, busy {busy_ms(spans):.1f} ms "
+              f"({100 * busy_ms(spans) / (1000 * wall_s):.0f}% of wall); idle between kernels: "
+              + ", ".join(f"{label} {ms:.1f} ms" for label, ms in gaps.items()) + "; longest: "
+              + ", ".join(f"{n} {ms:.1f}" for n, ms in names[stream].most_common(3)))
+    every = [span for spans in streams.values() for span in spans]
+    print(f"  any stream busy: {busy_ms(every):.1f} ms ({100 * busy_ms(every) / (1000 * wall_s):.0f}% of wall); "
+          f"kernel time summed over streams {sum(e - s for s, e in every) / 1e6:.1f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:fish-s2")
@@ -181,6 +229,7 @@ def main():
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--frames", default="normal:86:30")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--timeline-steps", type=int, default=40, help="steps under torch.profiler (kernel table, GPU timeline)")
     ap.add_argument("--stream", action="store_true", help="streamed requests (chunks), not whole responses")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="profile overrides")
     args = ap.parse_args()
@@ -226,7 +275,11 @@ def main():
     print(f"  {'other (host: loop, append, sync)':32s} {1000 * (wall - sum(SPENT.values())) / steps:7.2f} ms/step")
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run(20)
+        t = time.perf_counter()
+        run(args.timeline_steps)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    gpu_timeline(prof, wall, args.timeline_steps)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 

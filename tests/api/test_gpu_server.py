@@ -17,12 +17,11 @@ from tests.api.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
 
-# (model, profile, codec overrides, cosyvoice3.flow overrides): CosyVoice3 once with the flow's solve replayed from graphs (SDPA: flex
-# block masks are not captured), once with
-# the flex-attention DiT compiled as shipped profiles compile it, the codec on a share of the SMs and
-# first chunks decoded at the backlog calls' Euler steps.
+# (model, profile, codec overrides, cosyvoice3.flow overrides): CosyVoice3 once with the flow's solve replayed
+# from graphs (the flex-attention DiT compiled, its block masks built inside the graphs), once with the flex DiT
+# compiled and eager, the codec on a share of the SMs and first chunks decoded at the backlog calls' Euler steps.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}),
-         ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "attention": "sdpa"}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},
           {"compile": True, "attention": "flex"})]
 

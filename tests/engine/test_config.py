@@ -72,10 +72,12 @@ def test_an_sm_share_needs_the_in_process_codec_worker(other):
         load_profile("cosyvoice3-streaming", device="cpu", **{"codec.sms": 96, **other})
 
 
-def test_flex_flow_attention_is_refused_with_codec_graphs():
-    with pytest.raises(ProfileError, match="cosyvoice3.flow.attention"):
+def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_does_not():
+    flow = load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.cuda_graphs": True}).cosyvoice3.flow
+    assert flow.attention == "flex" and flow.cuda_graphs
+    with pytest.raises(ProfileError, match="cosyvoice3.flow.cache"):
         load_profile("cosyvoice3-streaming", device="cpu",
-                     **{"cosyvoice3.flow.attention": "flex", "cosyvoice3.flow.cuda_graphs": True})
+                     **{"cosyvoice3.flow.cuda_graphs": True, "cosyvoice3.flow.cache": True})
 
 
 def test_a_familys_knobs_live_in_its_section_and_another_familys_profile_is_refused():

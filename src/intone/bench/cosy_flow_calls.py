@@ -141,7 +141,7 @@ def time_first_chunks(model, n: int, device, repeats: int) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=48)
+    ap.add_argument("--jobs", type=int, default=48, help="0: no whole-call rows (e.g. only --first-chunks)")
     ap.add_argument("--call-cost", type=int, default=512)
     ap.add_argument("--kernels", default="sdpa,flex")
     ap.add_argument("--sms", type=int, default=None)
@@ -170,13 +170,13 @@ def main(argv=None) -> None:
             for groups in splits.values():
                 run_calls(flow, jobs, groups, device)  # compiles, then meets each call's shape once
             compile_s = time.perf_counter() - start
-            for name, groups in splits.items():
+            for name, groups in splits.items() if args.jobs else ():
                 ms = min(run_calls(flow, jobs, groups, device) for _ in range(args.repeats))
                 padded = sum(len(g) * max(sizes[i] for i in g) for g in groups)
                 print(json.dumps(dict(kernel=kernel, calls=name, n_calls=len(groups), jobs=args.jobs, sms=args.sms,
                                       ms=round(ms, 1), padding=round(1 - sum(sizes) / padded, 3),
                                       first_pass_s=round(compile_s, 1))), flush=True)
-            if args.continued:
+            if args.continued and args.jobs:
                 caches = earlier_caches(flow, jobs, [job[3] for job in served], device)  # compiles both kinds too
                 ms = min(run_continued(flow, jobs, caches, splits["full"], device) for _ in range(args.repeats))
                 gib = sum(c.bytes for c in caches if c is not None) / 2**30

@@ -301,15 +301,18 @@ def test_graphed_inference_on_a_cpu_runs_the_unpadded_solve(flow):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("autocast,compiled,tolerance", [(None, False, 1e-4), (torch.bfloat16, False, 5e-2),
-                                                         (torch.bfloat16, True, 5e-2)])
-def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel(autocast, compiled, tolerance, no_tf32):
+@pytest.mark.parametrize("autocast,compiled,kernel,tolerance", [
+    (None, False, "sdpa", 1e-4), (torch.bfloat16, False, "sdpa", 5e-2), (torch.bfloat16, True, "sdpa", 5e-2),
+    (torch.bfloat16, True, "flex", 5e-2)])
+def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel(autocast, compiled, kernel, tolerance, no_tf32):
     """A captured solve (tiny flow on the GPU) against the eager one at the unpadded shape, for a batch
     that is padded in rows and frames: the same mel to fp32 rounding, and to bf16 rounding under the
-    shipped streaming profile's settings (bf16 autocast, a compiled DiT; autocast's cast cache off, as
-    the codec stage runs it)."""
+    shipped streaming profile's settings (bf16 autocast, a compiled DiT, flex attention, whose block mask
+    the graph builds from the rows' lengths at each replay; autocast's cast cache off, as the codec stage
+    runs it)."""
     assert torch.cuda.is_available()
     flow = make_flow(torch.float32).cuda()
+    flow.decoder.estimator.attention_kernel = kernel
     if compiled:
         compile_dit(flow.decoder.estimator, "dit")
     g = torch.Generator().manual_seed(7)
@@ -331,6 +334,17 @@ def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel(autocast, co
     assert graphs.replays == 2 and graphs.eager == 0
     for a, b, c in zip(replayed, eager, again):
         assert torch.equal(a, c)  # a replay is deterministic
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+    # Other lengths and streaming flags at the same padded shape: the replay masks them as they are now
+    # (the attention mask is built inside the graph from the rows' lengths), not as at the capture.
+    other = [request(g, prompt=p, tokens=n, streaming=s, dtype=torch.float32) for p, n, s in
+             ((6, 44, False), (10, 26, True), (9, 33, True))]
+    other = [FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(), r.streaming,
+                         r.finalize) for r in other]
+    with under_autocast():
+        replayed, eager = flow.inference(other, graphs), flow.inference(other)
+    assert graphs.replays == 3 and graphs.eager == 0
+    for a, b in zip(replayed, eager):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 

@@ -194,6 +194,13 @@ class CosyFlow(nn.Module):
         return (mu, cond, self._speakers(requests), torch.tensor(lengths, device=dev),
                 torch.tensor([r.streaming for r in requests], device=dev))
 
+    def _eager_inputs(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """A flex DiT's solve gets two key blocks at least: compiled, it would compile a one-block mask
+        apart (a dimension of 1); the added frames change no valid one (pad_solve_inputs)."""
+        if self.decoder.estimator.attention_kernel == "flex" and inputs[0].shape[1] <= FLEX_BLOCK:
+            return pad_solve_inputs(*inputs, inputs[0].shape[0], FLEX_BLOCK + 1)
+        return inputs
+
     def _padded_solve_inputs(self, requests: list[FlowRequest]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         inputs = self.solve_inputs(requests)
         return inputs, pad_solve_inputs(*inputs, *graph_shape(len(requests), inputs[0].shape[1]))
@@ -209,16 +216,12 @@ class CosyFlow(nn.Module):
 
         graphs: an engine's FunctionGraphs: the ODE solve (ten DiT passes, thousands of launches) is
         replayed from the graph of its padded shape when one was captured (`capture_solve`).
-        pause: called between the eager solve's Euler steps (`CausalCFM.forward`); a replayed one has none."""
+        pause: called between an eager solve's Euler steps (`CausalCFM.forward`); a replayed one has none."""
         if graphs is None:
-            inputs = self.solve_inputs(requests)
-            if self.decoder.estimator.attention_kernel == "flex" and inputs[0].shape[1] <= FLEX_BLOCK:
-                # Two blocks at least: a compiled DiT would compile a one-block mask apart (a dimension
-                # of 1); the added frames change no valid one (pad_solve_inputs).
-                inputs = pad_solve_inputs(*inputs, len(requests), FLEX_BLOCK + 1)
-            mel = self.decoder(*inputs, pause=pause)
+            mel = self.decoder(*self._eager_inputs(self.solve_inputs(requests)), pause=pause)
         else:
             inputs, padded = self._padded_solve_inputs(requests)
-            mel = graphs.run("flow", self.decoder, *padded, eager=lambda: self.decoder(*inputs))[0]
+            eager = lambda: self.decoder(*self._eager_inputs(inputs), pause=pause)  # noqa: E731
+            mel = graphs.run("flow", self.decoder, *padded, eager=eager)[0]
         ends = self.mel_lengths(requests)
         return [mel[i, r.prompt_mel.shape[0]: n].T.contiguous() for i, (r, n) in enumerate(zip(requests, ends))]

@@ -26,8 +26,7 @@ class FlowOptions(_Strict):
                            "compiled once: start-up ~10x shorter, the kernels between blocks eager)")
     attention: Literal["sdpa", "flex"] = Field(
         "sdpa", description="the DiT's attention as SDPA under a dense mask, or flex attention under a block mask "
-                            "that skips the key blocks padding and the chunk mask hide (GPU: with compile only; "
-                            "not with cuda_graphs)")
+                            "that skips the key blocks padding and the chunk mask hide (GPU: with compile only)")
     cuda_graphs: bool = Field(False, description="replay the flow's ODE solve (ten DiT passes) from CUDA graphs "
                                                  "captured at start-up, one per (rows, frames) bucket (GPU)")
     graph_frames: int = Field(1024, ge=128, le=4096,
@@ -45,9 +44,6 @@ class FlowOptions(_Strict):
 
     @model_validator(mode="after")
     def _not_with_graphs(self):
-        if self.cuda_graphs and self.attention == "flex":
-            raise ValueError("cosyvoice3.flow.attention flex needs cosyvoice3.flow.cuda_graphs off "
-                             "(its block masks are not captured)")
         if self.cuda_graphs and self.cache:
             raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
                              "(the graphs replay the whole-prefix solve)")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from intone.models.cosyvoice3.dit import FLEX_BLOCK
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows
 from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
 from intone.models.cosyvoice3.hift_source import SourceWindow
@@ -111,7 +112,10 @@ class CosyVocoder(Vocoder):
         self.graphs, max_frames = graphs, self.graph_frames
         dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
         rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
-        shapes = [(r, f) for r in rows for f in range(GRAPH_FRAME_BUCKET, max_frames + 1, GRAPH_FRAME_BUCKET)
+        # A flex DiT's one-block shape would compile apart; such calls (under 2.6 s of reference and
+        # output) run eagerly, padded to two blocks (`CosyFlow.inference`).
+        shortest = 2 * FLEX_BLOCK if self.model.flow.decoder.estimator.attention_kernel == "flex" else GRAPH_FRAME_BUCKET
+        shapes = [(r, f) for r in rows for f in range(shortest, max_frames + 1, GRAPH_FRAME_BUCKET)
                   if r * f <= MAX_GRAPH_CELLS]
         for r, frames in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
             tokens = frames // ratio  # prompt + output tokens of a finalized row: exactly `frames` mel frames
