@@ -4,7 +4,8 @@
 
 Two batches as the streamed codec worker gives them: a first-chunk call (6 new streams, 50-98 mel
 frames each, nothing carried) and a backlog call (48 windows of 40 context frames plus 50, 100 or
-200 new ones, phase carried). Per precision of the network (the F0 predictor stays float64): wall
+200 new ones, phase carried). Per precision of the network (the F0 predictor stays float64), and float32 replayed from a CUDA
+graph captured at the batch's graph shape: wall
 ms (min over repeats), the GPU's busy ms and kernel count in one call (profiler), and the audio's
 distance from the float32 run (max abs, SNR dB). Real-size architecture, random weights.
 """
@@ -20,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from intone.models.cosyvoice3.codec_config import flow_sizes
 from intone.models.cosyvoice3.flow import FlowConfig
-from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig
+from intone.engine.cuda_graphs import FunctionGraphs
+from intone.models.cosyvoice3.hift import CausalHiFT, HiFTConfig, graph_shape
 from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.models.cosyvoice3.noise import official_noise
 
@@ -75,17 +77,22 @@ def time_call(fn, repeats, device) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dtypes", default="float32,bfloat16,float16")
+    ap.add_argument("--dtypes", default="float32,float32+graphs,bfloat16,float16")
     args = ap.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as `tf32: true` serves
     reference = {}
     for name in args.dtypes.split(","):
-        hift = build(device, getattr(torch, name))
+        dtype, graphed = name.split("+")[0], name.endswith("+graphs")
+        hift = build(device, getattr(torch, dtype))
         for label, mels, window in batches(hift.cfg, device):
+            graphs = FunctionGraphs() if graphed else None
+            if graphed:  # captured at the batch's graph shape, as the codec stage does at start-up
+                hift.capture(*graph_shape(len(mels), max(m.shape[1] for m in mels)), graphs)
+
             def call():
                 w = SourceWindow(window.first, window.carried_at, window.carried, window.record_at)
-                return hift.vocode_batch(mels, [False] * len(mels), w)
+                return hift.vocode_batch(mels, [False] * len(mels), w, graphs)
             row = dict(dtype=name, batch=label, frames=sum(m.shape[1] for m in mels), **time_call(call, args.repeats, device))
             audio = torch.cat([a.double() for a in call()])
             ref = reference.setdefault(label, audio)

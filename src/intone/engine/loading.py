@@ -61,7 +61,7 @@ def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
     vocoder, c = stage.vocoder, profile.chunking
     chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
     vocoder.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
-    if vocoder.graph_frames and vocoder.device.type == "cuda":
+    if vocoder.wants_graphs and vocoder.device.type == "cuda":
         graphs = FunctionGraphs()
         vocoder.capture_graphs(graphs)
         r = graphs.report

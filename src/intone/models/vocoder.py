@@ -58,8 +58,13 @@ class Vocoder(abc.ABC):
         """Run every shape the calls can reach up to this window length (start-up); returns the count."""
         return 0
 
+    @property
+    def wants_graphs(self) -> bool:
+        """Whether `capture_graphs` has any call to capture."""
+        return self.graph_frames is not None
+
     def capture_graphs(self, graphs) -> None:
-        """Capture CUDA graphs of the vocoder's calls (start-up, when `graph_frames` is set)."""
+        """Capture CUDA graphs of the vocoder's calls (start-up, when `wants_graphs`)."""
 
 
 @dataclass

@@ -292,6 +292,40 @@ def test_right_padding_does_not_leak_into_rows(hift64):
     torch.testing.assert_close(base[0], other[0], rtol=0, atol=1e-12)
 
 
+def _streams_batch(hift, dtype=torch.float64, device="cpu"):
+    """Rows as a streamed codec call holds them: windows of two streams with their phases carried (one
+    non-final, one final), a new stream's first chunk, a whole utterance; and the window state."""
+    full = mel(120, seed=5, dtype=dtype)[0]
+    context, history = TINY.stream_context_frames, TINY.f0_history_frames
+    first = 64 - context
+    carried = _phase_before(hift, full, first + history)
+    rows = [full[:, first:100], mel(37, seed=8, dtype=dtype)[0], full[:, first:], mel(23, seed=9, dtype=dtype)[0]]
+    window = SourceWindow([first, 0, first, 0], [first + history, 0, first + history, 0],
+                          torch.stack([carried, 0 * carried, carried, 0 * carried]),
+                          [first + history + 5, 20, first + history, 0])
+    return [r.to(device) for r in rows], [False, False, True, True], window
+
+
+def test_a_batch_padded_to_its_graph_shape_gives_every_row_what_it_gets_unpadded(hift64):
+    """`vocode_batch` with graphs pads the batch to its graph shape (rows repeated, frames in buckets of
+    32); on a CPU nothing is captured and the padded batch runs eagerly: every row's samples and the
+    phases it records are those of the unpadded call."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+    from intone.models.cosyvoice3.hift import graph_shape
+
+    rows, finals, window = _streams_batch(hift64)
+    assert graph_shape(len(rows), max(r.shape[1] for r in rows)) == (4, 96)
+    plain = hift64.vocode_batch(rows, finals, window)
+    take = [0, 1, 3]  # 3 rows of up to 73 frames -> the (4, 96) shape
+    three = window.rows(take)
+    padded = hift64.vocode_batch([rows[i] for i in take], [finals[i] for i in take], three, FunctionGraphs())
+    for i, b in zip(take, padded):
+        assert b.shape == plain[i].shape
+        torch.testing.assert_close(b, plain[i], rtol=0, atol=1e-12)
+    torch.testing.assert_close(three.recorded, window.recorded[take], rtol=0, atol=1e-12)
+    assert not torch.equal(window.recorded[0], window.carried[0])  # the phase moved on past the carried one
+
+
 # ---------------------------------------------------------------- precision
 
 
@@ -411,3 +445,30 @@ def test_cuda_low_precision(tiny_noise, official_state, hift32, dtype):
     out = model.inference(x.to("cuda", dtype), True).cpu()
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     assert (out - ref).norm() / ref.norm() < 0.1
+
+
+@pytest.mark.gpu
+def test_hift_replayed_from_its_graphs_gives_the_eager_samples(tiny_noise, official_state, hift64, no_tf32):
+    """HiFT's calls captured at their graph shapes (`capture`, as the codec stage does at start-up with
+    `cosyvoice3.hift.cuda_graphs`) and replayed for a streamed call's mix of rows (windows with carried
+    phases, first chunks, a final row): the eager call's samples and recorded phases, and a replay of
+    other rows at the same shape is theirs, not the captured ones'."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+
+    model = make(tiny_noise, official_state, torch.float32).to("cuda")
+    graphs = FunctionGraphs()
+    for rows_bucket in (4, 2):
+        for frames in (96, 64):
+            model.capture(rows_bucket, frames, graphs)
+    assert len(graphs) == 4
+    rows, finals, window = _streams_batch(hift64, torch.float32, "cuda")
+    window.carried = window.carried.float()
+    for take in ([0, 1, 2, 3], [1, 3], [2, 0, 1]):
+        pick = [rows[i] for i in take]
+        eager_window, graph_window = window.rows(take), window.rows(take)
+        eager = model.vocode_batch(pick, [finals[i] for i in take], eager_window)
+        replayed = model.vocode_batch(pick, [finals[i] for i in take], graph_window, graphs)
+        for a, b in zip(eager, replayed):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+        torch.testing.assert_close(graph_window.recorded, eager_window.recorded, rtol=0, atol=1e-5)
+    assert graphs.replays == 3 and graphs.eager == 0

@@ -25,9 +25,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intone.models.cosyvoice3.hift_config import RAND_INI_KEY, SINE_NOISE_KEY, HiFTConfig
-from intone.models.cosyvoice3.hift_source import CausalF0Predictor, HarmonicSource, PaddedConv1d, SourceWindow
+from intone.models.cosyvoice3.flow import graph_rows
+from intone.models.cosyvoice3.hift_source import (
+    CausalF0Predictor,
+    HarmonicSource,
+    PaddedConv1d,
+    SourceRows,
+    SourceWindow,
+)
 from intone.models.cosyvoice3.noise import FlowSizes, official_noise
 from intone.ops.snake import snake
+
+HIFT_FRAME_BUCKET = 32  # mel frames: a graphed HiFT batch's length is padded to a multiple of this
 
 
 class Snake(nn.Module):
@@ -178,10 +187,11 @@ class CausalHiFT(nn.Module):
             return mel.new_zeros(batch, 0, dtype=self._excitation_dtype())
         if finalize and frames == 0:
             return mel.new_zeros(batch, 0, dtype=self._excitation_dtype())
-        return self._run(mel, [frames] * batch, [finalize] * batch, pad=finalize)
+        return torch.stack(self.vocode_batch(list(mel), [finalize] * batch))
 
     @torch.inference_mode()
-    def vocode_batch(self, mels: list[Tensor], finalize: list[bool], window: SourceWindow | None = None) -> list[Tensor]:
+    def vocode_batch(self, mels: list[Tensor], finalize: list[bool], window: SourceWindow | None = None,
+                     graphs=None) -> list[Tensor]:
         """Rows [in_channels, T_i] (or [1, in_channels, T_i]) of any lengths, each with its own
         `finalize`, vocoded as one right-padded batch. Row i's audio [S_i] equals
         `inference(row_i[None], finalize[i])[0]` up to float rounding.
@@ -189,17 +199,20 @@ class CausalHiFT(nn.Module):
         Zero right-padding is exactly the official final-call look-ahead padding, and the rest of
         the network is left-causal, so each row is computed as a final call on the padded batch;
         the per-row parts with edge effects (excitation length, the source STFT's reflect padding,
-        the iSTFT) are taken at each row's own official length, and a non-final row keeps the
-        official non-final frames and drops its last 480 samples.
+        the iSTFT) are taken at each row's own official length (`_vocode`), and a non-final row keeps
+        the official non-final frames and drops its last 480 samples.
 
         `window`: rows that are windows of longer streams (see SourceWindow; its `recorded` is set,
         the carried phase unchanged for a row that gives no samples): a row's samples from
         `cfg.stream_context_frames` frames into its window on equal those of the whole stream's call.
+        `graphs`: an engine's FunctionGraphs holding `capture` shapes: the batch is padded to its graph
+        shape (`graph_shape`) and replayed when one was captured.
         """
         if len(mels) != len(finalize):
             raise ValueError("mels and finalize differ in length")
         rows = [m[0] if m.dim() == 3 else m for m in mels]
         lengths = [r.shape[-1] for r in rows]
+        harmonics = self.cfg.nb_harmonics + 1
         out: list[Tensor | None] = [None] * len(rows)
         live = []
         for i, (t, fin) in enumerate(zip(lengths, finalize)):
@@ -207,64 +220,75 @@ class CausalHiFT(nn.Module):
                 out[i] = rows[i].new_zeros(0, dtype=self._excitation_dtype())
             else:
                 live.append(i)
-        sub = window.rows(live) if window is not None else None
+        recorded = None
         if live:
-            if len({(lengths[i], finalize[i]) for i in live}) == 1:
-                fin, t = finalize[live[0]], lengths[live[0]]
-                audio = self._run(torch.stack([rows[i] for i in live]), [t] * len(live), [fin] * len(live), fin, sub)
+            sub = window.rows(live) if window is not None else None
+            if sub is not None:
+                sub.check([lengths[i] - (0 if finalize[i] else self.cfg.f0_look_right) for i in live])
+            starts = sub.first if sub is not None else [0] * len(live)
+            carried = sub.carried if sub is not None else torch.zeros(len(live), harmonics, dtype=torch.float64)
+            t_max = max(lengths[i] for i in live)
+            self.m_source.check_noise(max(starts), t_max)
+            if t_max > self.cfg.max_frames:
+                raise ValueError(f"{t_max} mel frames exceed the fixed noise ({self.cfg.max_frames} frames)")
+            n, t = graph_shape(len(live), t_max) if graphs is not None else (len(live), t_max)
+
+            def padded(values: list) -> list:  # added rows repeat the first (their output is dropped)
+                return values + values[:1] * (n - len(live))
+            zeros = [0] * len(live)
+            ints = torch.tensor([padded(x) for x in ([lengths[i] for i in live], [int(finalize[i]) for i in live], starts,
+                                                     sub.carried_at if sub is not None else zeros,
+                                                     sub.record_at if sub is not None else zeros)])
+            mel = torch.stack([F.pad(rows[i], (0, t - lengths[i])) for i in padded(live)])
+            carried = torch.cat([carried, carried[:1].expand(n - len(live), -1)]).to(mel.device, self._excitation_dtype())
+            ints = ints.to(mel.device)
+            inputs = (mel, ints, carried)
+            if graphs is not None:
+                audio, recorded = graphs.run("hift", self._vocode, *inputs)
             else:
-                t_max = max(lengths[i] for i in live)
-                mel = torch.stack([F.pad(rows[i], (0, t_max - lengths[i])) for i in live])
-                audio = self._run(mel, [lengths[i] for i in live], [finalize[i] for i in live], True, sub)
+                audio, recorded = self._vocode(*inputs)
             for j, i in enumerate(live):
                 out[i] = audio[j, : self.cfg.output_samples(lengths[i], finalize[i])]
         if window is not None:  # a row that consumed no frames carries its phase on unchanged
             window.recorded = window.carried.to(self._excitation_dtype(), copy=True)
             for j, i in enumerate(live):
-                window.recorded[i] = sub.recorded[j]
+                window.recorded[i] = recorded[j].to(window.recorded)
         return out  # type: ignore[return-value]
 
-    def _run(self, mel: Tensor, lengths: list[int], finals: list[bool], pad: bool,
-             stream: SourceWindow | None = None) -> Tensor:
-        """Vocode a batch whose row b has `lengths[b]` real frames. `pad`: zero look-ahead padding
-        (official final call; rows may differ); without it every row is a non-final call of the
-        batch's full length. Returns [B, max samples]; row b is valid up to its official length."""
-        cfg, hop = self.cfg, self.cfg.hop
-        batch, _, total = mel.shape
-        if total > cfg.max_frames:
-            raise ValueError(f"{total} mel frames exceed the fixed noise ({cfg.max_frames} frames)")
+    @torch.inference_mode()
+    def capture(self, rows: int, frames: int, graphs) -> None:
+        """Capture `_vocode` in `graphs` at this (rows, frames) graph shape (start-up only)."""
+        device = self.conv_pre.weight.device
+        mel = torch.zeros(rows, self.cfg.in_channels, frames, device=device)
+        ints = torch.tensor([[frames] * rows, [1] * rows, [0] * rows, [0] * rows, [0] * rows], device=device)
+        carried = torch.zeros(rows, self.cfg.nb_harmonics + 1, device=device, dtype=self._excitation_dtype())
+        graphs.capture("hift", self._vocode, mel, ints, carried)
+
+    def _vocode(self, mel: Tensor, ints: Tensor, carried: Tensor) -> tuple[Tensor, Tensor]:
+        """The batch on device tensors only (fixed shapes: a CUDA graph per (B, T)): mel [B, C, T]
+        right-padded; ints [5, B] int64: each row's real frames, finalize (0/1), and its window's
+        first frame, carried_at and record_at (SourceWindow; zeros: a row that starts its stream);
+        carried [B, harmonics + 1]. Every row is a final call on the padded batch (zero look-ahead
+        padding); each row's edge parts are taken at its own official length by masks and gathers.
+        -> audio [B, T * hop] (row b valid up to its official length, zeros after), recorded phases."""
+        cfg = self.cfg
+        lengths, finals, first, carried_at, record_at = ints
+        finals = finals.bool()
         compute = self._excitation_dtype()
-        stft_hop = cfg.hop_len
-        frames_per_mel = hop // stft_hop  # STFT frames per mel frame (120)
+        per_mel = cfg.hop // cfg.hop_len  # source STFT frames per mel frame (120)
         window = _hann(cfg.n_fft, torch.device(mel.device))
 
         # F0 at frame rate, float64, cast like the official (to the mel dtype; float32 at least here).
-        f0 = self.f0_predictor(mel, pad=pad).to(compute)
+        f0 = self.f0_predictor(mel, pad=True).to(compute)
         # Per row: excitation frames (a non-final row's F0 stops 3 frames early) and conv frames.
-        src_frames = [t if fin else t - cfg.f0_look_right for t, fin in zip(lengths, finals)]
-        conv_frames = [t if fin else t - cfg.f0_look_right - cfg.conv_pre_look_right for t, fin in zip(lengths, finals)]
-        n_conv = total if pad else total - cfg.f0_look_right - cfg.conv_pre_look_right
+        src_frames = torch.where(finals, lengths, lengths - cfg.f0_look_right)
+        conv_frames = torch.where(finals, lengths, lengths - cfg.f0_look_right - cfg.conv_pre_look_right)
+        source, recorded = self.m_source.excite(f0, SourceRows(first, carried_at, carried, record_at))
+        spec = _source_spectrum(source, src_frames * cfg.hop, conv_frames * per_mel + 1, cfg.n_fft, cfg.hop_len,
+                                window).to(self.dtype)
+        del source
 
-        # Source STFT per group of equal rows: [B, n_fft + 2, n_conv*120 + 1], zeros past a row's frames.
-        spec = mel.new_zeros(batch, cfg.n_fft + 2, n_conv * frames_per_mel + 1, dtype=compute)
-        if stream is not None:
-            stream.recorded = torch.zeros(batch, stream.carried.shape[1], dtype=compute, device=mel.device)
-        for (n_src, n_keep), idx in _groups(zip(src_frames, conv_frames)).items():
-            rows = stream.rows(idx) if stream is not None else None
-            source = self.m_source(f0[idx, :n_src], rows)
-            if rows is not None:
-                stream.recorded[idx] = rows.recorded
-            stft = torch.stft(source, cfg.n_fft, stft_hop, cfg.n_fft, window=window, return_complex=True)
-            stft = torch.view_as_real(stft)
-            keep = n_keep * frames_per_mel + 1
-            spec[idx, :, :keep] = torch.cat([stft[..., 0], stft[..., 1]], dim=1)[:, :, :keep]
-            del source, stft
-        spec = spec.to(self.dtype)
-
-        x = mel.to(self.dtype)
-        if not pad:
-            x = x[:, :, : total - cfg.f0_look_right]
-        x = self.conv_pre(x, pad=pad)
+        x = self.conv_pre(mel.to(self.dtype), pad=True)
         n_stages, n_kernels = len(self.ups), len(cfg.resblock_kernel_sizes)
         for i, up in enumerate(self.ups):
             x = up(F.leaky_relu(x, cfg.lrelu_slope))
@@ -282,26 +306,47 @@ class CausalHiFT(nn.Module):
         phase = torch.sin(x[:, half:])
         spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
         del x, magnitude, phase
-
+        wave = _inverse_stft(spectrum, conv_frames * per_mel + 1, cfg.n_fft, cfg.hop_len, window)
         # A final row keeps all n * hop samples of its iSTFT; a non-final one drops the last hop.
-        width = max(n * hop - (0 if fin else hop) for n, fin in zip(conv_frames, finals))
-        audio = mel.new_zeros(batch, width, dtype=compute)
-        for (n_keep, fin), idx in _groups(zip(conv_frames, finals)).items():
-            frames = n_keep * frames_per_mel + 1
-            wave = torch.istft(spectrum[idx, :, :frames], cfg.n_fft, stft_hop, cfg.n_fft, window=window)
-            if not fin:
-                wave = wave[:, :-hop]
-            audio[idx, : wave.shape[1]] = torch.clamp(wave, -cfg.audio_limit, cfg.audio_limit)
-        return audio
+        valid = conv_frames * cfg.hop - torch.where(finals, 0, cfg.hop)
+        inside = torch.arange(wave.shape[1], device=wave.device) < valid[:, None]
+        return torch.where(inside, torch.clamp(wave, -cfg.audio_limit, cfg.audio_limit), 0), recorded
 
 
-def _groups(keys) -> dict[tuple, list[int] | slice]:
-    """Row selectors grouped by key, in first-seen order; a run of consecutive rows is a slice
-    (a view, and no index tensor to copy to the device)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, key in enumerate(keys):
-        groups.setdefault(tuple(key), []).append(i)
-    return {k: slice(v[0], v[-1] + 1) if v[-1] - v[0] + 1 == len(v) else v for k, v in groups.items()}
+def graph_shape(rows: int, frames: int) -> tuple[int, int]:
+    """The (rows, frames) of the graph a HiFT batch replays: rows as the flow's (`graph_rows`), frames
+    up to a multiple of HIFT_FRAME_BUCKET."""
+    return graph_rows(rows), -(-frames // HIFT_FRAME_BUCKET) * HIFT_FRAME_BUCKET
+
+
+def _source_spectrum(source: Tensor, samples: Tensor, keep: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
+    """Each row's `torch.stft(source[b, :samples[b]], center=True)` (reflect padding at its own end) as
+    [B, n_fft + 2, width / hop + 1] (real parts, then imaginary), zero from frame keep[b] on."""
+    batch, width = source.shape
+    pad = n_fft // 2
+    pos = torch.arange(width + 2 * pad, device=source.device)[None] - pad
+    last = samples[:, None] - 1
+    index = torch.where(pos > last, 2 * last - pos, pos.abs()).clamp(0, width - 1)  # reflect at both ends
+    stft = torch.stft(source.gather(1, index), n_fft, hop, n_fft, window=window, center=False, return_complex=True)
+    stft = torch.view_as_real(stft)
+    spec = torch.cat([stft[..., 0], stft[..., 1]], dim=1)
+    frames = torch.arange(spec.shape[-1], device=source.device)
+    return spec.masked_fill(frames >= keep[:, None, None], 0)
+
+
+def _inverse_stft(spectrum: Tensor, frames: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
+    """Each row's `torch.istft(spectrum[b, :, :frames[b]], center=True)` (the same steps: inverse FFT,
+    window, overlap-add, divided by its own frames' window envelope), as [B, hop * (F - 1)]; row b
+    valid up to hop * (frames[b] - 1). No host read (torch.istft checks the envelope with one)."""
+    batch, _, total = spectrum.shape
+    live = (torch.arange(total, device=spectrum.device) < frames[:, None])[..., None]  # [B, F, 1]
+    frames_td = torch.fft.irfft(spectrum.transpose(1, 2), n_fft, dim=-1) * window  # [B, F, n_fft]
+    length = n_fft + hop * (total - 1)
+    wave = torch.ops.aten.unfold_backward(frames_td * live, [batch, length], 1, n_fft, hop)
+    envelope = torch.ops.aten.unfold_backward(window.pow(2) * live, [batch, length], 1, n_fft, hop)
+    pad = n_fft // 2
+    wave, envelope = wave[:, pad: length - pad], envelope[:, pad: length - pad]
+    return torch.where(envelope > 0, wave / envelope, 0)
 
 
 # ---------------------------------------------------------------- checkpoint

@@ -156,6 +156,24 @@ class SourceWindow:
         return SourceWindow([self.first[i] for i in pick], [self.carried_at[i] for i in pick],
                             self.carried[list(pick)], [self.record_at[i] for i in pick])
 
+    def check(self, frames: list[int]) -> None:
+        """Each row's phase can be recorded where asked, given the row's frames in this window."""
+        for start, at, carried_at, n in zip(self.first, self.record_at, self.carried_at, frames):
+            if at != carried_at and not carried_at <= at <= start + n:
+                raise ValueError(f"cannot record the phase before frame {at}: the window covers frames "
+                                 f"{start}..{start + n} with its phase known from {carried_at}")
+
+
+@dataclass
+class SourceRows:
+    """A SourceWindow's rows as device tensors ([B] int64 each, `carried` [B, harmonics + 1]), so the
+    excitation runs without reading them on the host (a fixed-shape call, replayable from a CUDA graph)."""
+
+    first: Tensor
+    carried_at: Tensor
+    carried: Tensor
+    record_at: Tensor
+
 
 class HarmonicSource(nn.Module):
     """Official `m_source` (SourceModuleHnNSF with the causal SineGen2): F0 at frame rate ->
@@ -187,28 +205,48 @@ class HarmonicSource(nn.Module):
     def forward(self, f0: Tensor, window: SourceWindow | None = None) -> Tensor:
         """f0 [B, T] Hz (float32 or float64) -> excitation [B, T * hop], same dtype. With `window`,
         each row continues its stream (see SourceWindow; `window.recorded` is set)."""
+        rows = None
+        self.check_noise(max(window.first) if window is not None else 0, f0.shape[1])
+        if window is not None:
+            window.check([f0.shape[1]] * f0.shape[0])
+            ints = torch.tensor([window.first, window.carried_at, window.record_at], device=f0.device)
+            rows = SourceRows(ints[0], ints[1], window.carried.to(f0.device), ints[2])
+        excitation, recorded = self.excite(f0, rows)
+        if window is not None:
+            window.recorded = recorded
+        return excitation
+
+    def check_noise(self, first: int, frames: int) -> None:
+        """A window from absolute frame `first` of `frames` frames reads fixed noise that exists."""
+        if (first + frames) * self.hop > self.l_sin_gen.sine_waves.shape[1]:
+            raise ValueError(f"HiFT input up to frame {first + frames} needs more noise samples than the "
+                             f"fixed noise holds ({self.l_sin_gen.sine_waves.shape[1]})")
+
+    def excite(self, f0: Tensor, rows: SourceRows | None) -> tuple[Tensor, Tensor | None]:
+        """`forward` on device tensors only: (excitation [B, T * hop], each row's recorded phase or None)."""
         batch, frames = f0.shape
         samples = frames * self.hop
         noise = self.l_sin_gen.sine_waves
-        first = window.first if window is not None else [0]
-        if (max(first) + frames) * self.hop > noise.shape[1]:
-            raise ValueError(f"HiFT input up to frame {max(first) + frames} needs more noise samples than the "
-                             f"fixed noise holds ({noise.shape[1]})")
         # The official code multiplies by a float32 tensor of harmonic numbers (float64 F0 stays float64).
         harm = torch.arange(1, self.harmonics + 2, dtype=torch.float32, device=f0.device)
         # Per-frame phase increment of each harmonic in cycles per sample, wrapped to [0, 1).
         step = (f0.unsqueeze(-1) * harm / self.sampling_rate) % 1  # [B, T, H]
-        if window is not None:
+        recorded = None
+        if rows is not None:
             # The carried sum takes the place of the frames before carried_at, so the running sum
             # from there adds the same terms in the same order as over the whole stream.
-            local = torch.tensor([at - start for start, at in zip(window.first, window.carried_at)], device=f0.device)
-            before = torch.arange(frames, device=f0.device)[None, :, None] < local[:, None, None]
-            step = step.masked_fill(before, 0)
-            rows = (local > 0).nonzero().squeeze(1)
-            step[rows, local[rows] - 1] = window.carried.to(device=f0.device, dtype=step.dtype)[rows]
+            pos = torch.arange(frames, device=f0.device)
+            local = (rows.carried_at - rows.first)[:, None]
+            step = step.masked_fill((pos < local)[..., None], 0)
+            carried = rows.carried.to(device=f0.device, dtype=step.dtype)
+            step = torch.where(((pos == local - 1) & (local > 0))[..., None], carried[:, None], step)
         cycles = torch.cumsum(step, dim=1)
-        if window is not None:
-            window.recorded = self._recorded(window, cycles)
+        if rows is not None:
+            # Each row's sum over the frames before record_at: a running sum inside the window, or
+            # (record_at at or before the window's start) the carried sum itself.
+            pick = rows.record_at - rows.first - 1
+            inside = cycles[torch.arange(batch, device=f0.device), pick.clamp(0, frames - 1)]
+            recorded = torch.where((pick >= 0)[:, None], inside, rows.carried.to(device=f0.device, dtype=cycles.dtype))
         # Phase at frame rate, in radians; then scaled by hop and held (nearest) over each frame.
         phase = cycles * 2 * math.pi
         phase = F.interpolate(phase.transpose(1, 2) * self.hop, scale_factor=float(self.hop), mode="nearest")
@@ -217,9 +255,8 @@ class HarmonicSource(nn.Module):
         f0_up = F.interpolate(f0[:, None], scale_factor=float(self.hop), mode="nearest").transpose(1, 2)  # [B, L, 1]
         voiced = (f0_up > self.voiced_threshold).type(torch.float32)
         noise_amp = voiced * self.noise_std + (1 - voiced) * self.sine_amp / 3
-        if window is not None and any(window.first):
-            first = torch.tensor(window.first, device=f0.device) * self.hop
-            noise = noise[0][first[:, None] + torch.arange(samples, device=f0.device)]  # [B, L, H]
+        if rows is not None:
+            noise = noise[0][rows.first[:, None] * self.hop + torch.arange(samples, device=f0.device)]  # [B, L, H]
         else:
             noise = noise[:, :samples]
         excitation = sines * voiced + noise_amp * noise
@@ -227,19 +264,4 @@ class HarmonicSource(nn.Module):
         weight = self.l_linear.weight.to(excitation.dtype)
         bias = self.l_linear.bias.to(excitation.dtype)
         merged = torch.tanh(F.linear(excitation, weight, bias))  # [B, L, 1]
-        return merged.squeeze(-1).view(batch, samples)
-
-    @staticmethod
-    def _recorded(window: SourceWindow, cycles: Tensor) -> Tensor:
-        """Each row's phase sum over the frames before its record_at (cycles: [B, T, H] running sums)."""
-        picks = []
-        for start, at, carried_at in zip(window.first, window.record_at, window.carried_at):
-            if at != carried_at and not carried_at <= at <= start + cycles.shape[1]:
-                raise ValueError(f"cannot record the phase before frame {at}: the window covers frames "
-                                 f"{start}..{start + cycles.shape[1]} with its phase known from {carried_at}")
-            picks.append(at - start - 1 if at > start else -1)  # -1: nothing summed in this window
-        pick = torch.tensor(picks, device=cycles.device)
-        inside = cycles[torch.arange(cycles.shape[0], device=cycles.device), pick.clamp(min=0)]
-        # record_at == carried_at <= first: the carried sum itself (zeros when nothing was carried).
-        carried = window.carried.to(device=cycles.device, dtype=cycles.dtype)
-        return torch.where((pick >= 0)[:, None], inside, carried)
+        return merged.squeeze(-1).view(batch, samples), recorded

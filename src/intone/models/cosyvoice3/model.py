@@ -161,8 +161,10 @@ class CosyVoice3(TTSModel):
         self.flow.decoder.estimator.attention_kernel = flow.attention
         if flow.dtype != "auto" and gpu:
             self.flow.to(getattr(torch, flow.dtype))
+        hift = (options or CosyVoice3Options()).hift
         vocoder = CosyVocoder(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
-                               flow.cache, flow.graph_frames if flow.cuda_graphs else None)
+                               flow.cache, flow.graph_frames if flow.cuda_graphs else None,
+                               hift.graph_frames if hift.cuda_graphs else None)
         if flow.compile and gpu:
             vocoder.compile_flow(flow.compile_unit)
         return vocoder

@@ -50,8 +50,18 @@ class FlowOptions(_Strict):
         return self
 
 
+class HiFTOptions(_Strict):
+    cuda_graphs: bool = Field(False, description="replay HiFT's calls from CUDA graphs captured at start-up, one per "
+                                                 "(rows, frames) bucket (GPU): its ~1100 launches a call are the "
+                                                 "host's work while the GPU waits")
+    graph_frames: int = Field(256, ge=32, le=1024, description="with cuda_graphs: the longest HiFT window with a graph "
+                                                                "(mel frames; a streamed window is at most ~250); "
+                                                                "longer ones run eagerly")
+
+
 class CosyVoice3Options(_Strict):
     flow: FlowOptions = FlowOptions()
+    hift: HiFTOptions = HiFTOptions()
     speaker_rows: int = Field(1, ge=1, le=32, description="clips per CAM++ call, always this many rows (padded), so "
                                                          "same-bucket clips share a call and each gets what it gets "
                                                          "alone")

@@ -32,6 +32,7 @@ from torch import Tensor
 from intone.models.cosyvoice3.dit import FLEX_BLOCK
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows
 from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
+from intone.models.cosyvoice3.hift import HIFT_FRAME_BUCKET
 from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.models.vocoder import CodecWindow, Vocoder
 from intone.ops.batching import group_jobs
@@ -74,13 +75,15 @@ def compile_dit(estimator, unit: str) -> None:
 
 class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
-                 call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None):
+                 call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
+                 hift_graph_frames: int | None = None):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (HiFT's stay as
         full as the bounds allow: its windows are of similar lengths and its calls launch-bound).
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
         frames against it (`flow_cache.solve_continued`). graph_frames: the longest flow call that
-        `capture_graphs` gives a graph (None: no graphs)."""
-        self.graph_frames = graph_frames
+        `capture_graphs` gives a graph (None: no graphs). hift_graph_frames: the longest HiFT window that
+        `capture_graphs` gives a graph (None: none)."""
+        self.graph_frames, self.hift_graph_frames = graph_frames, hift_graph_frames
         self.model = model
         self.device = model.codec_device
         self.call_cost = call_cost
@@ -94,7 +97,7 @@ class CosyVocoder(Vocoder):
         self.padded_tokens = self.useful_tokens = 0  # the flow calls' rows x longest, and their real part
         self.flow_seconds = self.vocoder_seconds = 0.0  # the pieces' spans on the codec's stream (`_span`)
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
-        self.graphs = None  # the flow solve's CUDA graphs (`capture_graphs`)
+        self.graphs = None  # the flow solve's and HiFT's CUDA graphs (`capture_graphs`)
 
     def _autocast(self):
         """The flow's autocast, always without its cast cache: a cast cached by a graph's warm-up run
@@ -105,17 +108,31 @@ class CosyVocoder(Vocoder):
         return torch.autocast(self.model.codec_device.type, self.autocast or torch.float32,
                               enabled=self.autocast is not None, cache_enabled=False)
 
+    @property
+    def wants_graphs(self) -> bool:
+        return self.graph_frames is not None or self.hift_graph_frames is not None
+
     def capture_graphs(self, graphs) -> None:
-        """Capture the flow's ODE solve at every (rows, frames) shape a call is padded to (`graph_shape`), up to
-        `graph_frames` conditioned mel frames and MAX_GRAPH_CELLS rows x frames (start-up only: nothing
-        else may use the GPU); longer calls run eagerly. Largest first: the pool is sized once."""
-        self.graphs, max_frames = graphs, self.graph_frames
-        dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
+        """Capture (start-up only: nothing else may use the GPU) the flow's ODE solve at every (rows, frames)
+        shape a call is padded to (`graph_shape`), up to `graph_frames` conditioned mel frames and
+        MAX_GRAPH_CELLS rows x frames, and HiFT's calls up to `hift_graph_frames` mel frames; longer calls
+        run eagerly. Largest first: the pool is sized once."""
+        self.graphs = graphs
         rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
+        if self.graph_frames:
+            self._capture_flow(graphs, rows)
+        if self.hift_graph_frames:
+            step = HIFT_FRAME_BUCKET
+            for r, frames in sorted(((r, f) for r in rows for f in range(step, self.hift_graph_frames + 1, step)),
+                                    key=lambda s: s[0] * s[1], reverse=True):
+                self.model.hift.capture(r, frames, graphs)
+
+    def _capture_flow(self, graphs, rows: list[int]) -> None:
+        dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
         # A flex DiT's one-block shape would compile apart; such calls (under 2.6 s of reference and
         # output) run eagerly, padded to two blocks (`CosyFlow.inference`).
         shortest = 2 * FLEX_BLOCK if self.model.flow.decoder.estimator.attention_kernel == "flex" else GRAPH_FRAME_BUCKET
-        shapes = [(r, f) for r in rows for f in range(shortest, max_frames + 1, GRAPH_FRAME_BUCKET)
+        shapes = [(r, f) for r in rows for f in range(shortest, self.graph_frames + 1, GRAPH_FRAME_BUCKET)
                   if r * f <= MAX_GRAPH_CELLS]
         for r, frames in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
             tokens = frames // ratio  # prompt + output tokens of a finalized row: exactly `frames` mel frames
@@ -241,7 +258,8 @@ class CosyVocoder(Vocoder):
                     mels, kept = solve_continued(model.flow, [jobs[i] for i in idx], [given[i] for i in idx],
                                                  [keep[i] for i in idx], pause)
                 else:
-                    mels, kept = model.flow.inference([jobs[i] for i in idx], self.graphs, pause), [None] * len(idx)
+                    flow_graphs = self.graphs if self.graph_frames else None
+                    mels, kept = model.flow.inference([jobs[i] for i in idx], flow_graphs, pause), [None] * len(idx)
             with self._counting:
                 self.calls += 1
                 self.padded_tokens += len(group) * max(lengths[g] for g in group)
@@ -267,7 +285,8 @@ class CosyVocoder(Vocoder):
             window = SourceWindow([spans[i][0] for i in idx], [spans[i][1] for i in idx],
                                   torch.stack([zero if spans[i][2] is None else spans[i][2].to(zero) for i in idx]),
                                   [spans[i][3] for i in idx])
-            audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx], window)
+            audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx], window,
+                                                 self.graphs if self.hift_graph_frames else None)
             for j, (i, wav) in enumerate(zip(idx, audio)):
                 out[i], phases[i] = wav, window.recorded[j]
         return out, phases
