@@ -218,16 +218,20 @@ class CosyVocoder(Vocoder):
             spans.append((state.start, state.phase_at, state.phase, record_at))
         audio, phases = self._hift(mels, finals, spans)
         marks.append(self._mark())
-        out, released, after_call = [], {}, dict(states)
+        pieces, released, after_call = [], {}, dict(states)
         for w, history, wav, after, phase, (first, _, _, record_at), flow in zip(
                 windows, mels, audio, starts, phases, spans, flows):
             state = states.get(w.key)
             done = released.get(w.key, state.released if state is not None else 0)
-            out.append(np.ascontiguousarray(wav[done - first * hop :].float().cpu().numpy(), dtype=np.float32))
+            pieces.append(wav[done - first * hop :].float())
             released[w.key] = max(done, first * hop + wav.shape[0])
             after_call[w.key] = StreamState(history[:, after - first :], after, released[w.key], phase, record_at, flow)
+        # One device-to-host copy for the whole call (each copy waits for the stream, and its thread then
+        # waits for the interpreter again), split into the windows' views.
+        host = torch.cat(pieces).cpu().numpy() if pieces else np.zeros(0, np.float32)
+        out = np.split(host, np.cumsum([p.shape[0] for p in pieces])[:-1])
         if not isinstance(marks[-1], float):
-            marks[-1].synchronize()  # an empty slice's .cpu() above does not wait for the stream
+            marks[-1].synchronize()  # an empty concatenation's .cpu() above does not wait for the stream
         with self._counting:
             self.flow_seconds += self._span(marks[0], marks[1]) - nested[0]
             self.vocoder_seconds += self._span(marks[1], marks[2])
