@@ -172,20 +172,27 @@ class CosyVoice3(TTSModel):
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
 
-    def flow_request(self, prompt: Prompt, tokens: Tensor, end: int, finished: bool):
-        """The flow input for a chunk ending at token `end` (the last chunk: `finished`), or None when
-        there are no tokens at all."""
-        n = end if finished else end + self.codec_lookahead_frames
-        if n == 0:
-            return None
-        if n > tokens.shape[0]:
-            raise ValueError(f"a chunk ending at {end} needs {n} tokens, {tokens.shape[0]} exist")
+    def flow_requests(self, windows) -> list:
+        """The flow input of each chunk (a `CodecWindow`: ending at token `end`; the last chunk:
+        `finished`), or None where there are no tokens at all. The chunks' tokens reach the device in
+        one transfer (each transfer waits for the stream, and its thread then for the interpreter)."""
+        counts = []
+        for w in windows:
+            n = w.end if w.finished else w.end + self.codec_lookahead_frames
+            if n > w.codes.shape[1]:
+                raise ValueError(f"a chunk ending at {w.end} needs {n} tokens, {w.codes.shape[1]} exist")
+            counts.append(n)
         dev = self.codec_device
-        f: ReferenceFeatures = prompt.conditioning
-        if f.speaker.device != dev:  # moved once per request, not per chunk
-            f = prompt.conditioning = ReferenceFeatures(f.speech_tokens.to(dev), f.prompt_mel.to(dev), f.speaker.to(dev))
-        return FlowRequest(tokens=tokens[:n].to(dev), prompt_tokens=f.speech_tokens, prompt_mel=f.prompt_mel,
-                           speaker=f.speaker, streaming=not finished, finalize=finished)
+        tokens = torch.cat([w.codes[0, :n] for w, n in zip(windows, counts)]).to(dev).split(counts)
+        out = []
+        for w, n, t in zip(windows, counts, tokens):
+            f: ReferenceFeatures = w.prompt.conditioning
+            if f.speaker.device != dev:  # moved once per request, not per chunk
+                f = w.prompt.conditioning = ReferenceFeatures(f.speech_tokens.to(dev), f.prompt_mel.to(dev),
+                                                              f.speaker.to(dev))
+            out.append(FlowRequest(tokens=t, prompt_tokens=f.speech_tokens, prompt_mel=f.prompt_mel, speaker=f.speaker,
+                                   streaming=not w.finished, finalize=w.finished) if n else None)
+        return out
 
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         raise NotImplementedError("CosyVoice3 decodes through its vocoder (it needs the reference)")

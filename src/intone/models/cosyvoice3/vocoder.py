@@ -240,7 +240,7 @@ class CosyVocoder(Vocoder):
     def _flow(self, windows: list[CodecWindow], states: dict, pause=None) -> tuple[list[Tensor], list[FlowCache | None]]:
         """The new mel frames [80, 2 * (end - start)] of each chunk, and (flow_cache) its stream's flow state after it."""
         model = self.model
-        jobs = [model.flow_request(w.prompt, w.codes[0], w.end, w.finished) for w in windows]
+        jobs = model.flow_requests(windows)
         # a stream's chunks in one call all continue from its committed state (a later one solves more frames)
         committed = [states.get(w.key) for w in windows]
         given = [s.flow if self.flow_cache and s is not None and not w.finished else None
