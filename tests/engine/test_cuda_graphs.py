@@ -299,3 +299,22 @@ def test_frontend_graph_copies_replay_side_by_side_with_the_eager_bits():
         for i, out in enumerate(results[w]):
             assert torch.equal(out, eager[i % len(inputs)]), (w, i)
     assert graphs.replays == 240 and graphs.eager == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("high", [False, True])
+def test_the_loop_stream_takes_the_highest_priority_only_when_asked(tiny_cache, high):
+    """`ar.high_priority`: the engine loop's stream, where the AR steps and their graphs run, at the
+    device's highest priority (so its kernels' blocks go before the codec's waiting ones); else the default."""
+    from intone.engine.config import load_profile
+    from intone.engine.loading import load_for_profile
+
+    before = torch.cuda.current_stream()
+    try:
+        load_for_profile("tiny:fish-s2", load_profile("fish-s2-high-concurrency", device="cuda",
+                                                      **{"ar.high_priority": high}))
+        stream = torch.cuda.current_stream()
+        assert stream != before
+        assert (stream.priority < 0) == high  # CUDA's priorities: 0 the default, negative the more urgent
+    finally:
+        torch.cuda.set_stream(before)

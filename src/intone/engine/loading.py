@@ -42,8 +42,8 @@ def load_for_profile(model_spec: str, profile: Profile):
             # cores that the loop, the frontend and the codec threads (and the API) need.
             torch.set_num_threads(profile.host_threads)
         # A stream of its own, so the other threads' streams can overlap it (the legacy default
-        # stream would serialise them).
-        torch.cuda.set_stream(torch.cuda.Stream(torch.device(device)))
+        # stream would serialise them); CUDA clamps -100 to its highest priority.
+        torch.cuda.set_stream(torch.cuda.Stream(torch.device(device), priority=-100 if profile.ar.high_priority else 0))
     if not model_spec.startswith(("tiny:", "random:")):
         resolve_model_dir(model_spec)  # a path that is not there is named as such, before anything else
     profile.options_for(family_of(model_spec))  # another family's section is refused before the load
