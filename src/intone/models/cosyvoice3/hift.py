@@ -283,7 +283,7 @@ class CausalHiFT(nn.Module):
         # Per row: excitation frames (a non-final row's F0 stops 3 frames early) and conv frames.
         src_frames = torch.where(finals, lengths, lengths - cfg.f0_look_right)
         conv_frames = torch.where(finals, lengths, lengths - cfg.f0_look_right - cfg.conv_pre_look_right)
-        source, recorded = self.m_source.excite(f0, SourceRows(first, carried_at, carried, record_at))
+        source, recorded = self.m_source(f0, SourceRows(first, carried_at, carried, record_at))
         spec = _source_spectrum(source, src_frames * cfg.hop, conv_frames * per_mel + 1, cfg.n_fft, cfg.hop_len,
                                 window).to(self.dtype)
         del source

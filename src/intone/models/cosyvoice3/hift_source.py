@@ -202,28 +202,16 @@ class HarmonicSource(nn.Module):
         self.l_sin_gen = SineNoise(harmonics + 1, noise_samples)
         self.l_linear = nn.Linear(harmonics + 1, 1)
 
-    def forward(self, f0: Tensor, window: SourceWindow | None = None) -> Tensor:
-        """f0 [B, T] Hz (float32 or float64) -> excitation [B, T * hop], same dtype. With `window`,
-        each row continues its stream (see SourceWindow; `window.recorded` is set)."""
-        rows = None
-        self.check_noise(max(window.first) if window is not None else 0, f0.shape[1])
-        if window is not None:
-            window.check([f0.shape[1]] * f0.shape[0])
-            ints = torch.tensor([window.first, window.carried_at, window.record_at], device=f0.device)
-            rows = SourceRows(ints[0], ints[1], window.carried.to(f0.device), ints[2])
-        excitation, recorded = self.excite(f0, rows)
-        if window is not None:
-            window.recorded = recorded
-        return excitation
-
     def check_noise(self, first: int, frames: int) -> None:
         """A window from absolute frame `first` of `frames` frames reads fixed noise that exists."""
         if (first + frames) * self.hop > self.l_sin_gen.sine_waves.shape[1]:
             raise ValueError(f"HiFT input up to frame {first + frames} needs more noise samples than the "
                              f"fixed noise holds ({self.l_sin_gen.sine_waves.shape[1]})")
 
-    def excite(self, f0: Tensor, rows: SourceRows | None) -> tuple[Tensor, Tensor | None]:
-        """`forward` on device tensors only: (excitation [B, T * hop], each row's recorded phase or None)."""
+    def forward(self, f0: Tensor, rows: SourceRows | None = None) -> tuple[Tensor, Tensor | None]:
+        """f0 [B, T] Hz (float32 or float64) -> (excitation [B, T * hop], same dtype; each row's recorded
+        phase or None). With `rows`, each row continues its stream (see SourceWindow), read from device
+        tensors only (`check_noise` and `SourceWindow.check` are the host's checks)."""
         batch, frames = f0.shape
         samples = frames * self.hop
         noise = self.l_sin_gen.sine_waves
