@@ -377,6 +377,12 @@ def test_low_precision_runs_close_to_fp32(tiny_noise, official_state, dtype):
 def test_too_long_input_is_rejected(hift64):
     with pytest.raises(ValueError):
         hift64.inference(mel(TINY.max_frames + 1), True)
+    # a window late in its stream reads noise from its first frame on: past the fixed noise is refused too
+    late = TINY.max_frames - 10
+    window = SourceWindow([late], [late], torch.zeros(1, TINY.nb_harmonics + 1, dtype=torch.float64), [late])
+    with pytest.raises(ValueError, match="noise"):
+        hift64.vocode_batch([mel(20)[0]], [True], window)
+    assert hift64.vocode_batch([mel(10)[0]], [True], window)[0].shape == (10 * HOP,)  # up to its end is fine
 
 
 # ---------------------------------------------------------------- noise replay
