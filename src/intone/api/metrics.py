@@ -45,9 +45,10 @@ ENGINE_COUNTERS = {
     "frontend_eager_runs": ("intone_frontend_eager_runs",
                             "Reference-frontend network calls run eagerly (a shape without a graph)"),
     "codec_graph_replays": ("intone_codec_graph_replays",
-                            "Codec calls (CosyVoice3: flow solves) replayed from a CUDA graph"),
+                            "Codec graph replays (CosyVoice3: each Euler step of a flow solve, and HiFT calls)"),
     "codec_eager_runs": ("intone_codec_eager_runs",
-                         "Codec calls with graphs on that ran eagerly (a shape beyond them)"),
+                         "Codec calls with graphs on that ran eagerly (a shape beyond them; CosyVoice3: flow "
+                         "solves and HiFT calls)"),
     "steps": ("intone_engine_steps", "Engine steps"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
     "codec_seconds": ("intone_codec_busy_seconds", "Seconds the codec spent in decode calls (its worker's wall time)"),

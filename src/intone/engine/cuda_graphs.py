@@ -334,6 +334,15 @@ class FunctionGraphs:
             torch.cuda.synchronize()
         self.report.seconds += time.perf_counter() - start
 
+    def has(self, name: str, *inputs: Tensor) -> bool:
+        """Whether `run` would replay a graph for these inputs' shapes; a caller that then runs its own
+        eager path instead counts it (`ran_eagerly`)."""
+        return self.key(name, inputs) in self._sets[0].graphs
+
+    def ran_eagerly(self) -> None:
+        with self._assign_lock:
+            self.eager += 1
+
     def run(self, name: str, fn: Callable, *inputs: Tensor, eager: Callable | None = None) -> list[Tensor]:
         """fn(*inputs) as a list of tensors: replayed when these shapes were captured, else computed
         eagerly by `eager()` (default: fn(*inputs); e.g. the call before its inputs were padded)."""

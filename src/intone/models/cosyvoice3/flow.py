@@ -121,9 +121,28 @@ class CausalCFM(nn.Module):
         return self.noise_bits.view(torch.float32)
 
     def forward(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
-                pause=None) -> Tensor:
+                pause=None, graphs=None) -> Tensor:
         """mu, cond: [B, T, mel]; spks: [B, mel]; lengths: [B] valid frames; streaming: [B] bool. -> fp32 [B, T, mel].
-        pause: called after each Euler step's launches (the codec worker runs urgent calls there)."""
+        pause: called after each Euler step's launches (the codec worker runs urgent calls there).
+        graphs: FunctionGraphs holding `euler_step` at these shapes (`capture`): each step is replayed."""
+        return self.solve(*self.start(mu, cond, spks, lengths, streaming), pause=pause, graphs=graphs)
+
+    def solve(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
+              pause=None, graphs=None) -> Tensor:
+        """`forward` from `start`'s state and doubled inputs."""
+        mask = None if graphs is not None else self.estimator.attention_mask(lengths, streaming, mu.shape[1])
+        for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, x.dtype):
+            if graphs is not None:
+                x = graphs.run("flow_step", self.euler_step, x, mu, cond, spks, lengths, streaming, t, dt)[0]
+            else:
+                x = self._step(x, mu, cond, spks, mask, t, dt)
+            if pause is not None:
+                pause()
+        return x.float()
+
+    def start(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor) -> tuple[Tensor, ...]:
+        """The solve's first state (the fixed noise) and its inputs with the rows doubled for CFG
+        (conditioned, then zeroed): (x [B, T, mel], mu, cond, spks, lengths, streaming)."""
         b, total, _ = mu.shape
         if total > self.noise.shape[-1]:
             raise ValueError(f"{total} mel frames exceed the {self.noise.shape[-1]}-frame noise buffer")
@@ -131,16 +150,31 @@ class CausalCFM(nn.Module):
         # fp16 path (autocast) does; fp32 and fp64 models run all in their own dtype.
         state = torch.promote_types(mu.dtype, torch.float32)
         x = self.noise[0, :, :total].T.to(state).expand(b, -1, -1)
-        mask, valid = self.estimator.attention_mask(lengths.repeat(2), streaming.repeat(2), total)
         mu, cond, spks = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
-        for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, state):
-            xin = x.to(mu.dtype)
-            v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t.to(mu.dtype).expand(2 * b), mask, valid)
-            v_cond, v_uncond = v.to(state).chunk(2)
-            x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
-            if pause is not None:
-                pause()
-        return x.float()
+        return x, mu, cond, spks, lengths.repeat(2), streaming.repeat(2)
+
+    def euler_step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
+                   t: Tensor, dt: Tensor) -> Tensor:
+        """One Euler step on `start`'s doubled inputs, its attention mask built from the rows' lengths on
+        the device: a fixed-shape function, replayable from a CUDA graph (`capture`)."""
+        return self._step(x, mu, cond, spks, self.estimator.attention_mask(lengths, streaming, mu.shape[1]), t, dt)
+
+    def capture(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor, graphs) -> None:
+        """Capture `euler_step` in `graphs` at these inputs' shapes (start-up only)."""
+        started = self.start(mu, cond, spks, lengths, streaming)
+        graphs.capture("flow_step", self.euler_step, *self.step_inputs(started))
+
+    def step_inputs(self, started: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """`euler_step`'s inputs at the first step, as `capture` and `FunctionGraphs.has` key them."""
+        t, dt = next(cosine_euler_steps(self.n_timesteps, started[1].device, started[0].dtype))
+        return started[0].contiguous(), *started[1:], t, dt
+
+    def _step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, mask, t: Tensor, dt: Tensor) -> Tensor:
+        mask, valid = mask
+        xin = x.to(mu.dtype)
+        v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t.to(mu.dtype).expand(mu.shape[0]), mask, valid)
+        v_cond, v_uncond = v.to(x.dtype).chunk(2)
+        return x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
 
 
 class CosyFlow(nn.Module):
@@ -207,21 +241,25 @@ class CosyFlow(nn.Module):
 
     @torch.inference_mode()
     def capture_solve(self, requests: list[FlowRequest], graphs) -> None:
-        """Capture the ODE solve in `graphs` at the padded shape of these requests (start-up only)."""
-        graphs.capture("flow", self.decoder, *self._padded_solve_inputs(requests)[1])
+        """Capture the ODE solve's Euler step in `graphs` at the padded shape of these requests (start-up only)."""
+        self.decoder.capture(*self._padded_solve_inputs(requests)[1], graphs)
 
     @torch.inference_mode()
     def inference(self, requests: list[FlowRequest], graphs=None, pause=None) -> list[Tensor]:
         """Per request, fp32 mel [80, T_out] with T_out = mel_lengths - M (= 2N, or 2(N-3) when not finalize).
 
-        graphs: an engine's FunctionGraphs: the ODE solve (ten DiT passes, thousands of launches) is
-        replayed from the graph of its padded shape when one was captured (`capture_solve`).
-        pause: called between an eager solve's Euler steps (`CausalCFM.forward`); a replayed one has none."""
+        graphs: an engine's FunctionGraphs: each of the ODE solve's ten Euler steps (a DiT pass with CFG,
+        hundreds of launches) is replayed from the graph of the padded shape when one was captured
+        (`capture_solve`). pause: called between the solve's Euler steps (`CausalCFM.forward`)."""
         if graphs is None:
             mel = self.decoder(*self._eager_inputs(self.solve_inputs(requests)), pause=pause)
         else:
             inputs, padded = self._padded_solve_inputs(requests)
-            eager = lambda: self.decoder(*self._eager_inputs(inputs), pause=pause)  # noqa: E731
-            mel = graphs.run("flow", self.decoder, *padded, eager=eager)[0]
+            started = self.decoder.start(*padded)
+            if graphs.has("flow_step", *self.decoder.step_inputs(started)):
+                mel = self.decoder.solve(*started, pause=pause, graphs=graphs)
+            else:  # a shape without a graph: the solve at its own shape
+                graphs.ran_eagerly()
+                mel = self.decoder(*self._eager_inputs(inputs), pause=pause)
         ends = self.mel_lengths(requests)
         return [mel[i, r.prompt_mel.shape[0]: n].T.contiguous() for i, (r, n) in enumerate(zip(requests, ends))]

@@ -27,8 +27,9 @@ class FlowOptions(_Strict):
     attention: Literal["sdpa", "flex"] = Field(
         "sdpa", description="the DiT's attention as SDPA under a dense mask, or flex attention under a block mask "
                             "that skips the key blocks padding and the chunk mask hide (GPU: with compile only)")
-    cuda_graphs: bool = Field(False, description="replay the flow's ODE solve (ten DiT passes) from CUDA graphs "
-                                                 "captured at start-up, one per (rows, frames) bucket (GPU)")
+    cuda_graphs: bool = Field(False, description="replay each Euler step of the flow's ODE solve (a DiT pass with CFG) "
+                                                 "from CUDA graphs captured at start-up, one per (rows, frames) bucket "
+                                                 "(GPU); a solve keeps its pause points between steps")
     graph_frames: int = Field(1024, ge=128, le=4096,
                               description="with cuda_graphs: the longest flow call (reference + output, mel frames "
                                           "at 50 per second) with a graph; longer ones run eagerly")
