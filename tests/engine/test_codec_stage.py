@@ -5,11 +5,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from intone.models.vocoder import CodecJob, WindowVocoder
-from intone.ops.batching import group_jobs
+from intone.ops.batching import bucket_rows, group_jobs
 
 
-def split_cost(groups, lengths, call_cost):
-    return sum(call_cost + len(g) * max(lengths[i] for i in g) for g in groups)
+def split_cost(groups, lengths, call_cost, padded=lambda rows, longest: rows * longest):
+    return sum(call_cost + padded(len(g), max(lengths[i] for i in g)) for g in groups)
+
+
+def graph_shaped(rows, longest):
+    """A call replayed from a graph pays its graph's shape: rows to a power of two, lengths to a multiple of 8."""
+    return bucket_rows(rows) * -(-longest // 8) * 8
 
 
 @settings(max_examples=200, deadline=None)
@@ -25,9 +30,11 @@ def test_groups_cover_every_job_once_within_bounds(lengths, max_batch, max_padde
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(1, 60), min_size=1, max_size=7), st.integers(1, 7), st.integers(1, 200),
-       st.integers(0, 100))
-def test_the_cheapest_split_beats_greedy_and_every_other_split(lengths, max_batch, max_padded, call_cost):
-    """Against brute force over every set partition that keeps the bounds (small inputs)."""
+       st.integers(0, 100), st.sampled_from([None, graph_shaped]))
+def test_the_cheapest_split_beats_greedy_and_every_other_split(lengths, max_batch, max_padded, call_cost, padded):
+    """Against brute force over every set partition that keeps the bounds (small inputs), with a call's
+    work as rows x longest or as its graph's padded shape."""
+    cost = padded or (lambda rows, longest: rows * longest)
     def partitions(items):
         if not items:
             yield []
@@ -41,10 +48,11 @@ def test_the_cheapest_split_beats_greedy_and_every_other_split(lengths, max_batc
     def fits(g):
         return len(g) == 1 or (len(g) <= max_batch and len(g) * max(lengths[i] for i in g) <= max_padded)
 
-    best = min(split_cost(p, lengths, call_cost) for p in partitions(list(range(len(lengths)))) if all(map(fits, p)))
-    cheapest = group_jobs(lengths, max_batch, max_padded, call_cost)
-    assert split_cost(cheapest, lengths, call_cost) == best
-    assert best <= split_cost(group_jobs(lengths, max_batch, max_padded), lengths, call_cost)
+    best = min(split_cost(p, lengths, call_cost, cost) for p in partitions(list(range(len(lengths))))
+               if all(map(fits, p)))
+    cheapest = group_jobs(lengths, max_batch, max_padded, call_cost, padded)
+    assert split_cost(cheapest, lengths, call_cost, cost) == best
+    assert best <= split_cost(group_jobs(lengths, max_batch, max_padded), lengths, call_cost, cost)
 
 
 def test_a_spread_of_lengths_splits_into_calls_of_similar_lengths():

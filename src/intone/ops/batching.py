@@ -3,6 +3,8 @@ a call is padded to (so kernels meet few distinct shapes and plan each once)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -26,19 +28,20 @@ def pad_rows(t: Tensor, target: int) -> Tensor:
 
 
 def group_jobs(lengths: list[int], max_batch: int, max_padded_frames: int,
-               call_cost: int | None = None) -> list[list[int]]:
+               call_cost: int | None = None, padded: Callable[[int, int], int] | None = None) -> list[list[int]]:
     """Indices of jobs per decode call, by ascending length; every call within `max_batch` jobs and
     `max_padded_frames` (jobs x longest), or a single job.
 
     call_cost None: greedy, each call as full as the bounds allow. Otherwise the cheapest split of
-    the sorted jobs into calls, a call costing `call_cost + jobs x longest` (its fixed cost in padded
-    length units, plus the padded work): one call over lengths 110..380 pads ~40% of its work, and a
-    network whose cost grows with the padded length (CosyVoice3's flow) then does better in a few
-    calls of similar lengths."""
+    the sorted jobs into calls, a call costing `call_cost + padded(jobs, longest)` (its fixed cost in
+    padded length units, plus the padded work, by default jobs x longest; a call replayed from a graph
+    pays its graph's shape): one call over lengths 110..380 pads ~40% of its work, and a network whose
+    cost grows with the padded length (CosyVoice3's flow) then does better in a few calls of similar lengths."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     if call_cost is None:
         return _greedy_groups(order, lengths, max_batch, max_padded_frames)
-    return _cheapest_groups(order, lengths, max_batch, max_padded_frames, call_cost)
+    return _cheapest_groups(order, lengths, max_batch, max_padded_frames, call_cost,
+                            padded or (lambda rows, longest: rows * longest))
 
 
 def _fits(rows: int, longest: int, max_batch: int, max_padded_frames: int) -> bool:
@@ -57,7 +60,7 @@ def _greedy_groups(order: list[int], lengths: list[int], max_batch: int, max_pad
 
 
 def _cheapest_groups(order: list[int], lengths: list[int], max_batch: int, max_padded_frames: int,
-                     call_cost: int) -> list[list[int]]:
+                     call_cost: int, padded: Callable[[int, int], int]) -> list[list[int]]:
     """Dynamic programme over the sorted jobs: best[k] is the cheapest cost of the first k, whose
     last call is order[start[k]:k] (contiguous in sorted order: an optimal split never interleaves)."""
     n = len(order)
@@ -68,7 +71,7 @@ def _cheapest_groups(order: list[int], lengths: list[int], max_batch: int, max_p
         for j in range(k - 1, -1, -1):
             if not _fits(k - j, longest, max_batch, max_padded_frames):
                 break
-            cost = best[j] + call_cost + (k - j) * longest
+            cost = best[j] + call_cost + padded(k - j, longest)
             if best[k] < 0 or cost < best[k]:
                 best[k], start[k] = cost, j
     groups, k = [], n

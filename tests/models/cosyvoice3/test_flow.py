@@ -287,6 +287,21 @@ def test_graph_rows_waste_little_on_large_calls():
     assert [graph_rows(n) for n in (1, 3, 5, 9, 33, 64)] == [1, 4, 8, 16, 40, 64]
 
 
+def test_split_calls_are_priced_at_their_graph_shape_when_graphed(cosy64):
+    """With the flow's graphs, `call_cost`'s split prices a call at the shape its graph pads it to (rows to the
+    graph's rows, mel frames to a multiple of 128); beyond the graphs, at rows x longest."""
+    from intone.engine.config import load_profile
+
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.cuda_graphs": True,
+                                                                    "cosyvoice3.flow.attention": "sdpa"})
+    graphed = cosy64.make_vocoder(profile.codec, profile.cosyvoice3)
+    plain = cosy64.make_vocoder(profile.codec, load_profile("cosyvoice3-streaming", device="cpu").cosyvoice3)
+    assert graphed._graph_cost(3, 100) == 4 * 256 // 2  # 3 rows -> 4; 200 mel frames -> 256
+    assert graphed._graph_cost(9, 64) == 16 * 128 // 2
+    assert graphed._graph_cost(2, 600) == 2 * 600  # 1200 frames: beyond the graphs, its own shape
+    assert plain._graph_cost(3, 100) == 3 * 100
+
+
 def test_graphed_inference_on_a_cpu_runs_the_unpadded_solve(flow):
     """Off the GPU nothing is captured: `inference` with graphs runs the plain solve and counts it eager."""
     g = torch.Generator().manual_seed(5)

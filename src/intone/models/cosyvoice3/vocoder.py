@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK
-from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows
+from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows, graph_shape
 from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
 from intone.models.cosyvoice3.hift import HIFT_FRAME_BUCKET
 from intone.models.cosyvoice3.hift_source import SourceWindow
@@ -255,7 +255,7 @@ class CosyVocoder(Vocoder):
         # (flow_cache) are not solved already
         lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
-        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost):
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
             with self._autocast():
                 if self.flow_cache:
@@ -274,6 +274,15 @@ class CosyVocoder(Vocoder):
                 skip = max(jobs[i].prompt_mel.shape[0], solved) - jobs[i].prompt_mel.shape[0]
                 out[i], flows[i] = mel[:, ratio * windows[i].start - skip:], flow
         return out, flows
+
+    def _graph_cost(self, rows: int, tokens: int) -> int:
+        """A flow call's padded work in tokens (`group_jobs` with `call_cost`): its graph's shape when one
+        replays it (`graph_shape`; mel frames, two a token), else rows x longest."""
+        ratio = self.model.flow.config.token_mel_ratio
+        if not self.graph_frames or tokens * ratio > self.graph_frames:
+            return rows * tokens
+        padded_rows, frames = graph_shape(rows, tokens * ratio)
+        return padded_rows * frames // ratio
 
     def _hift(self, mels: list[Tensor], finalize: list[bool], spans: list[tuple]) -> tuple[list, list]:
         """HiFT over each chunk's window: (first frame, phase_at, phase or None, record_at) ->
