@@ -11,7 +11,8 @@ green context of that many SMs (`codec.sms`), to price the codec's share alone. 
 the full calls as `cosyvoice3.flow.cache` runs them: each streamed job solves only its new frames, against the
 state its request's earlier hops kept (solved beforehand, untimed). `--first-chunks N` times one call of N new
 streams' first hops (what a served first-chunk call holds), the flow and then HiFT on its mels: wall time, the
-GPU's busy time in it (profiler) and its kernel count, to tell launch-bound from GPU-bound.
+GPU's busy time in it (profiler) and its kernel count, to tell launch-bound from GPU-bound; `--graphs` times it
+again replayed from CUDA graphs (the flow per Euler step, HiFT per call).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from intone.engine.codec_worker import codec_stream
+from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.flow_cache import solve_continued
+from intone.models.cosyvoice3.hift import graph_shape as hift_graph_shape
 from intone.models.cosyvoice3.model import random_cosyvoice3
 from intone.models.cosyvoice3.vocoder import compile_dit
 from intone.ops.batching import group_jobs
@@ -107,18 +110,28 @@ def first_chunk_jobs(n: int) -> list[tuple[int, int, bool]]:
     return [(p, 25 + (-p) % 25 + 3, True) for p in prompts]
 
 
-def time_first_chunks(model, n: int, device, repeats: int) -> dict:
+def time_first_chunks(model, n: int, device, repeats: int, graphed: bool = False) -> dict:
     """One call of n first hops as the stage runs it (compiled DiT, bf16 autocast): wall ms, GPU busy ms
-    and kernels, for the flow and for HiFT on its mels."""
+    and kernels, for the flow and for HiFT on its mels; `graphed`: both replayed from CUDA graphs captured
+    at the call's shapes (`cosyvoice3.flow.cuda_graphs`, `cosyvoice3.hift.cuda_graphs`)."""
     jobs = flow_jobs(first_chunk_jobs(n), device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    graphs = FunctionGraphs() if graphed else None
+
+    def under_autocast():
+        return torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False)
 
     def flow_call():
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
-            return model.flow.inference(jobs)
+        with under_autocast():
+            return model.flow.inference(jobs, graphs)
 
+    if graphed:
+        with under_autocast():
+            model.flow.capture_solve(jobs, graphs)
     mels = flow_call()
-    pieces = {"flow": flow_call, "hift": lambda: model.hift.vocode_batch(mels, [False] * n)}
+    if graphed:
+        model.hift.capture(*hift_graph_shape(n, max(m.shape[1] for m in mels)), graphs)
+    pieces = {"flow": flow_call, "hift": lambda: model.hift.vocode_batch(mels, [False] * n, None, graphs)}
     out = dict(rows=n, frames=[m.shape[1] for m in mels])
     for name, fn in pieces.items():
         fn()
@@ -149,6 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--continued", action="store_true")
     ap.add_argument("--first-chunks", type=int, default=0, help="also time one call of this many first hops")
+    ap.add_argument("--graphs", action="store_true", help="with --first-chunks: also replayed from CUDA graphs")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -184,8 +198,10 @@ def main(argv=None) -> None:
                                       jobs=args.jobs, ms=round(ms, 1), cache_gib=round(gib, 2))), flush=True)
                 del caches
             if args.first_chunks:
-                print(json.dumps(dict(kernel=kernel, calls="first chunks",
-                                      **time_first_chunks(model, args.first_chunks, device, args.repeats))), flush=True)
+                for graphed in (False, True) if args.graphs else (False,):
+                    print(json.dumps(dict(kernel=kernel, calls="first chunks" + (", graphed" if graphed else ""),
+                                          **time_first_chunks(model, args.first_chunks, device, args.repeats,
+                                                              graphed))), flush=True)
 
 
 if __name__ == "__main__":
