@@ -121,15 +121,15 @@ class CausalCFM(nn.Module):
         return self.noise_bits.view(torch.float32)
 
     def forward(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
-                pause=None, graphs=None) -> Tensor:
+                pause=None) -> Tensor:
         """mu, cond: [B, T, mel]; spks: [B, mel]; lengths: [B] valid frames; streaming: [B] bool. -> fp32 [B, T, mel].
-        pause: called after each Euler step's launches (the codec worker runs urgent calls there).
-        graphs: FunctionGraphs holding `euler_step` at these shapes (`capture`): each step is replayed."""
-        return self.solve(*self.start(mu, cond, spks, lengths, streaming), pause=pause, graphs=graphs)
+        pause: called after each Euler step's launches (the codec worker runs urgent calls there)."""
+        return self.solve(*self.start(mu, cond, spks, lengths, streaming), pause=pause)
 
     def solve(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
               pause=None, graphs=None) -> Tensor:
-        """`forward` from `start`'s state and doubled inputs."""
+        """`forward` from `start`'s state and doubled inputs; graphs: FunctionGraphs holding `euler_step` at
+        these shapes (`capture`), each step replayed."""
         mask = None if graphs is not None else self.estimator.attention_mask(lengths, streaming, mu.shape[1])
         for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, x.dtype):
             if graphs is not None:
@@ -167,7 +167,7 @@ class CausalCFM(nn.Module):
     def step_inputs(self, started: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """`euler_step`'s inputs at the first step, as `capture` and `FunctionGraphs.has` key them."""
         t, dt = next(cosine_euler_steps(self.n_timesteps, started[1].device, started[0].dtype))
-        return started[0].contiguous(), *started[1:], t, dt
+        return *started, t, dt
 
     def _step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, mask, t: Tensor, dt: Tensor) -> Tensor:
         mask, valid = mask

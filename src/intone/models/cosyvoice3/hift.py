@@ -225,23 +225,21 @@ class CausalHiFT(nn.Module):
             sub = window.rows(live) if window is not None else None
             if sub is not None:
                 sub.check([lengths[i] - (0 if finalize[i] else self.cfg.f0_look_right) for i in live])
-            starts = sub.first if sub is not None else [0] * len(live)
+            # first frame, carried_at and record_at of each row's window (zeros: rows that start their streams)
+            spans = (sub.first, sub.carried_at, sub.record_at) if sub is not None else ([0] * len(live),) * 3
             carried = sub.carried if sub is not None else torch.zeros(len(live), harmonics, dtype=torch.float64)
             t_max = max(lengths[i] for i in live)
-            self.m_source.check_noise(max(starts), t_max)
+            self.m_source.check_noise(max(spans[0]), t_max)
             if t_max > self.cfg.max_frames:
                 raise ValueError(f"{t_max} mel frames exceed the fixed noise ({self.cfg.max_frames} frames)")
             n, t = graph_shape(len(live), t_max) if graphs is not None else (len(live), t_max)
 
             def padded(values: list) -> list:  # added rows repeat the first (their output is dropped)
                 return values + values[:1] * (n - len(live))
-            zeros = [0] * len(live)
-            ints = torch.tensor([padded(x) for x in ([lengths[i] for i in live], [int(finalize[i]) for i in live], starts,
-                                                     sub.carried_at if sub is not None else zeros,
-                                                     sub.record_at if sub is not None else zeros)])
             mel = torch.stack([F.pad(rows[i], (0, t - lengths[i])) for i in padded(live)])
+            ints = torch.tensor([padded(v) for v in ([lengths[i] for i in live], [int(finalize[i]) for i in live],
+                                                     *spans)]).to(mel.device)
             carried = torch.cat([carried, carried[:1].expand(n - len(live), -1)]).to(mel.device, self._excitation_dtype())
-            ints = ints.to(mel.device)
             inputs = (mel, ints, carried)
             if graphs is not None:
                 audio, recorded = graphs.run("hift", self._vocode, *inputs)
@@ -251,8 +249,8 @@ class CausalHiFT(nn.Module):
                 out[i] = audio[j, : self.cfg.output_samples(lengths[i], finalize[i])]
         if window is not None:  # a row that consumed no frames carries its phase on unchanged
             window.recorded = window.carried.to(self._excitation_dtype(), copy=True)
-            for j, i in enumerate(live):
-                window.recorded[i] = recorded[j].to(window.recorded)
+            if live:
+                window.recorded[live] = recorded[: len(live)].to(window.recorded)
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
