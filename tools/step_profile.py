@@ -212,13 +212,14 @@ def gpu_timeline(prof, wall_s: float, steps: int) -> None:
         names[e.device_resource_id()][e.name()[:40]] += e.duration_ns() / 1e6
     print(f"GPU timeline over {steps} steps ({1000 * wall_s:.0f} ms of wall time):")
     for stream, spans in sorted(streams.items(), key=lambda kv: -len(kv[1])):
-        gaps = gap_ms(spans)
-        print(f"  stream {stream}: {len(spans)} kernels, busy {busy_ms(spans):.1f} ms "
-              f"({100 * busy_ms(spans) / (1000 * wall_s):.0f}% of wall); idle between kernels: "
+        gaps, busy = gap_ms(spans), busy_ms(spans)
+        print(f"  stream {stream}: {len(spans)} kernels, busy {busy:.1f} ms "
+              f"({100 * busy / (1000 * wall_s):.0f}% of wall); idle between kernels: "
               + ", ".join(f"{label} {ms:.1f} ms" for label, ms in gaps.items()) + "; longest: "
               + ", ".join(f"{n} {ms:.1f}" for n, ms in names[stream].most_common(3)))
     every = [span for spans in streams.values() for span in spans]
-    print(f"  any stream busy: {busy_ms(every):.1f} ms ({100 * busy_ms(every) / (1000 * wall_s):.0f}% of wall); "
+    busy = busy_ms(every)
+    print(f"  any stream busy: {busy:.1f} ms ({100 * busy / (1000 * wall_s):.0f}% of wall); "
           f"kernel time summed over streams {sum(e - s for s, e in every) / 1e6:.1f} ms")
 
 
