@@ -2,6 +2,7 @@
 
 import asyncio
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from intone.api.text_workers import TextWorkers
+from intone.engine.child import PARENT_CHECK_S
 from intone.errors import InvalidRequestError
 from intone.models import text_frontend
 from intone.protocol import VoiceReference
@@ -54,6 +56,7 @@ def test_without_a_text_frontend_the_text_goes_as_sent_and_no_worker_starts(tiny
 PARENT = """
 import asyncio, sys, time
 from intone.api.text_workers import TextWorkers
+from intone.engine.child import PARENT_CHECK_S
 from intone.models import text_frontend
 workers = TextWorkers("tiny:cosyvoice3", text_frontend("tiny:cosyvoice3"), 1)
 asyncio.run(workers.start())
@@ -87,3 +90,30 @@ def test_a_killed_api_process_leaves_no_text_worker_behind(tiny_cache):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids), pids
+
+
+CLOSING = """
+import asyncio, os, signal
+from intone.api.text_workers import TextWorkers
+from intone.engine.child import PARENT_CHECK_S
+from intone.models import text_frontend
+workers = TextWorkers("tiny:cosyvoice3", text_frontend("tiny:cosyvoice3"), 2)
+asyncio.run(workers.start())
+pids = list(workers._pool._processes)
+print(asyncio.run(workers.cut("Two words.", "input")), flush=True)
+workers.close()
+print(*pids, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # as uvicorn ends a server: its signal re-raised, so no exit handlers run
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_closing_the_text_workers_ends_them_before_their_parent_exits(tiny_cache):
+    """A server's shutdown (close) ends its workers itself: none is left to find its parent gone, and
+    no semaphore of their queues is left for the resource tracker to clean up."""
+    done = subprocess.run([sys.executable, "-c", CLOSING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    time.sleep(2 * PARENT_CHECK_S)  # an orphan would have noticed its parent gone by now
+    pids = [int(p) for p in done.stdout.splitlines()[-1].split()]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    assert "is gone" not in done.stderr and "leaked" not in done.stderr, done.stderr

@@ -82,5 +82,7 @@ class TextWorkers:
         return await asyncio.get_running_loop().run_in_executor(self._pool, _in_worker, fn, *args)
 
     def close(self) -> None:
+        """Ends the workers and waits for them: uvicorn ends a server by re-raising its signal, so no
+        exit handler would, and an orphan would die later without freeing its queues' semaphores."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
