@@ -80,6 +80,13 @@ def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_does_not(
                      **{"cosyvoice3.flow.cuda_graphs": True, "cosyvoice3.flow.cache": True})
 
 
+@pytest.mark.parametrize("padded", ["cosyvoice3.flow.cuda_graphs", "cosyvoice3.flow.cache"])
+def test_packed_flow_rows_are_refused_with_the_solves_that_stay_padded(padded):
+    assert load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.packed": True}).cosyvoice3.flow.packed
+    with pytest.raises(ProfileError, match="cosyvoice3.flow.packed"):
+        load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.packed": True, padded: True})
+
+
 def test_a_familys_knobs_live_in_its_section_and_another_familys_profile_is_refused():
     """CosyVoice3's flow knobs are under `cosyvoice3:`; a key that moved there names its new place, and a
     profile that sets the section is refused for a Fish model before anything loads."""

@@ -365,10 +365,12 @@ def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel(autocast, co
 
 
 @pytest.mark.gpu
-def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
+@pytest.mark.parametrize("packed", [False, True])
+def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32, packed):
     """`cosyvoice3.flow.attention: flex` as the stage runs it (compiled DiT, bf16 autocast without the cast
-    cache) against the dense-mask SDPA flow, eager, for streamed and whole rows of different lengths:
-    the same mel to bf16 rounding; a second batch of other lengths compiles nothing new."""
+    cache; padded rows, or packed: `cosyvoice3.flow.packed`) against the dense-mask SDPA flow on padded rows,
+    eager, for streamed and whole rows of different lengths: the same mel to bf16 rounding; a second batch
+    of other lengths compiles nothing new."""
     flow = make_flow(torch.float32).cuda()
     g = torch.Generator().manual_seed(11)
 
@@ -381,7 +383,7 @@ def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
                                                   ((20, 130, True), (3, 33, False)))]
     with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
         dense = [flow.inference(b) for b in batches]
-        flow.decoder.estimator.attention_kernel = "flex"
+        flow.decoder.estimator.attention_kernel, flow.decoder.packed = "flex", packed
         torch._dynamo.reset()  # an earlier test's compile of the same code would otherwise be reused
         compile_dit(flow.decoder.estimator, "dit")
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -420,3 +422,46 @@ def test_the_flex_block_mask_has_the_blocks_create_block_mask_finds(rows, extra,
     assert block_sets(ours.kv_num_blocks, ours.kv_indices) == block_sets(theirs.kv_num_blocks, theirs.kv_indices)
     assert block_sets(ours.full_kv_num_blocks, ours.full_kv_indices) == \
         block_sets(theirs.full_kv_num_blocks, theirs.full_kv_indices)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(4, 90), st.booleans(), st.booleans()), min_size=1, max_size=5),
+       st.sampled_from(["sdpa", "flex"]))
+def test_packed_rows_give_the_padded_mel(flow, rows, kernel):
+    """`cosyvoice3.flow.packed`: the DiT over the rows' valid frames end to end gives every row the mel
+    the right-padded solve gives it: streamed and whole rows, any lengths (float64, eager: to 1e-12)."""
+    g = torch.Generator().manual_seed(len(rows))
+    reqs = [request(g, prompt=p, tokens=n, streaming=s, finalize=f) for p, n, s, f in rows]
+    flow.decoder.estimator.attention_kernel = kernel
+    try:
+        padded = flow.inference(reqs)
+        flow.decoder.packed = True
+        packed = flow.inference(reqs)
+    finally:
+        flow.decoder.estimator.attention_kernel, flow.decoder.packed = "sdpa", False
+    for got, want in zip(packed, padded):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.booleans()), min_size=1, max_size=5), st.sampled_from([50, 0, 37]))
+def test_the_packed_block_mask_misses_no_visible_pair_and_skips_no_hidden_one(rows, chunk):
+    """The packed block mask against create_block_mask's evaluation of every pair: each block holding a
+    visible pair is listed (partial or full), and exactly the blocks where every pair is visible are full
+    (the mask is not applied there)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from intone.models.cosyvoice3.packing import packing
+
+    ours = packing([n for n, _ in rows], [s for _, s in rows], 400, chunk, 30, True, torch.device("cpu")).mask
+    size = ours.seq_lengths[0]
+    theirs = create_block_mask(ours.mask_mod, 1, None, size, size, device="cpu")
+
+    def block_sets(count, indices):
+        return [set(indices[0, 0, i, : count[0, 0, i]].tolist()) for i in range(count.shape[-1])]
+
+    full, partial = block_sets(ours.full_kv_num_blocks, ours.full_kv_indices), block_sets(ours.kv_num_blocks, ours.kv_indices)
+    their_full = block_sets(theirs.full_kv_num_blocks, theirs.full_kv_indices)
+    their_any = [a | b for a, b in zip(their_full, block_sets(theirs.kv_num_blocks, theirs.kv_indices))]
+    assert full == their_full
+    assert all(want <= f | p for want, f, p in zip(their_any, full, partial))

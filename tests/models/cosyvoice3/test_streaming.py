@@ -57,12 +57,13 @@ def alone_tokens(model, text, ref, params):
     return [int(t) for t in r.codes[0]], r.tokens, prompt
 
 
-@pytest.mark.parametrize("schedule", ["first", "preempt"])
-def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
+@pytest.mark.parametrize("schedule, packed", [("first", False), ("preempt", False), ("preempt", True)])
+def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, packed):
     """Interleaved requests with different references and modes: every chunk's span and samples
     equal the official loop run for that request alone (float64: to 1e-9), with first chunks decoded at the
     Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first,
-    here with cosyvoice3.flow.cache: later hops solved against the flow state their earlier ones kept)."""
+    here with cosyvoice3.flow.cache: later hops solved against the flow state their earlier ones kept), and
+    with the DiT on the calls' rows packed end to end (cosyvoice3.flow.packed)."""
     refs = voices(4)
     # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
     # so request 3 surely runs long enough for the hop to reach 100.
@@ -77,7 +78,8 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule):
     # its earlier hops (cosyvoice3.flow.cache)
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
         "ar.max_num_seqs": 4, "cosyvoice3.flow.call_cost": 64, "codec.schedule": schedule,
-        "cosyvoice3.flow.attention": "flex" if schedule == "preempt" else "sdpa", "cosyvoice3.flow.cache": schedule == "first"})
+        "cosyvoice3.flow.attention": "flex" if schedule == "preempt" else "sdpa", "cosyvoice3.flow.cache": schedule == "first",
+        "cosyvoice3.flow.packed": packed})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):

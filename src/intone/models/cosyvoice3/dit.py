@@ -49,8 +49,15 @@ class DiTConfig:
             raise ValueError("out_channels must equal mel_dim")
 
 
+def per_frame(v: Tensor, rows: Tensor | None) -> Tensor:
+    """A row's vector [R, C] broadcast over its frames: [R, 1, C] for padded rows, or (rows: each packed
+    slot's row, `packing.Packing`) [1, S, C]."""
+    return v[:, None] if rows is None else v[rows][None]
+
+
 def modulate(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    return x * (1 + scale[:, None]) + shift[:, None]
+    """scale, shift: `per_frame`."""
+    return x * (1 + scale) + shift
 
 
 def time_features(t: Tensor, dim: int) -> Tensor:
@@ -84,6 +91,15 @@ class CausalConvPositionEmbedding(nn.Module):
             y = conv(F.pad(y, (self.pad, 0)))
         return y.transpose(1, 2)
 
+    def packed(self, x: Tensor, gapped: Tensor, kept: Tensor) -> Tensor:
+        """`forward` over packed rows [1, S, dim]: each convolution runs on a layout with `pad` zeros
+        before every row (slot i at `gapped[i]`; `kept` [1, G, 1] marks the slots), as each row's own
+        zero padding; the gaps are zeroed again between the two."""
+        y = x.new_zeros(1, kept.shape[1], x.shape[2]).index_copy(1, gapped, x)
+        for conv in (self.conv1, self.conv2):
+            y = conv(F.pad(y.transpose(1, 2), (self.pad, 0))).transpose(1, 2) * kept
+        return y[:, gapped]
+
     def continued(self, x: Tensor, tails: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """`forward` with each convolution's `pad` frames of context given (earlier frames' inputs to it,
         [B, pad, dim] each) instead of zeros -> (output, each convolution's input [B, pad + T, dim])."""
@@ -103,6 +119,12 @@ class InputEmbedding(nn.Module):
     def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
         h = self._project(x, cond, mu, spks)
         return self.conv_pos_embed(h) + h
+
+    def packed(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, packing) -> Tensor:
+        """`forward` of padded inputs [R, T, mel] over `packing`'s slots -> [1, S, dim]."""
+        h = self.proj(torch.cat((packing.pack(x), packing.pack(cond), packing.pack(mu), spks[packing.rows][None]),
+                                dim=-1))
+        return self.conv_pos_embed.packed(h, packing.gapped, packing.kept) + h
 
     def continued(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, tails) -> tuple[Tensor, tuple]:
         """`forward` after earlier frames (`CausalConvPositionEmbedding.continued`; tails None: none)."""
@@ -219,20 +241,22 @@ class DiTBlock(nn.Module):
         self.ff = FeedForward(cfg.dim, cfg.ff_mult)
 
     def forward(self, x: Tensor, t: Tensor, mask: Tensor, valid: Tensor, rope: tuple[Tensor, Tensor],
-                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """-> (output, the attention's keys and values of these frames; `Attention.forward`)."""
-        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = self.attn_norm(t)
+                past: tuple[Tensor, Tensor] | None = None,
+                rows: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """rows: packed slots' rows (`per_frame`). -> (output, the attention's keys and values of these
+        frames; `Attention.forward`)."""
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (per_frame(v, rows) for v in self.attn_norm(t))
         h = modulate(F.layer_norm(x, x.shape[-1:], eps=self.eps), scale_a, shift_a)
         attended, kv = self.attn(h, mask, valid, rope, past)
-        x = x + gate_a[:, None] * attended
+        x = x + gate_a * attended
         h = modulate(F.layer_norm(x, x.shape[-1:], eps=self.eps), scale_f, shift_f)
-        return x + gate_f[:, None] * self.ff(h), kv
+        return x + gate_f * self.ff(h), kv
 
 
 FLEX_BLOCK = 128  # flex attention's block of queries and of keys
 
 
-def _block_lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
+def block_lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """[B, q blocks, kv blocks] bool -> (count [B, 1, q], kv block indices [B, 1, q, kv], the set ones first)."""
     order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
     return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
@@ -292,7 +316,7 @@ class DiT(nn.Module):
             last_q = torch.minimum(q0 + size - 1, length - 1)
             some = some & (whole_rows | (k0 < (last_q // chunk + 1) * chunk))
             every = every & (whole_rows | (k0 + size <= (q0 // chunk + 1) * chunk))
-        return BlockMask.from_kv_blocks(*_block_lists(some & ~every), *_block_lists(every), BLOCK_SIZE=size,
+        return BlockMask.from_kv_blocks(*block_lists(some & ~every), *block_lists(every), BLOCK_SIZE=size,
                                         mask_mod=visible, seq_lengths=(total, total))
 
     def forward(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, mask: Tensor, valid: Tensor) -> Tensor:
@@ -317,7 +341,17 @@ class DiT(nn.Module):
             kvs.append(kv)
         return self._out(h, temb), kvs, seqs
 
-    def _out(self, h: Tensor, temb: Tensor) -> Tensor:
-        scale, shift = self.norm_out(temb)
+    def forward_packed(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing) -> Tensor:
+        """`forward` with the rows' valid frames packed end to end (`packing.Packing`): the same velocity
+        at every valid frame, zeros elsewhere."""
+        temb = self.time_embed(t)
+        h = self.input_embed.packed(x, cond, mu, spks, packing)
+        rope = self.rotary_embed.at(packing.positions)
+        for block in self.transformer_blocks:
+            h, _ = block(h, temb, packing.mask, packing.valid, rope, rows=packing.rows)
+        return packing.unpack(self._out(h, temb, packing.rows), x.shape[0], x.shape[1])
+
+    def _out(self, h: Tensor, temb: Tensor, rows: Tensor | None = None) -> Tensor:
+        scale, shift = (per_frame(v, rows) for v in self.norm_out(temb))
         h = modulate(F.layer_norm(h, h.shape[-1:], eps=self.config.norm_eps), scale, shift)
         return self.proj_out(h)

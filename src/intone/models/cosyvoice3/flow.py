@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pad_sequence
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT, DiTConfig
+from intone.models.cosyvoice3.packing import Packing, packing
 from intone.ops.batching import bucket_rows, pad_rows
 
 
@@ -111,6 +112,7 @@ class CausalCFM(nn.Module):
         self.n_timesteps = cfg.n_timesteps
         self.cfg_rate = cfg.inference_cfg_rate
         self.estimator = DiT(cfg.dit)
+        self.packed = False  # eager solves run the DiT on packed rows (`packing`)
         noise = torch.randn(1, cfg.output_size, cfg.noise_frames, generator=torch.Generator().manual_seed(cfg.noise_seed))
         # Kept as raw fp32 bits: dtype casts of the module (.half(), .double()) then leave it exact.
         self.register_buffer("noise_bits", noise.view(torch.int32), persistent=False)
@@ -121,16 +123,18 @@ class CausalCFM(nn.Module):
         return self.noise_bits.view(torch.float32)
 
     def forward(self, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
-                pause=None) -> Tensor:
+                pause=None, packing: Packing | None = None) -> Tensor:
         """mu, cond: [B, T, mel]; spks: [B, mel]; lengths: [B] valid frames; streaming: [B] bool. -> fp32 [B, T, mel].
-        pause: called after each Euler step's launches (the codec worker runs urgent calls there)."""
-        return self.solve(*self.start(mu, cond, spks, lengths, streaming), pause=pause)
+        pause: called after each Euler step's launches (the codec worker runs urgent calls there).
+        packing: of the doubled rows (`packing_of`): the DiT runs on their valid frames only."""
+        return self.solve(*self.start(mu, cond, spks, lengths, streaming), pause=pause, packing=packing)
 
     def solve(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, lengths: Tensor, streaming: Tensor,
-              pause=None, graphs=None) -> Tensor:
+              pause=None, graphs=None, packing: Packing | None = None) -> Tensor:
         """`forward` from `start`'s state and doubled inputs; graphs: FunctionGraphs holding `euler_step` at
         these shapes (`capture`), each step replayed."""
-        mask = None if graphs is not None else self.estimator.attention_mask(lengths, streaming, mu.shape[1])
+        mask = packing if packing is not None or graphs is not None else \
+            self.estimator.attention_mask(lengths, streaming, mu.shape[1])
         for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, x.dtype):
             if graphs is not None:
                 x = graphs.run("flow_step", self.euler_step, x, mu, cond, spks, lengths, streaming, t, dt)[0]
@@ -169,10 +173,19 @@ class CausalCFM(nn.Module):
         t, dt = next(cosine_euler_steps(self.n_timesteps, started[1].device, started[0].dtype))
         return *started, t, dt
 
+    def packing_of(self, lengths: list[int], streaming: list[bool], total: int) -> Packing:
+        """The packing of a solve's rows (host lists, before `start` doubles them) padded to `total` frames."""
+        dit = self.estimator
+        return packing(lengths * 2, streaming * 2, total, dit.config.static_chunk_size,
+                       dit.input_embed.conv_pos_embed.pad, dit.attention_kernel == "flex", self.noise_bits.device)
+
     def _step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, mask, t: Tensor, dt: Tensor) -> Tensor:
-        mask, valid = mask
-        xin = x.to(mu.dtype)
-        v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t.to(mu.dtype).expand(mu.shape[0]), mask, valid)
+        """mask: `attention_mask`'s (mask, valid), or a Packing."""
+        xin, t = x.to(mu.dtype), t.to(mu.dtype).expand(mu.shape[0])
+        if isinstance(mask, Packing):
+            v = self.estimator.forward_packed(torch.cat((xin, xin)), mu, cond, spks, t, mask)
+        else:
+            v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t, *mask)
         v_cond, v_uncond = v.to(x.dtype).chunk(2)
         return x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
 
@@ -252,7 +265,10 @@ class CosyFlow(nn.Module):
         hundreds of launches) is replayed from the graph of the padded shape when one was captured
         (`capture_solve`). pause: called between the solve's Euler steps (`CausalCFM.forward`)."""
         if graphs is None:
-            mel = self.decoder(*self._eager_inputs(self.solve_inputs(requests)), pause=pause)
+            inputs = self._eager_inputs(self.solve_inputs(requests))
+            packed = self.decoder.packing_of(self.mel_lengths(requests), [r.streaming for r in requests],
+                                             inputs[0].shape[1]) if self.decoder.packed else None
+            mel = self.decoder(*inputs, pause=pause, packing=packed)
         else:
             inputs, padded = self._padded_solve_inputs(requests)
             started = self.decoder.start(*padded)

@@ -159,6 +159,7 @@ class CosyVoice3(TTSModel):
             raise ValueError("cosyvoice3.flow.attention flex needs cosyvoice3.flow.compile on a GPU "
                              "(flex attention is fast only compiled)")
         self.flow.decoder.estimator.attention_kernel = flow.attention
+        self.flow.decoder.packed = flow.packed
         if flow.dtype != "auto" and gpu:
             self.flow.to(getattr(torch, flow.dtype))
         hift = (options or CosyVoice3Options()).hift

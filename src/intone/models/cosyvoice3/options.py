@@ -37,6 +37,10 @@ class FlowOptions(_Strict):
                                                         "lengths, a call worth this many padded tokens of work (None: "
                                                         "each call as full as codec.max_batch and "
                                                         "codec.max_padded_frames allow)")
+    packed: bool = Field(False, description="the DiT runs on the rows' valid frames packed end to end instead of "
+                                            "right-padded to the call's longest (each frame's attention limited "
+                                            "to its own row): the same mel, no work on padding (not with "
+                                            "cuda_graphs or cache, whose solves stay padded)")
     cache: bool = Field(False, description="streaming: each stream keeps its flow's keys and values (per Euler step "
                                            "and layer) and its input embedding's last frames across its non-final "
                                            "hops, and a hop solves only its new frames: the official whole-prefix "
@@ -48,6 +52,9 @@ class FlowOptions(_Strict):
         if self.cuda_graphs and self.cache:
             raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
                              "(the graphs replay the whole-prefix solve)")
+        if self.packed and (self.cuda_graphs or self.cache):
+            raise ValueError("cosyvoice3.flow.packed needs cosyvoice3.flow.cuda_graphs and cosyvoice3.flow.cache off "
+                             "(their solves are padded)")
         return self
 
 

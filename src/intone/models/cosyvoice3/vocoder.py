@@ -67,6 +67,7 @@ def compile_dit(estimator, unit: str) -> None:
     compile_settings()
     if unit == "dit":
         estimator.forward = torch.compile(estimator.forward, dynamic=True)
+        estimator.forward_packed = torch.compile(estimator.forward_packed, dynamic=True)
         estimator.forward_continued = torch.compile(estimator.forward_continued, dynamic=True)
         return
     for block in estimator.transformer_blocks:
@@ -255,6 +256,7 @@ class CosyVocoder(Vocoder):
         # (flow_cache) are not solved already
         lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
+        packed = model.flow.decoder.packed  # no padding computed (options: not with the cache or graphs)
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
             with self._autocast():
@@ -266,7 +268,8 @@ class CosyVocoder(Vocoder):
                     mels, kept = model.flow.inference([jobs[i] for i in idx], flow_graphs, pause), [None] * len(idx)
             with self._counting:
                 self.calls += 1
-                self.padded_tokens += len(group) * max(lengths[g] for g in group)
+                self.padded_tokens += sum(lengths[g] for g in group) if packed else \
+                    len(group) * max(lengths[g] for g in group)
                 self.useful_tokens += sum(lengths[g] for g in group)
             for i, mel, flow in zip(idx, mels, kept):
                 # mel starts at the prompt's end or (continued) the cache's, whichever is later

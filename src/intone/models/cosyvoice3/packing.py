@@ -1,0 +1,108 @@
+"""The flow's rows packed end to end for the DiT (`cosyvoice3.flow.packed`).
+
+A padded solve runs every row at the longest row's length: at C64 a fifth to a quarter of the DiT's
+work is padding (session 20). Packed, the rows' valid frames lie end to end in one sequence; every
+per-frame piece of the DiT (projections, norms, feed-forward) then computes only real frames. Each
+frame attends to an interval of that sequence: its own row, up to the end of its chunk for a
+streamed row (`DiT.attention_mask`'s pattern); the input embedding's causal convolutions run on a
+layout with `pad` zeros before each row, as the padded solve's own zero padding gives them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from intone.models.cosyvoice3.dit import FLEX_BLOCK, block_lists
+
+
+@dataclass
+class Packing:
+    """Slots of the packed sequence (S of them; the last ones unused where flex wants a longer one):
+    `rows` [S] each slot's (doubled) row, `frames` [S] its frame in the padded rows' [rows * total]
+    (unused: rows * total, a frame of none), `positions` [S] its index in its row (RoPE), `valid` [1, S];
+    `gapped` [S] its place in the convolutions' layout, `kept` [1, G, 1] 1 where a frame lies there
+    (zeros before each row; unused slots all go to its last place, never kept); `mask` the attention
+    pattern (flex BlockMask, or boolean [1, 1, S, S] for SDPA). No Python numbers: compiled code sees
+    tensors only, so one compile serves every packing."""
+
+    rows: Tensor
+    frames: Tensor
+    positions: Tensor
+    valid: Tensor
+    gapped: Tensor
+    kept: Tensor
+    mask: Tensor | BlockMask
+
+    def pack(self, y: Tensor) -> Tensor:
+        """Padded [rows, total, C] -> packed [1, S, C] (unused slots: zeros)."""
+        flat = torch.cat((y.reshape(-1, y.shape[-1]), y.new_zeros(1, y.shape[-1])))
+        return flat[self.frames][None]
+
+    def unpack(self, y: Tensor, rows: int, total: int) -> Tensor:
+        """Packed [1, S, C] -> padded [rows, total, C], zero where no frame is."""
+        out = y.new_zeros(rows * total + 1, y.shape[-1]).index_copy(0, self.frames, y[0])
+        return out[:-1].view(rows, total, -1)
+
+
+def packing(lengths: list[int], streaming: list[bool], total: int, chunk: int, pad: int, flex: bool,
+            device: torch.device) -> Packing:
+    """The packing of rows of these valid lengths (host lists: no read from the device), padded to
+    `total` frames each; chunk: the DiT's static chunk (<= 0: none); pad: its convolutions' context."""
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    used = int(starts[-1])
+    size = max(used, FLEX_BLOCK + 1) if flex else used  # flex: two blocks at least (one would compile apart)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    positions = torch.arange(used) - starts[rows]
+    length, begin = torch.tensor(lengths)[rows], starts[rows]
+    chunk_end = (positions // chunk + 1) * chunk if chunk > 0 else length
+    seen = torch.where(torch.tensor(streaming)[rows], torch.minimum(chunk_end, length), length)
+    lo, hi = torch.zeros(size, dtype=torch.long), torch.zeros(size, dtype=torch.long)
+    lo[:used], hi[:used] = begin, begin + seen
+    gapped_len = used + pad * len(lengths) + 1  # + the unused slots' place
+    kept = torch.zeros(gapped_len, dtype=torch.bool)
+    gapped = torch.full((size,), gapped_len - 1)
+    gapped[:used] = torch.arange(used) + pad * (rows + 1)
+    kept[gapped[:used]] = True
+    frames = torch.full((size,), len(lengths) * total)
+    frames[:used] = rows * total + positions
+
+    def grow(t: Tensor) -> Tensor:
+        return torch.cat((t, t.new_zeros(size - used))).to(device)
+
+    lo, hi = lo.to(device), hi.to(device)
+    mask = _block_mask(lo, hi, size) if flex else _dense_mask(lo, hi, size)
+    valid = (torch.arange(size) < used)[None].to(device)
+    return Packing(grow(rows), frames.to(device), grow(positions), valid, gapped.to(device),
+                   kept[None, :, None].to(device), mask)
+
+
+def _dense_mask(lo: Tensor, hi: Tensor, size: int) -> Tensor:
+    k = torch.arange(size, device=lo.device)[None]
+    seen = (k >= lo[:, None]) & (k < hi[:, None])
+    return (seen | ~seen.any(1, keepdim=True))[None, None]  # an unused slot sees all (SDPA: no empty row)
+
+
+def _block_mask(lo: Tensor, hi: Tensor, size: int) -> BlockMask:
+    """Each query slot sees the key interval [lo, hi) (empty for an unused slot), so a block of queries
+    sees at most [its least lo, its largest hi) and every key of [its largest lo, its least hi)."""
+    blocks = -(-size // FLEX_BLOCK)
+    fill = blocks * FLEX_BLOCK - size  # the last block's slots past the sequence: unused
+    lo, hi = (torch.cat((t, t.new_zeros(fill))) for t in (lo, hi))  # mask_mod may be asked about them
+
+    def visible(b, h, q, k):
+        return (k >= lo[q]) & (k < hi[q])
+
+    lo_b, hi_b = lo.view(blocks, FLEX_BLOCK), hi.view(blocks, FLEX_BLOCK)
+    used = hi_b > lo_b
+    big = torch.iinfo(torch.long).max
+    least_lo = torch.where(used, lo_b, big).amin(1)[:, None]
+    most_hi = torch.where(used, hi_b, 0).amax(1)[:, None]
+    k0 = (torch.arange(blocks, device=lo.device) * FLEX_BLOCK)[None]
+    some = used.any(1)[:, None] & (least_lo < k0 + FLEX_BLOCK) & (most_hi > k0)
+    every = used.all(1)[:, None] & (lo_b.amax(1)[:, None] <= k0) & (hi_b.amin(1)[:, None] >= k0 + FLEX_BLOCK)
+    return BlockMask.from_kv_blocks(*block_lists((some & ~every)[None]), *block_lists(every[None]),
+                                    BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(size, size))
