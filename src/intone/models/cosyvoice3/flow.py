@@ -133,8 +133,9 @@ class CausalCFM(nn.Module):
               pause=None, graphs=None, packing: Packing | None = None) -> Tensor:
         """`forward` from `start`'s state and doubled inputs; graphs: FunctionGraphs holding `euler_step` at
         these shapes (`capture`), each step replayed."""
-        mask = packing if packing is not None or graphs is not None else \
-            self.estimator.attention_mask(lengths, streaming, mu.shape[1])
+        mask = packing  # a replayed step builds its own mask
+        if packing is None and graphs is None:
+            mask = self.estimator.attention_mask(lengths, streaming, mu.shape[1])
         for t, dt in cosine_euler_steps(self.n_timesteps, mu.device, x.dtype):
             if graphs is not None:
                 x = graphs.run("flow_step", self.euler_step, x, mu, cond, spks, lengths, streaming, t, dt)[0]

@@ -69,15 +69,13 @@ def packing(lengths: list[int], streaming: list[bool], total: int, chunk: int, p
     kept[gapped[:used]] = True
     frames = torch.full((size,), len(lengths) * total)
     frames[:used] = rows * total + positions
-
-    def grow(t: Tensor) -> Tensor:
-        return torch.cat((t, t.new_zeros(size - used))).to(device)
-
-    lo, hi = lo.to(device), hi.to(device)
+    unused = torch.zeros(size - used, dtype=torch.long)
+    host = (torch.cat((rows, unused)), frames, torch.cat((positions, unused)), gapped, lo, hi,
+            (torch.arange(size) < used).long(), kept.long())
+    # one transfer (each from pageable memory waits for the stream), split into its pieces
+    rows, frames, positions, gapped, lo, hi, valid, kept = torch.cat(host).to(device).split([len(t) for t in host])
     mask = _block_mask(lo, hi, size) if flex else _dense_mask(lo, hi, size)
-    valid = (torch.arange(size) < used)[None].to(device)
-    return Packing(grow(rows), frames.to(device), grow(positions), valid, gapped.to(device),
-                   kept[None, :, None].to(device), mask)
+    return Packing(rows, frames, positions, valid.bool()[None], gapped, kept.bool()[None, :, None], mask)
 
 
 def _dense_mask(lo: Tensor, hi: Tensor, size: int) -> Tensor:
