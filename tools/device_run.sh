@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, encoder, ar-timing, flow-calls (FLOW_ARGS='--sms 96'), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, ar-timing, flow-calls (FLOW_ARGS='--sms 96'), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -26,6 +26,9 @@ for stage in "$@"; do
     pytest) eval "timeout ${TT:-300} python3 -m pytest -q -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py tests/models/fish_s2/test_codec_stream.py -p no:cacheprovider 2>&1 | tail -15 ;;
+    # codec-convs: the Fish codec's stateful decode and each of its convolutions (CONVS_ARGS='--whole': the decode only)
+    codec-convs) timeout ${T:-300} python3 tools/codec_convs.py ${CONVS_ARGS:-} 2>&1 | grep -v Warn > "$OUT/codec-convs$TAG.txt"
+      grep -A3 "==" "$OUT/codec-convs$TAG.txt" | cut -c1-400 ;;
     codec-timing) timeout 300 python3 tools/codec_timing.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec-timing.txt" | grep -v Warning | tail -40 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
     ar-timing) timeout 400 python3 tools/ar_step_timing.py ${AR_ARGS:-} 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;

@@ -99,7 +99,7 @@ def _run(module: nn.Module, x: Tensor, ctx: _Context, key: str) -> Tensor:
     if isinstance(module, CausalTransConv):
         return _trans_conv(module, x, ctx, key)
     if isinstance(module, ResidualUnit):
-        return x + _run(module.block, x, ctx, key)
+        return module.residual(x, lambda i, y, bias: _conv(module.block[i], y, ctx, f"{key}.{i}", bias))
     if isinstance(module, ConvNeXtBlock):
         y = _conv(module.dwconv, x, ctx, key).transpose(1, 2)
         y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
@@ -109,15 +109,15 @@ def _run(module: nn.Module, x: Tensor, ctx: _Context, key: str) -> Tensor:
     return module(x)  # per sample: Snake, Tanh
 
 
-def _conv(module: CausalConv, x: Tensor, ctx: _Context, key: str) -> Tensor:
+def _conv(module: CausalConv, x: Tensor, ctx: _Context, key: str, bias: bool = True) -> Tensor:
     if module.stride != 1:
         raise ValueError("a strided convolution cannot be decoded in chunks")
     h = module.span - 1
     if h == 0:
-        return module.conv(x)
+        return module.valid(x, bias)
     xh = torch.cat([ctx.history(key, x.new_zeros(1, x.shape[1], h)), x], dim=2)
     ctx.keep(key, _tail(xh, ctx.lengths + h, h))
-    return module.conv(xh)
+    return module.valid(xh, bias)
 
 
 def _trans_conv(module: CausalTransConv, x: Tensor, ctx: _Context, key: str) -> Tensor:

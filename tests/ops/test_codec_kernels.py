@@ -1,0 +1,57 @@
+"""The codec's convolution and activation kernels: the same values as the torch expressions they replace."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from intone.ops.dilated_conv import dilated_conv1d
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 3), c_in=st.integers(1, 5), c_out=st.integers(1, 5), kernel=st.integers(1, 7),
+       dilation=st.integers(1, 10), extra=st.integers(1, 40), bias=st.booleans())
+def test_a_dilated_convolution_folded_into_the_batch_gives_the_dilated_sums(rows, c_in, c_out, kernel, dilation,
+                                                                            extra, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + extra)
+    length = (kernel - 1) * dilation + extra  # every output length from 1, any remainder mod the dilation
+    x = torch.randn(rows, c_in, length, generator=g, dtype=torch.float64)
+    w = torch.randn(c_out, c_in, kernel, generator=g, dtype=torch.float64)
+    b = torch.randn(c_out, generator=g, dtype=torch.float64) if bias else None
+    got, want = dilated_conv1d(x, w, b, dilation), F.conv1d(x, w, b, dilation=dilation)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert (got - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_triton_snake_with_a_bias_and_the_biased_residual_return_the_torch_expressions(dtype):
+    from intone.ops.snake import bias_residual, snake, snake_reference
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(3, 96, 5000, device="cuda", generator=g) * 3).to(dtype)
+    y = (torch.randn(3, 96, 5000, device="cuda", generator=g) * 3).to(dtype)
+    alpha = (torch.rand(1, 96, 1, device="cuda", generator=g) * 2 + 0.05).to(dtype)
+    bias = torch.randn(96, device="cuda", generator=g).to(dtype)
+    ulp = lambda t: torch.finfo(dtype).eps * t.float().abs().clamp(min=1.0)  # noqa: E731
+    got, want = snake(x, alpha, bias), snake_reference(x + bias.view(1, -1, 1), alpha)
+    assert got.dtype == dtype and ((got.float() - want.float()).abs() <= 2 * ulp(want)).all()
+    assert (got == want).float().mean() > 0.5
+    assert torch.equal(bias_residual(x, y, bias), x + (y + bias.view(1, -1, 1)))  # two adds, rounded alike
+
+
+@pytest.mark.gpu
+def test_the_codec_on_the_gpu_decodes_what_the_stock_layers_decode_on_the_cpu(tiny_cache):
+    """float64 on both sides (the Triton kernels stand aside): the folded dilated convolutions and the
+    biases moved out of the convolutions change no sum."""
+    from intone.models.registry import load_model
+
+    cpu = load_model("tiny:fish-s2", codec_dtype=torch.float64).codec
+    gpu = copy.deepcopy(cpu).cuda()
+    codes = torch.randint(0, 8, (2, 10, 37), generator=torch.Generator().manual_seed(1))
+    want = cpu.decode(codes)
+    got = gpu.decode(codes.cuda()).cpu()
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-9

@@ -1,0 +1,151 @@
+"""Diagnostic (GPU): the Fish codec's convolutions one by one, at the shapes the served stateful decode
+gives them (rows x chunk frames, each row carrying the state of an earlier 4-frame chunk): cuDNN's
+heuristic plan against its benchmarked plan (not a measurement once the heuristic's plan is cached:
+cuDNN reuses it), without its bias (cuDNN adds a bias as a pass of its own), and other formulations (a
+transposed convolution as one GEMM and an overlap-add; a convolution as a channels-last conv2d; a
+dilated one folded into the batch). --whole: only the whole decode's time and top kernels (runs on
+older trees too: TREE=.before).
+
+    python3 tools/codec_convs.py [--shapes 64x25,64x50] [--top 12] [--whole]
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from intone.models.fish_s2.codec_stream import StreamingDecoder
+from intone.models.registry import load_model
+from kernel_timing import timed  # tools/ is the script's directory
+
+
+class Call:
+    """One convolution as the decode called it (torch.nn.functional's conv1d / conv_transpose1d)."""
+
+    def __init__(self, transposed, x, weight, bias, stride, dilation, groups):
+        self.transposed, self.x, self.weight, self.bias = transposed, x.clone(), weight, bias
+        self.stride, self.dilation, self.groups = stride, dilation, groups
+
+    def run(self, bias=True):
+        b = self.bias if bias else None
+        if self.transposed:
+            return CONV_T(self.x, self.weight, b, self.stride)
+        return CONV(self.x, self.weight, b, self.stride, 0, self.dilation, self.groups)
+
+    def __str__(self):
+        c_out = self.weight.shape[1 if self.transposed else 0]
+        return (f"{'convT' if self.transposed else 'conv'} {tuple(self.x.shape)} k{self.weight.shape[-1]} s{self.stride}"
+                f" d{self.dilation} g{self.groups} -> {c_out}")
+
+
+CONV, CONV_T = F.conv1d, F.conv_transpose1d
+_one = lambda v: v[0] if isinstance(v, (tuple, list)) else v  # noqa: E731
+
+
+def trans_conv_gemm(call):
+    """A transposed convolution (padding 0, kernel 2 x stride or = stride) as one GEMM and an overlap-add."""
+    ci, co, k = call.weight.shape
+    s, x = call.stride, call.x
+    b, _, length = x.shape
+    taps = torch.matmul(call.weight.reshape(ci, co * k).t(), x).view(b, co, k, length)  # [B, Co, K, L]
+    first = taps[:, :, :s].transpose(2, 3).reshape(b, co, length * s)
+    y = first if k == s else F.pad(first, (0, s)) + F.pad(taps[:, :, s:].transpose(2, 3).reshape(b, co, length * s), (s, 0))
+    return y + call.bias.view(1, -1, 1)
+
+
+def conv_channels_last(call):
+    w = call.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    x2 = call.x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    return F.conv2d(x2, w, call.bias, stride=(1, call.stride), dilation=(1, call.dilation), groups=call.groups).squeeze(2)
+
+
+def served_calls(codec, shape, k):
+    """Every convolution of one stateful decode of a rows x frames chunk (after a 4-frame one)."""
+    rows, frames = map(int, shape.split("x"))
+    device = next(codec.parameters()).device
+    g = torch.Generator(device=device).manual_seed(0)
+    decoder = StreamingDecoder(codec)
+    first = torch.randint(0, 8, (rows, k, 4), device=device, generator=g)
+    _, states = decoder.decode(first, [4] * rows, [None] * rows)
+    codes = torch.randint(0, 8, (rows, k, frames), device=device, generator=g)
+    seen = []
+
+    def conv(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+        seen.append(Call(False, x, w, b, _one(stride), _one(dilation), groups))
+        return CONV(x, w, b, stride, padding, dilation, groups)
+
+    def conv_t(x, w, b=None, stride=1, *rest):
+        seen.append(Call(True, x, w, b, _one(stride), 1, 1))
+        return CONV_T(x, w, b, stride, *rest)
+
+    F.conv1d, F.conv_transpose1d = conv, conv_t
+    try:
+        decoder.decode(codes, [frames] * rows, states)
+    finally:
+        F.conv1d, F.conv_transpose1d = CONV, CONV_T
+    run = lambda: decoder.decode(codes, [frames] * rows, states)  # noqa: E731
+    return seen, run, rows * frames * codec.hop_length / codec.sample_rate
+
+
+def variants(call):
+    out = [("as called", call.run, False), ("benchmark", call.run, True), ("no bias", lambda: call.run(False), False)]
+    if call.transposed:
+        out.append(("gemm+overlap-add", lambda: trans_conv_gemm(call), False))
+    else:
+        if call.dilation > 1 and call.groups == 1:
+            from intone.ops.dilated_conv import dilated_conv1d
+            out.append(("folded", lambda: dilated_conv1d(call.x, call.weight, call.bias, call.dilation), False))
+        if call.weight.shape[-1] * call.dilation < 20:  # channels-last is ~60x slower at dilation 9
+            out.append(("channels-last conv2d", lambda: conv_channels_last(call), False))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="64x25,64x50")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--whole", action="store_true")
+    args = ap.parse_args()
+    model = load_model("random:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16)
+    codec, k = model.codec, model.num_codebooks
+    for shape in args.shapes.split(","):
+        with torch.inference_mode():
+            seen, run, audio_s = served_calls(codec, shape, k)
+            torch.backends.cudnn.benchmark = False
+            whole = timed(run, reps=5)
+            print(f"== stateful decode {shape} ({audio_s:.1f} audio s): {whole:.1f} ms "
+                  f"({audio_s / whole * 1000:.0f} audio-s/s), {len(seen)} convolutions", flush=True)
+            rows = []
+            for call in [] if args.whole else seen:
+                times, ref = {}, None
+                for name, fn, bench in variants(call):
+                    torch.backends.cudnn.benchmark = bench
+                    t = time.perf_counter()
+                    y = fn()
+                    torch.cuda.synchronize()
+                    first = 1000 * (time.perf_counter() - t)
+                    ms = timed(fn, reps=10)
+                    ref = y.float() if ref is None else ref
+                    err = (y.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+                    times[name] = (ms, first, err)
+                torch.backends.cudnn.benchmark = False
+                rows.append((times["as called"][0], str(call), times))
+            total = sum(r[0] for r in rows) if rows else float("nan")
+            best = sum(min(t[0] for t in r[2].values()) for r in rows) if rows else float("nan")
+            print(f"   convolutions alone: as called {total:.1f} ms, best variant each {best:.1f} ms", flush=True)
+            for heur, desc, times in sorted(rows, key=lambda r: -r[0])[:args.top]:
+                cells = ", ".join(f"{n} {ms:.2f} ms (first {first:.0f} ms, rel err {err:.1e})"
+                                  for n, (ms, first, err) in times.items())
+                print(f"   {desc}: {cells}", flush=True)
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+        del seen
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
