@@ -30,6 +30,7 @@ def dilated_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int
         folded[:, :rest, :, whole] = x[..., whole * d:].transpose(1, 2)
         folded[:, rest:, :, whole] = 0  # reaches only outputs past out_len
     y = F.conv1d(folded.view(b * d, c, m), weight, bias).view(b, d, co, m - k + 1)
+    del folded  # its memory can take the output
     out = x.new_empty(b, co, out_len)
     whole, rest = divmod(out_len, d)
     out[..., : whole * d].view(b, co, whole, d).copy_(y[..., :whole].permute(0, 2, 3, 1))
