@@ -99,6 +99,11 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
         assert _metric(metrics, "intone_eager_decode_steps") == 0
         assert _metric(metrics, "intone_frontend_graph_replays") > 0  # the shipped profiles replay the frontend
         assert _metric(metrics, "intone_reference_cache_misses") >= len(clips)
+        # where the engine process's GPU memory goes: the KV pool within the peak, the serving peak
+        # at least start-up's, the allocator's cache on top of what is allocated
+        kv, ready = _metric(metrics, "intone_kv_cache_bytes"), _metric(metrics, "intone_gpu_allocated_peak_at_ready_bytes")
+        peak = _metric(metrics, "intone_gpu_allocated_peak_bytes")
+        assert 0 < kv <= ready <= peak <= _metric(metrics, "intone_gpu_reserved_peak_bytes")
         if codec_graphs:
             assert _metric(metrics, "intone_codec_graph_replays") > 0
             assert _metric(metrics, "intone_codec_eager_runs") == 0

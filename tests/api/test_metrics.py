@@ -25,6 +25,8 @@ def test_stage_histogram_and_engine_counters_after_a_request(server, reference_w
                  "intone_engine_steps_total", "intone_reference_cache_entries"):
         assert (name, ()) in samples, name
     assert samples[("intone_compiled_graphs_total", ())] == 0  # the CPU profile compiles nothing
+    assert samples[("intone_kv_cache_bytes", ())] > 0
+    assert not any(name.startswith("intone_gpu_") for name, _ in samples)  # no GPU: no allocator series
 
 
 def bench_args(server, out, **kw):

@@ -11,7 +11,7 @@ import soundfile as sf
 from intone.bench.client import ClipUse, ReferencePlan, clip_bytes
 from intone.bench.dataset import synthetic_items
 from intone.bench.presets import apply_preset
-from intone.bench.report import after_run_line, stage_tables
+from intone.bench.report import after_run_line, memory_table, stage_tables
 from intone.bench.runner import after_run
 from intone.bench.server_metrics import level_breakdown
 from intone.cli.main import _parser
@@ -72,3 +72,13 @@ def test_an_after_run_check_that_cannot_be_made_says_why_and_is_not_clean(tmp_pa
     after = after_run(f"http://127.0.0.1:{port}", tmp_path, argparse.Namespace(api_key=None))
     assert after["clean"] is False and "ConnectError" in after["error"]
     assert after_run_line(after).startswith("**NOT CLEAN**: the check failed: ConnectError")
+
+
+def test_the_memory_table_appears_only_when_the_server_reports_gpu_memory():
+    gib = 2**30
+    gpu = {"kv_cache_bytes": 60 * gib, "gpu_allocated_peak_at_ready_bytes": 80 * gib,
+           "gpu_allocated_peak_bytes": 90.5 * gib, "gpu_reserved_bytes": 95 * gib, "gpu_reserved_peak_bytes": 99 * gib}
+    lines = memory_table({"levels": [{"concurrency": 64, "server": {"available": True, "gauges": gpu}}]})
+    assert "| 64 | 60.0 | 80.0 | 90.5 | 95.0 | 99.0 |" in lines
+    cpu = {"kv_cache_bytes": gib, "gpu_allocated_peak_bytes": None}
+    assert memory_table({"levels": [{"concurrency": 2, "server": {"available": True, "gauges": cpu}}]}) == []

@@ -82,6 +82,15 @@ ENGINE_GAUGES = {
     "preparing": ("intone_engine_preparing_requests", "Requests whose reference audio is being encoded"),
     "planner_requests": ("intone_engine_planner_requests", "Requests the chunk planner tracks"),
     "kv_tables": ("intone_engine_kv_tables", "KV block tables held"),
+    # torch's allocator in the engine core's process (GPU; a codec process has its own): where memory goes
+    "kv_cache_bytes": ("intone_kv_cache_bytes", "Bytes of the KV cache pool (allocated once, at start-up)"),
+    "gpu_allocated_bytes": ("intone_gpu_allocated_bytes", "GPU bytes allocated by the engine process's tensors"),
+    "gpu_allocated_peak_bytes": ("intone_gpu_allocated_peak_bytes", "Peak of intone_gpu_allocated_bytes since start"),
+    "gpu_allocated_peak_at_ready_bytes": ("intone_gpu_allocated_peak_at_ready_bytes",
+                                          "Peak of intone_gpu_allocated_bytes when start-up ended (warm-ups, captures)"),
+    "gpu_reserved_bytes": ("intone_gpu_reserved_bytes", "GPU bytes the engine process's allocator holds (allocated "
+                           "plus its cache)"),
+    "gpu_reserved_peak_bytes": ("intone_gpu_reserved_peak_bytes", "Peak of intone_gpu_reserved_bytes since start"),
 }
 
 

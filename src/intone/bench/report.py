@@ -97,6 +97,25 @@ def stage_tables(results: dict) -> list[str]:
                     "compiled during the level (a request waited for each; 0 when start-up compiled everything).", ""]
 
 
+MEMORY_GAUGES = ("kv_cache_bytes", "gpu_allocated_peak_at_ready_bytes", "gpu_allocated_peak_bytes",
+                 "gpu_reserved_bytes", "gpu_reserved_peak_bytes")
+
+
+def memory_table(results: dict) -> list[str]:
+    """The engine process's GPU memory after each level (torch's allocator; peaks since start-up)."""
+    rows = [(lvl["concurrency"], (lvl.get("server") or {}).get("gauges") or {}) for lvl in results["levels"]]
+    if not any(g.get("gpu_allocated_peak_bytes") is not None for _, g in rows):
+        return []
+    lines = ["GPU memory of the engine process after the level, GiB (torch's allocator; the device's own peak is "
+             "peak_gpu_mib above, all processes and the CUDA context included):", "",
+             "| concurrency | KV cache pool | allocated peak at ready | allocated peak | reserved | reserved peak |",
+             "|---|---|---|---|---|---|"]
+    for concurrency, g in rows:
+        lines.append(f"| {concurrency} | " + " | ".join(
+            _fmt(g[key] / 2**30 if g.get(key) is not None else None, 1) for key in MEMORY_GAUGES) + " |")
+    return lines + [""]
+
+
 def _per(counters: dict, key: str) -> float | None:
     """A summed counter per frontend job (request or voice upload) of the level."""
     total, jobs = counters.get(key), counters.get("frontend_jobs")
@@ -154,7 +173,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
                      f"{_fmt(s['rtf']['p50'])} | {_fmt(s.get('streams_with_underrun'))} |")
     if results.get("after_run"):
         lines += ["", "After the run: " + after_run_line(results["after_run"])]
-    lines += [""] + stage_tables(results)
+    lines += [""] + stage_tables(results) + memory_table(results)
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))

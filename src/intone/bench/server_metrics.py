@@ -50,6 +50,11 @@ GAUGES = {
     "reference_cache_bytes": "intone_reference_cache_bytes",
     "captured_graphs": "intone_captured_graphs",
     "mean_step_ms_since_start": "intone_engine_mean_step_ms",
+    "kv_cache_bytes": "intone_kv_cache_bytes",
+    "gpu_allocated_peak_at_ready_bytes": "intone_gpu_allocated_peak_at_ready_bytes",
+    "gpu_allocated_peak_bytes": "intone_gpu_allocated_peak_bytes",
+    "gpu_reserved_bytes": "intone_gpu_reserved_bytes",
+    "gpu_reserved_peak_bytes": "intone_gpu_reserved_peak_bytes",
 }
 
 

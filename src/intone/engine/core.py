@@ -24,7 +24,7 @@ from intone.engine.loading import codec_stage_for, load_for_profile, warm_up_cod
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
-from intone.engine.stats import EngineStats
+from intone.engine.stats import EngineStats, gib_so_far, gpu_memory
 from intone.engine.trace import FrameTracer
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
@@ -104,9 +104,11 @@ class EngineCore:
                 if self.profile.frontend.cuda_graphs else None
             self.model.warm_up_frontend(self.frontend_graphs)
             if self.codec is not None:
-                log.info("start-up: warming the codec's shapes (%.1f s so far)", time.perf_counter() - start)
+                log.info("start-up: warming the codec's shapes (%.1f s so far; GPU memory peak %s)",
+                         time.perf_counter() - start, gib_so_far(self.model.device))
                 warm_up_codec(self.codec, self.profile, self.model.max_seq_len)
-            log.info("start-up: capturing CUDA graphs (%.1f s so far)", time.perf_counter() - start)
+            log.info("start-up: capturing CUDA graphs (%.1f s so far; GPU memory peak %s)",
+                     time.perf_counter() - start, gib_so_far(self.model.device))
         if isinstance(self.codec_worker, CodecProcess):  # its warm-up is GPU work too: done before the captures
             self.codec_worker.wait_ready()
         self.stats.warm_up_seconds = time.perf_counter() - start
@@ -116,12 +118,14 @@ class EngineCore:
             # Steps stay within what the static step covers, unless one prompt alone is larger
             # (with graphs or without, so both batch alike).
             self.scheduler.step_token_target = self.runner.max_graph_tokens
+        self.stats.ready_allocated_peak_bytes = gpu_memory(self.model.device).get("gpu_allocated_peak_bytes")
         if report is not None:
             self.stats.captured_graphs, self.stats.capture_seconds = report.graphs, report.seconds
             front = self.frontend_graphs.report if self.frontend_graphs is not None else None
             log.info("captured %d CUDA graphs in %.1f s (%d failed and run eagerly); frontend warm-up %.1f s "
-                     "(%d frontend graphs, %d failed)", report.graphs, report.seconds, report.failed,
-                     self.stats.warm_up_seconds, front.graphs if front else 0, front.failed if front else 0)
+                     "(%d frontend graphs, %d failed); GPU memory peak %s", report.graphs, report.seconds,
+                     report.failed, self.stats.warm_up_seconds, front.graphs if front else 0,
+                     front.failed if front else 0, gib_so_far(self.model.device))
 
     def _default_kv_tokens(self) -> int:
         seats = self.profile.ar.max_num_seqs
@@ -254,6 +258,8 @@ class EngineCore:
             live_requests=len(self.requests), preparing=len(self._preparing),
             planner_requests=sum(1 for r in self.requests.values() if r.frontier and not r.frontier.terminated),
             kv_blocks_total=self.kv.num_blocks, kv_blocks_free=self.blocks.num_free,
+            kv_cache_bytes=self.kv.k.nbytes + self.kv.v.nbytes,
+            **gpu_memory(self.model.device), gpu_allocated_peak_at_ready_bytes=self.stats.ready_allocated_peak_bytes,
             kv_tables=self.blocks.tables, prefix_cache_blocks=self.scheduler.shared_blocks,
             compiled_graphs=compiled_graphs(),
             steps=self.stats.steps, frames=self.stats.frames,

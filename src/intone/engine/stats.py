@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from intone.engine.codec_worker import DecodedBatch, opens_a_stream
 
 
@@ -29,6 +31,7 @@ class EngineStats:
     captured_graphs: int = 0
     capture_seconds: float = 0.0
     warm_up_seconds: float = 0.0
+    ready_allocated_peak_bytes: int | None = None  # the allocator's peak when start-up ended (GPU)
 
     def count_codec_call(self, decoded: DecodedBatch) -> None:
         self.codec_seconds += decoded.seconds
@@ -39,3 +42,19 @@ class EngineStats:
             self.first_call_gpu_seconds += decoded.gpu_seconds
             self.first_call_flow_seconds += decoded.flow_seconds
             self.first_call_chunks += len(decoded.items)
+
+
+def gpu_memory(device: torch.device) -> dict:
+    """What torch's caching allocator holds in this process on a CUDA device, in bytes (now and at
+    its peak; reserved: allocated plus its cache); {} on other devices."""
+    if device.type != "cuda":
+        return {}
+    return dict(gpu_allocated_bytes=torch.cuda.memory_allocated(device),
+                gpu_allocated_peak_bytes=torch.cuda.max_memory_allocated(device),
+                gpu_reserved_bytes=torch.cuda.memory_reserved(device),
+                gpu_reserved_peak_bytes=torch.cuda.max_memory_reserved(device))
+
+
+def gib_so_far(device: torch.device) -> str:
+    """The allocator's peak so far, for start-up log lines."""
+    return f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else "n/a"
