@@ -3,14 +3,15 @@ gives them (rows x chunk frames, each row carrying the state of an earlier 4-fra
 heuristic plan against its benchmarked plan (not a measurement once the heuristic's plan is cached:
 cuDNN reuses it), without its bias (cuDNN adds a bias as a pass of its own), and other formulations (a
 transposed convolution as one GEMM and an overlap-add; a convolution as a channels-last conv2d; a
-dilated one folded into the batch). --whole: only the whole decode's time and top kernels (runs on
-older trees too: TREE=.before).
+dilated one folded into the batch). --hift: the same for CosyVoice3's HiFT on full responses' calls.
+--whole: only the whole decode's time and top kernels (runs on older trees too: TREE=.before).
 
-    python3 tools/codec_convs.py [--shapes 64x25,64x50] [--top 12] [--whole]
+    python3 tools/codec_convs.py [--shapes 64x25,64x50] [--hift 12x256] [--top 12] [--whole]
 """
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -60,17 +61,9 @@ def conv_channels_last(call):
     return F.conv2d(x2, w, call.bias, stride=(1, call.stride), dilation=(1, call.dilation), groups=call.groups).squeeze(2)
 
 
-def served_calls(codec, shape, k):
-    """Every convolution of one stateful decode of a rows x frames chunk (after a 4-frame one)."""
-    rows, frames = map(int, shape.split("x"))
-    device = next(codec.parameters()).device
-    g = torch.Generator(device=device).manual_seed(0)
-    decoder = StreamingDecoder(codec)
-    first = torch.randint(0, 8, (rows, k, 4), device=device, generator=g)
-    _, states = decoder.decode(first, [4] * rows, [None] * rows)
-    codes = torch.randint(0, 8, (rows, k, frames), device=device, generator=g)
-    seen = []
-
+@contextmanager
+def recording(seen: list):
+    """Every F.conv1d / F.conv_transpose1d call inside, appended to seen as a Call."""
     def conv(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
         seen.append(Call(False, x, w, b, _one(stride), _one(dilation), groups))
         return CONV(x, w, b, stride, padding, dilation, groups)
@@ -81,11 +74,47 @@ def served_calls(codec, shape, k):
 
     F.conv1d, F.conv_transpose1d = conv, conv_t
     try:
-        decoder.decode(codes, [frames] * rows, states)
+        yield seen
     finally:
         F.conv1d, F.conv_transpose1d = CONV, CONV_T
+
+
+def fish_calls(codec, shape, k):
+    """Every convolution of one stateful decode of a rows x frames chunk (after a 4-frame one)."""
+    rows, frames = map(int, shape.split("x"))
+    device = next(codec.parameters()).device
+    g = torch.Generator(device=device).manual_seed(0)
+    decoder = StreamingDecoder(codec)
+    first = torch.randint(0, 8, (rows, k, 4), device=device, generator=g)
+    _, states = decoder.decode(first, [4] * rows, [None] * rows)
+    codes = torch.randint(0, 8, (rows, k, frames), device=device, generator=g)
     run = lambda: decoder.decode(codes, [frames] * rows, states)  # noqa: E731
-    return seen, run, rows * frames * codec.hop_length / codec.sample_rate
+    with recording([]) as seen:
+        run()
+    return f"Fish stateful decode {shape}", seen, run, rows * frames * codec.hop_length / codec.sample_rate
+
+
+def hift_calls(shape, device="cuda"):
+    """Every convolution of one CosyVoice3 HiFT call as a full response makes it: rows x mel frames
+    (each row its whole utterance, finalized), float32 with TF32 as `tf32: true` serves."""
+    from hift_timing import build  # tools/
+    from intone.models.cosyvoice3.hift_source import SourceWindow
+
+    rows, frames = map(int, shape.split("x"))
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    hift = build(torch.device(device), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    lengths = [max(32, frames - 8 * i) // 2 * 2 for i in range(rows)]  # staggered, as a call's rows are
+    mels = [torch.randn(80, n, generator=g).to(device) for n in lengths]
+    harm = hift.cfg.nb_harmonics + 1
+
+    def run():
+        window = SourceWindow([0] * rows, [0] * rows, torch.zeros(rows, harm, dtype=torch.float64, device=device),
+                              [0] * rows)
+        return hift.vocode_batch(mels, [True] * rows, window)
+    with recording([]) as seen:
+        run()
+    return f"CosyVoice3 HiFT {shape} (full responses)", seen, run, sum(lengths) / 50
 
 
 def variants(call):
@@ -101,49 +130,58 @@ def variants(call):
     return out
 
 
+def report(label, seen, run, audio_s, args) -> None:
+    torch.backends.cudnn.benchmark = False
+    whole = timed(run, reps=5)
+    print(f"== {label} ({audio_s:.1f} audio s): {whole:.1f} ms ({audio_s / whole * 1000:.0f} audio-s/s), "
+          f"{len(seen)} convolutions", flush=True)
+    rows = []
+    for call in [] if args.whole else seen:
+        times, ref = {}, None
+        for name, fn, bench in variants(call):
+            torch.backends.cudnn.benchmark = bench
+            t = time.perf_counter()
+            y = fn()
+            torch.cuda.synchronize()
+            first = 1000 * (time.perf_counter() - t)
+            ms = timed(fn, reps=10)
+            ref = y.float() if ref is None else ref
+            err = (y.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            times[name] = (ms, first, err)
+        torch.backends.cudnn.benchmark = False
+        rows.append((times["as called"][0], str(call), times))
+    total = sum(r[0] for r in rows) if rows else float("nan")
+    best = sum(min(t[0] for t in r[2].values()) for r in rows) if rows else float("nan")
+    print(f"   convolutions alone: as called {total:.1f} ms, best variant each {best:.1f} ms", flush=True)
+    for _, desc, times in sorted(rows, key=lambda r: -r[0])[:args.top]:
+        cells = ", ".join(f"{n} {ms:.2f} ms (first {first:.0f} ms, rel err {err:.1e})"
+                          for n, (ms, first, err) in times.items())
+        print(f"   {desc}: {cells}", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="64x25,64x50")
+    ap.add_argument("--shapes", default="64x25,64x50", help="Fish: streams x chunk frames")
+    ap.add_argument("--hift", default="", help="CosyVoice3 HiFT: rows x mel frames, e.g. 12x256,48x256")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--whole", action="store_true")
     args = ap.parse_args()
-    model = load_model("random:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16)
-    codec, k = model.codec, model.num_codebooks
-    for shape in args.shapes.split(","):
+    shapes = [s for s in args.shapes.split(",") if s]
+    if shapes:
+        model = load_model("random:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16)
+        for shape in shapes:
+            with torch.inference_mode():
+                report(*fish_calls(model.codec, shape, model.num_codebooks), args)
+            torch.cuda.empty_cache()
+        del model
+    for shape in [s for s in args.hift.split(",") if s]:
         with torch.inference_mode():
-            seen, run, audio_s = served_calls(codec, shape, k)
-            torch.backends.cudnn.benchmark = False
-            whole = timed(run, reps=5)
-            print(f"== stateful decode {shape} ({audio_s:.1f} audio s): {whole:.1f} ms "
-                  f"({audio_s / whole * 1000:.0f} audio-s/s), {len(seen)} convolutions", flush=True)
-            rows = []
-            for call in [] if args.whole else seen:
-                times, ref = {}, None
-                for name, fn, bench in variants(call):
-                    torch.backends.cudnn.benchmark = bench
-                    t = time.perf_counter()
-                    y = fn()
-                    torch.cuda.synchronize()
-                    first = 1000 * (time.perf_counter() - t)
-                    ms = timed(fn, reps=10)
-                    ref = y.float() if ref is None else ref
-                    err = (y.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
-                    times[name] = (ms, first, err)
-                torch.backends.cudnn.benchmark = False
-                rows.append((times["as called"][0], str(call), times))
-            total = sum(r[0] for r in rows) if rows else float("nan")
-            best = sum(min(t[0] for t in r[2].values()) for r in rows) if rows else float("nan")
-            print(f"   convolutions alone: as called {total:.1f} ms, best variant each {best:.1f} ms", flush=True)
-            for heur, desc, times in sorted(rows, key=lambda r: -r[0])[:args.top]:
-                cells = ", ".join(f"{n} {ms:.2f} ms (first {first:.0f} ms, rel err {err:.1e})"
-                                  for n, (ms, first, err) in times.items())
-                print(f"   {desc}: {cells}", flush=True)
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                run()
-                torch.cuda.synchronize()
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-        del seen
+            report(*hift_calls(shape), args)
         torch.cuda.empty_cache()
 
 

@@ -26,7 +26,8 @@ for stage in "$@"; do
     pytest) eval "timeout ${TT:-300} python3 -m pytest -q -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py tests/models/fish_s2/test_codec_stream.py -p no:cacheprovider 2>&1 | tail -15 ;;
-    # codec-convs: the Fish codec's stateful decode and each of its convolutions (CONVS_ARGS='--whole': the decode only)
+    # codec-convs: the Fish codec's stateful decode and each of its convolutions (CONVS_ARGS='--whole': the decode only;
+    # '--shapes= --hift 12x256,48x256': CosyVoice3's HiFT on full responses' calls instead)
     codec-convs) timeout ${T:-300} python3 tools/codec_convs.py ${CONVS_ARGS:-} 2>&1 | grep -v Warn > "$OUT/codec-convs$TAG.txt"
       grep -A3 "==" "$OUT/codec-convs$TAG.txt" | cut -c1-400 ;;
     codec-timing) timeout 300 python3 tools/codec_timing.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec-timing.txt" | grep -v Warning | tail -40 ;;
