@@ -109,8 +109,10 @@ def _spans(trace, rid):
     return [(r["start"], r["end"], r["context"]) for r in map(json.loads, open(trace)) if r["request_id"] == rid]
 
 
-def test_no_leaks_after_200_requests_half_cancelled(tiny_fish):
-    core = EngineCore(tiny_fish, hc_profile(**{"ar.max_num_seqs": 16, "ar.max_waiting": 300}))
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_no_leaks_after_200_requests_half_cancelled(tiny_fish, in_flight):
+    core = EngineCore(tiny_fish, hc_profile(**{"ar.max_num_seqs": 16, "ar.max_waiting": 300,
+                                              "ar.async_steps": in_flight}))
     rnd = random.Random(7)
     cancel_at = {}
     for i in range(200):

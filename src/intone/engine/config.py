@@ -53,6 +53,10 @@ class ARConfig(_Strict):
     decode_splits: Literal[1, 2, 4, 8, 16] = Field(
         1, description="key spans per (row, KV head) in the GPU decode attention, merged after (flash-decoding; "
                        "see ops.paged_decode): more programs for the SMs when a step has few rows x KV heads")
+    async_steps: bool = Field(False, description="one step in flight: the next step is built and launched from the "
+                                                 "tokens still on the device while the host reads the step before "
+                                                 "(its host work then overlaps the GPU's); a request that samples "
+                                                 "its stop token runs one more row, discarded. The same tokens")
     high_priority: bool = Field(False, description="experimental: the engine loop's CUDA stream (the AR steps and their "
                                                    "graphs) at the highest priority, so its kernels' blocks go before "
                                                    "the codec's waiting ones as SMs free up (GPU)")

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from intone.engine.ar_loop import ARLoop
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_process import CodecProcess
 from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
@@ -21,7 +22,7 @@ from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.loading import codec_stage_for, load_for_profile, warm_up_codec
-from intone.engine.model_runner import ModelRunner, StepInput
+from intone.engine.model_runner import ModelRunner
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.stats import EngineStats, gib_so_far, gpu_memory
@@ -62,6 +63,8 @@ class EngineCore:
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
+        self.stats = EngineStats()
+        self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps)
         policy = profile.chunking.policy(ar.max_num_seqs)
         # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
         self.policy = dataclasses.replace(
@@ -80,7 +83,6 @@ class EngineCore:
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
         self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
-        self.stats = EngineStats()
         if codec_process is None and profile.codec.overlap:
             # Before the start-up's minutes of warm-ups and captures, so a codec.sms the GPU cannot
             # give fails at once; its threads stay idle until the first chunk.
@@ -294,7 +296,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return (bool(self.requests) or bool(self._outbox) or bool(self._preparing) or bool(self._encoded)
-                or bool(self.frontend.pending_encodes) or bool(self.codec_worker and self.codec_worker.in_flight))
+                or bool(self.frontend.pending_encodes) or bool(self.codec_worker and self.codec_worker.in_flight)
+                or self.ar.busy)
 
     def progress(self) -> dict[str, int]:
         """Frames generated so far per admitted request (for the client's account of open work)."""
@@ -319,20 +322,7 @@ class EngineCore:
         worker = self.codec_worker
         if worker and worker.in_flight and not self.scheduler.running and not self.scheduler.waiting:
             worker.wait(IDLE_WAIT_S)  # only the codec has work: wait for it rather than spin
-        batch = self.scheduler.schedule()
-        finished: list[str] = []
-        if batch:
-            start = time.perf_counter()
-            try:
-                self._run_ar(batch, finished, start)
-            except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
-                check_device(e)
-                log.exception("model step failed")
-                for req in batch:
-                    self._fail(req, f"model step failed: {e}")
-                batch = []
-            self.stats.steps += 1
-            self.stats.step_seconds += time.perf_counter() - start
+        finished = self.ar.step(self.scheduler.schedule())
         done = set(finished)
         live = {rid: (r.frontier, r.num_frames) for rid, r in self.requests.items()
                 if r.status is Status.RUNNING or rid in done}
@@ -342,32 +332,6 @@ class EngineCore:
                 self._deliver(decoded)
         out, self._outbox = self._outbox, []
         return out
-
-    def _run_ar(self, batch: list[EngineRequest], finished: list[str], start: float) -> None:
-        out = self.runner.run([
-            StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table, r.cached_tokens)
-            for r in batch
-        ])
-        tokens, stopped, codes = out.to_host()
-        now = time.perf_counter()
-        prefilled = False
-        for i, req in enumerate(batch):
-            if not req.tokens and req.times.prefill_s is None:
-                req.times.scheduled, req.times.prefill_s = start, now - start
-                prefilled = True
-                self.blocks.publish(req.block_table, req.prefix_hashes)  # later steps run after its writes
-            if stopped[i]:
-                req.stop_reason = "stop"
-            else:
-                req.append_frame(tokens[i], codes[i], self.model.forwards_frame)
-                self.stats.frames += 1
-                if len(req.tokens) >= req.params.max_new_tokens:
-                    req.stop_reason = "length"
-            if req.stop_reason:
-                req.times.last_frame = now
-                self.scheduler.remove(req)  # its AR is done (KV freed); the codec may still have chunks
-                finished.append(req.request_id)
-        self.stats.prefill_steps += prefilled
 
     def _plan(self, live: dict, finished: list[str]) -> list[Chunk]:
         chunks = self.planner.plan(live, finished)

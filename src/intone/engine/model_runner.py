@@ -39,6 +39,17 @@ class StepInput:
     last_codes: np.ndarray | None  # [K] codes of the last generated frame on the host (None before the first)
     block_table: list[int]  # KV blocks holding at least len(prompt) + len(tokens) tokens (the scheduler grew it)
     cached: int = 0  # prompt tokens already in its KV blocks (a shared prefix): its prefill computes the rest (decodes: unread)
+    # its row in the previous `run`'s output when that step's token is not on the host yet
+    # (ar.async_steps): `tokens` lacks it, and the step reads it, and its codes, on the device
+    pending: int = -1
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) + (self.pending >= 0)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.generated == 0
 
 
 MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
@@ -54,6 +65,7 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         # The static step's buffers per bucket (and its graphs, once captured); GPU only.
         self.graphs: StepGraphs | None = self._step_graphs() if model.device.type == "cuda" else None
+        self.previous: StepOutput | None = None  # the last run's output, in its order (for `StepInput.pending`)
 
     def _step_graphs(self) -> StepGraphs:
         """Probe the model's output and history shapes with a one-row dummy decode."""
@@ -88,26 +100,34 @@ class ModelRunner:
         """reqs must come prefills (no frames yet) first, then decodes. The step's host data (tokens,
         codes, attention descriptors, sampling values, token-history seats) reach the device in one
         transfer (`ops.staging`)."""
-        n_prefill = sum(1 for r in reqs if not r.tokens)
-        if any(not r.tokens for r in reqs[n_prefill:]):
+        n_prefill = sum(1 for r in reqs if r.is_prefill)
+        if any(r.is_prefill for r in reqs[n_prefill:]):
             raise ValueError("prefills must come before decodes")
         # A decode's input is its last frame: one array for all of them, not one per row.
         prefills, decodes = reqs[:n_prefill], reqs[n_prefill:]
         tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
         codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
+        pending = np.array([r.pending for r in decodes], dtype=np.int64)
         if decodes:
-            tokens.append(np.array([r.tokens[-1] for r in decodes], dtype=np.int64))
-            codes.append(np.stack([r.last_codes for r in decodes]))
-        params, steps = [r.params for r in reqs], [len(r.tokens) for r in reqs]
+            blank = np.zeros(self.model.num_codebooks, dtype=np.int64)  # a pending frame comes from the device
+            tokens.append(np.array([r.tokens[-1] if r.pending < 0 else 0 for r in decodes], dtype=np.int64))
+            codes.append(np.stack([r.last_codes if r.pending < 0 else blank for r in decodes]))
+        params, steps = [r.params for r in reqs], [r.generated for r in reqs]
         floats, ints = sampling_columns(params, steps)
+        seats = self.history.assign([r.request_id for r in reqs], [r.tokens for r in reqs],
+                                    [r.pending >= 0 for r in reqs])
         host = dict(tokens=np.concatenate(tokens).astype(np.int64, copy=False),
                     codes=np.concatenate(codes).astype(np.int64, copy=False), sampling_floats=floats,
-                    sampling_ints=ints, seats=self.history.assign([r.request_id for r in reqs], [r.tokens for r in reqs]))
+                    sampling_ints=ints, seats=seats)
+        if (pending >= 0).any():
+            host["pending"] = pending
         metas = {name: self._meta_arrays(part, prefill)
                  for name, part, prefill in (("prefill", prefills, True), ("decode", decodes, False)) if part}
         for name, (arrays, _, _) in metas.items():
             host.update({f"{name}.{k}": v for k, v in arrays.items()})
         dev = self.staging.upload(host)
+        if "pending" in dev:
+            self._take_pending(dev, sum(len(t) for t in tokens[:n_prefill]))
 
         def meta(name):
             if name not in metas:
@@ -118,11 +138,22 @@ class ModelRunner:
         return StepBatch(tokens=dev["tokens"], codes=dev["codes"], prefill=meta("prefill"), decode=meta("decode"),
                          sampling=sampling, history=self.history.rows(dev["seats"], sampling.steps), seats=dev["seats"])
 
+    def _take_pending(self, dev: dict, first: int) -> None:
+        """The decodes' input frames (from token row `first` on) that the previous step made and the host
+        has not read, from its output."""
+        if self.previous is None:
+            raise ValueError("a pending frame, but no previous step")
+        pending = dev["pending"]
+        rows, taken = pending.clamp(min=0), (pending >= 0)
+        tokens, codes = dev["tokens"][first:], dev["codes"][first:]
+        tokens.copy_(torch.where(taken, self.previous.tokens.index_select(0, rows).to(tokens.dtype), tokens))
+        codes.copy_(torch.where(taken[:, None], self.previous.codes.index_select(0, rows).to(codes.dtype), codes))
+
     def _meta_arrays(self, reqs: list[StepInput], prefill: bool):
         q_lens, ctx_lens, tables = [], [], []
         for r in reqs:
             q = len(r.prompt) - r.cached if prefill else 1
-            ctx = r.cached if prefill else len(r.prompt) + len(r.tokens) - 1
+            ctx = r.cached if prefill else len(r.prompt) + r.generated - 1
             q_lens.append(q)
             ctx_lens.append(ctx)
             # a table lent ahead holds more: the step reads these (host_arrays refuses one too short)
@@ -189,14 +220,15 @@ class ModelRunner:
 
     def run(self, reqs: list[StepInput]) -> StepOutput:
         """One step for reqs in any order; outputs come back in that order."""
-        order = sorted(range(len(reqs)), key=lambda i: bool(reqs[i].tokens))
+        order = sorted(range(len(reqs)), key=lambda i: not reqs[i].is_prefill)
         out = self.execute(self.build([reqs[i] for i in order]))
-        if order == list(range(len(reqs))):
-            return out
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order)] = torch.arange(len(order))
-        inverse = inverse.to(out.tokens.device)
-        return StepOutput(out.tokens[inverse], out.codes[inverse], out.stopped[inverse])
+        if order != list(range(len(reqs))):
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.tensor(order)] = torch.arange(len(order))
+            inverse = inverse.to(out.tokens.device)
+            out = StepOutput(out.tokens[inverse], out.codes[inverse], out.stopped[inverse])
+        self.previous = out
+        return out
 
 
 def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:

@@ -92,11 +92,17 @@ class EngineRequest:
     seq: int = 0  # chunks sent so far
     delivered: int = 0  # frames whose audio has been sent (the frontier a terminal chunk reports)
     codec_in_flight: int = 0  # chunks handed to the codec and not yet delivered
+    steps_in_flight: int = 0  # AR steps launched with it whose tokens the host has not read (ar.async_steps)
     times: RequestTimes = field(default_factory=RequestTimes)
 
     @property
     def kv_tokens_needed(self) -> int:
         return len(self.prompt) + self.params.max_new_tokens
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated, counting those of its steps in flight."""
+        return len(self.tokens) + self.steps_in_flight
 
     def append_frame(self, token: int, frame: np.ndarray, forwards=lambda generated: True) -> None:
         """frame: [K] codes (numpy, from StepOutput.to_host). forwards(tokens generated so far) says

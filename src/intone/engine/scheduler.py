@@ -88,9 +88,10 @@ class Scheduler:
             admitted.append(req)
             spare -= need
             budget -= tokens
-        decodes = list(self.running)
+        # a request whose step in flight makes its last frame has nothing more to run
+        decodes = [r for r in self.running if r.generated < r.params.max_new_tokens]
         self.running.extend(admitted)
         batch = admitted + decodes
         for req in batch:  # within what admission reserved: never fails
-            self.blocks.grow(req.block_table, len(req.prompt) + len(req.tokens))
+            self.blocks.grow(req.block_table, len(req.prompt) + req.generated)
         return batch

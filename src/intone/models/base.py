@@ -53,8 +53,31 @@ class StepOutput:
     def to_host(self) -> tuple[list[int], list[bool], np.ndarray]:
         """(tokens, stopped, codes [R, K] int64) on the host through one device-to-host copy: the
         loop then reads them without a torch call per row (each call would give up the GIL)."""
-        packed = torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(), self.codes.long()), 1)
-        packed = packed.cpu().numpy()
+        return self.to_host_async().wait()
+
+    def to_host_async(self) -> "HostCopy":
+        """`to_host`'s copy, started: `wait()` gives what `to_host` gives once it has arrived."""
+        return HostCopy(torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(),
+                                   self.codes.long()), 1))
+
+
+class HostCopy:
+    """A step's packed outputs on their way to pinned host memory (on the CPU: already there)."""
+
+    def __init__(self, packed: Tensor):
+        self.event = None
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed
+
+    def wait(self) -> tuple[list[int], list[bool], np.ndarray]:
+        if self.event is not None:
+            self.event.synchronize()
+        packed = self.host.numpy()
         return packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:]
 
 

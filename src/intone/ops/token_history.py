@@ -29,25 +29,29 @@ class TokenHistory:
         self._seat: dict[str, int] = {}
         self._count: dict[str, int] = {}  # tokens the seat's row holds, by request
 
-    def assign(self, request_ids: list[str], tokens: list[list[int]]) -> np.ndarray:
+    def assign(self, request_ids: list[str], tokens: list[list[int]], pending: list[bool] | None = None) -> np.ndarray:
         """The step's seats [R] (host, int64), after freeing the seats of requests not in it and writing
-        the rows whose device copy is not current."""
+        the rows whose device copy is not current. pending[i]: row i has one more token than `tokens[i]`,
+        recorded on the device by a step the host has not read (its seat's row is current)."""
         live = set(request_ids)
         for rid in [r for r in self._seat if r not in live]:
             del self._seat[rid], self._count[rid]
         free = sorted(set(range(self.table.shape[0])) - set(self._seat.values()))
         seats = []
-        for rid, toks in zip(request_ids, tokens):
-            if len(toks) > self.capacity:
-                raise ValueError(f"{rid}: {len(toks)} generated tokens exceed the history's {self.capacity}")
+        for rid, toks, extra in zip(request_ids, tokens, pending or [False] * len(tokens)):
+            count = len(toks) + extra
+            if count > self.capacity:
+                raise ValueError(f"{rid}: {count} generated tokens exceed the history's {self.capacity}")
             if rid not in self._seat:
                 if not free:
                     free = list(range(self.table.shape[0], 2 * self.table.shape[0]))
                     self._grow()
                 self._seat[rid], self._count[rid] = free.pop(0), -1
-            if self._count[rid] != len(toks) and toks:  # (a row's tokens beyond its count are never read)
+            if self._count[rid] != count and count:  # (a row's tokens beyond its count are never read)
+                if extra:
+                    raise ValueError(f"{rid}: a pending token, but its seat's row is not current")
                 self._write_row(self._seat[rid], toks)
-            self._count[rid] = len(toks) + 1  # after this step's token is recorded
+            self._count[rid] = count + 1  # after this step's token is recorded
             seats.append(self._seat[rid])
         return np.array(seats, dtype=np.int64)
 

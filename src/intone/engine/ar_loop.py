@@ -1,0 +1,123 @@
+"""The AR stage of an engine step: run the scheduled batch and give each request its new frame.
+
+In order (the default), a step's tokens reach the host before the next step is built. With
+`ar.async_steps` one step stays in flight: step N+1 is built and launched while the host has not read
+step N's tokens yet (they wait on the device, and N+1 takes each request's last frame from there),
+then the host reads step N's and applies them while the GPU runs N+1, so the loop's host work (the
+next build, the frames, the chunks) overlaps the GPU instead of leaving it idle. Draws depend only
+on (seed, step), so the tokens are the same. What changes: a request is seen to stop one step
+later, so one that samples its stop token runs one more row, whose output is dropped (its KV and
+token-history writes land in its own blocks and seat before any later step can be lent them: one
+stream runs the steps in order); one that reaches max_new_tokens is known to and not run again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from intone.engine.device_lost import check_device
+from intone.engine.model_runner import ModelRunner, StepInput
+from intone.engine.request import EngineRequest, Status
+from intone.engine.scheduler import Scheduler
+from intone.engine.stats import EngineStats
+from intone.models.base import HostCopy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read."""
+
+    batch: list[EngineRequest]
+    copy: HostCopy
+    start: float
+    rows: dict[str, int]  # request id -> its row of the step's output
+
+
+class ARLoop:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, stats: EngineStats, forwards_frame,
+                 fail: Callable[[EngineRequest, str], None], in_flight: bool = False):
+        """fail(request, message): end a request whose step failed. in_flight: ar.async_steps."""
+        self.runner, self.scheduler, self.stats = runner, scheduler, stats
+        self.forwards_frame, self.fail = forwards_frame, fail
+        self.keep_in_flight = in_flight
+        self.pending: InFlight | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A step is in flight (its frames are still to come)."""
+        return self.pending is not None
+
+    def step(self, batch: list[EngineRequest]) -> list[str]:
+        """Run the batch (in flight: launch it, then apply the step before); the requests that stopped."""
+        finished: list[str] = []
+        start = time.perf_counter()
+        launched = self._launch(batch, start) if batch else None
+        if not self.keep_in_flight:
+            if launched is not None:
+                self._collect(launched, finished)
+        else:
+            before, self.pending = self.pending, launched
+            if before is not None:
+                self._collect(before, finished)
+        if batch:
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - start
+        return finished
+
+    def _launch(self, batch: list[EngineRequest], start: float) -> InFlight | None:
+        rows = self.pending.rows if self.pending is not None else {}
+        try:
+            out = self.runner.run([
+                StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table, r.cached_tokens,
+                          rows.get(r.request_id, -1))
+                for r in batch
+            ])
+            copy = out.to_host_async()
+        except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
+            self._failed(batch, e)
+            return None
+        for req in batch:
+            req.steps_in_flight += 1
+        return InFlight(batch, copy, start, {r.request_id: i for i, r in enumerate(batch)})
+
+    def _collect(self, step: InFlight, finished: list[str]) -> None:
+        for req in step.batch:
+            req.steps_in_flight -= 1
+        try:
+            tokens, stopped, codes = step.copy.wait()
+        except Exception as e:
+            self._failed(step.batch, e)
+            return
+        now = time.perf_counter()
+        prefilled = False
+        for i, req in enumerate(step.batch):
+            if req.status is not Status.RUNNING:  # ended while its step ran (in flight: a stop seen one step late)
+                continue
+            if not req.tokens and req.times.prefill_s is None:
+                req.times.scheduled, req.times.prefill_s = step.start, now - step.start
+                prefilled = True
+                self.scheduler.blocks.publish(req.block_table, req.prefix_hashes)  # later steps run after its writes
+            if stopped[i]:
+                req.stop_reason = "stop"
+            else:
+                req.append_frame(tokens[i], codes[i], self.forwards_frame)
+                self.stats.frames += 1
+                if len(req.tokens) >= req.params.max_new_tokens:
+                    req.stop_reason = "length"
+            if req.stop_reason:
+                req.times.last_frame = now
+                self.scheduler.remove(req)  # its AR is done (KV freed); the codec may still have chunks
+                finished.append(req.request_id)
+        self.stats.prefill_steps += prefilled
+
+    def _failed(self, batch: list[EngineRequest], error: Exception) -> None:
+        check_device(error)
+        log.exception("model step failed")
+        for req in batch:
+            if req.status is Status.RUNNING:
+                self.fail(req, f"model step failed: {error}")

@@ -1,0 +1,113 @@
+"""`ar.async_steps`: one AR step in flight gives every request the frames and audio it gets with the
+steps in order, under staggered arrivals, stop tokens, lengths and cancellations, and leaves nothing."""
+
+import numpy as np
+import pytest
+import torch
+
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore
+from intone.models.registry import load_model
+from intone.protocol import SamplingParams, SynthesisRequest
+
+TEXTS = ["Hello world", "A longer sentence to say.", "Hi", "Numbers 1, 2, 3."]
+
+
+@pytest.fixture(scope="module")
+def fish64(tiny_fish_dir):
+    """float64: the codec's batching then changes the audio only at the level of 1e-15."""
+    return load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+
+
+def profile(in_flight: bool, **overrides):
+    values = {"ar.max_num_seqs": 6, "codec.max_batch": 6, "chunking.backlog_min_ready": 3, "device": "cpu",
+              "ar.async_steps": in_flight}
+    values.update(overrides)
+    return load_profile("fish-s2-high-concurrency", **values)
+
+
+def serve(model, in_flight: bool, arrivals: dict[int, list[int]], cancels: dict[int, list[int]], params):
+    """Requests r{i} added at the steps `arrivals` names, aborted at those `cancels` names; per request its
+    chunks. Arrivals and cancels count loop iterations, the same in both modes."""
+    core = EngineCore(model, profile(in_flight))
+    chunks: dict[str, list] = {}
+    step = 0
+    while step <= max(arrivals) or core.has_work():
+        for i in arrivals.get(step, []):
+            core.add_request(SynthesisRequest(f"r{i}", TEXTS[i % 4], params=params[i]))
+        for i in cancels.get(step, []):
+            core.abort(f"r{i}")
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+        step += 1
+    return core, chunks
+
+
+def test_one_step_in_flight_gives_each_request_its_frames_and_audio(fish64):
+    n = 14
+    # some long enough to sample the stop token (the tiny model does within ~100 frames), some cut by length
+    params = [SamplingParams(seed=500 + i, max_new_tokens=(8 + 7 * i) if i % 3 else 160, temperature=1.0)
+              for i in range(n)]
+    arrivals = {0: [0, 1, 2, 3], 3: [4, 5], 7: [6], 8: [7, 8, 9], 20: [10, 11], 31: [12, 13]}
+    cancels = {12: [5], 40: [11]}
+    runs = {mode: serve(fish64, mode, arrivals, cancels, params) for mode in (False, True)}
+    (ordered, a), (in_flight, b) = runs[False], runs[True]
+    assert in_flight.ar.keep_in_flight and not ordered.ar.keep_in_flight
+    assert set(a) == set(b) == {f"r{i}" for i in range(n)}
+    reasons = {c[-1].stop_reason for c in a.values()}
+    assert {"stop", "length"} <= reasons, reasons  # both ways of stopping were exercised
+    for rid in a:
+        ends = [(c[-1].stop_reason, c[-1].end_frame, c[-1].completion_tokens) for c in (a[rid], b[rid])]
+        if ends[0][0] == "abort":  # a cancel lands on a frontier that depends on when steps finish
+            assert ends[1][0] == "abort"
+            continue
+        assert ends[0] == ends[1], rid
+        audio = [np.concatenate([c.audio for c in cs]) for cs in (a[rid], b[rid])]
+        assert audio[0].shape == audio[1].shape and np.abs(audio[0] - audio[1]).max() < 1e-7, rid
+        assert sum(c.finished for c in b[rid]) == 1
+    for core in (ordered, in_flight):
+        snap = core.snapshot()
+        assert snap["live_requests"] == snap["running"] == snap["waiting"] == snap["kv_tables"] == 0
+        assert snap["kv_blocks_free"] == snap["kv_blocks_total"] and not core.ar.busy
+
+
+def test_a_request_is_not_run_past_its_length_while_its_last_step_is_in_flight(tiny_fish):
+    core = EngineCore(tiny_fish, profile(True))
+    core.add_request(SynthesisRequest("r0", "Hi", params=SamplingParams(seed=3, max_new_tokens=5, ignore_eos=True)))
+    rows = []
+    run = core.runner.run
+
+    def counting(reqs):
+        rows.extend(r.request_id for r in reqs)
+        return run(reqs)
+    core.runner.run = counting
+    while core.has_work():
+        core.step()
+    assert rows.count("r0") == 5  # the prefill and four decodes: never a sixth row for a known last frame
+
+
+def test_a_failed_step_in_flight_fails_its_requests_and_the_engine_goes_on(tiny_fish):
+    core = EngineCore(tiny_fish, profile(True))
+    run = core.runner.run
+    calls = []
+
+    def failing(reqs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("CUDA error: out of memory")
+        return run(reqs)
+    core.runner.run = failing
+    core.add_request(SynthesisRequest("r0", "First one", params=SamplingParams(seed=1, max_new_tokens=8)))
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    assert chunks["r0"][-1].stop_reason == "error" and "out of memory" in chunks["r0"][-1].error
+    core.add_request(SynthesisRequest("r1", "Second one", params=SamplingParams(seed=2, max_new_tokens=6,
+                                                                              ignore_eos=True)))
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    assert chunks["r1"][-1].stop_reason == "length" and chunks["r1"][-1].end_frame == 6
+    snap = core.snapshot()
+    assert snap["kv_blocks_free"] == snap["kv_blocks_total"] and snap["live_requests"] == 0
