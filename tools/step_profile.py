@@ -136,18 +136,19 @@ def overlapped(core, run, steps):
             return out
         return wrapper
 
-    originals = core._run_ar, core._emit, core._deliver, core._admit_prepared
+    originals = core.ar.step, core._emit, core._deliver, core._admit_prepared
     runner_originals = core.runner.build, core.runner.execute
-    run_ar = wall("AR step (until tokens on host)", core._run_ar)
+    # (with ar.async_steps: launching this step and waiting for the one before)
+    run_ar = wall("AR step (until tokens on host)", core.ar.step)
     # Within the AR step: host metadata, kernel launches (graph replays return at once), and the
     # rest = waiting for the GPU to give the tokens back, plus the per-request bookkeeping.
     core.runner.build = wall("  of which runner.build (host metadata)", core.runner.build)
     core.runner.execute = wall("  of which execute (launches)", core.runner.execute)
 
-    def counted(batch, *a):
+    def counted(batch):
         rows[0] += len(batch)
-        return run_ar(batch, *a)
-    core._run_ar = counted
+        return run_ar(batch)
+    core.ar.step = counted
     core._emit = wall("emit (incl. codec backpressure waits)", core._emit)
     front, codec = frontend_pieces(core), codec_pieces(core)
     core._deliver = wall("deliver", core._deliver)
@@ -159,7 +160,7 @@ def overlapped(core, run, steps):
     elapsed = time.perf_counter() - t
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in thread_cpu().items()}
     n, frames = core.stats.steps - s0, core.stats.frames - f0
-    core._run_ar, core._emit, core._deliver, core._admit_prepared = originals
+    core.ar.step, core._emit, core._deliver, core._admit_prepared = originals
     core.runner.build, core.runner.execute = runner_originals
     print(f"as served: {n} steps in {elapsed:.2f} s = {1000 * elapsed / n:.1f} ms per step, "
           f"{rows[0] / n:.1f} rows per step, {frames * core.model.samples_per_frame / core.model.sample_rate / elapsed:.1f} audio-s/s of frames")
