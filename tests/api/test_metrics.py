@@ -26,6 +26,8 @@ def test_stage_histogram_and_engine_counters_after_a_request(server, reference_w
         assert (name, ()) in samples, name
     assert samples[("intone_compiled_graphs_total", ())] == 0  # the CPU profile compiles nothing
     assert samples[("intone_kv_cache_bytes", ())] > 0
+    # the codec's work, padding included, and its real part (a call pads rows and frames to buckets)
+    assert samples[("intone_codec_padded_tokens_total", ())] >= samples[("intone_codec_useful_tokens_total", ())] > 0
     assert not any(name.startswith("intone_gpu_") for name, _ in samples)  # no GPU: no allocator series
 
 

@@ -63,13 +63,14 @@ ENGINE_COUNTERS = {
     "codec_preempted_calls": ("intone_codec_preempted_calls",
                               "Codec calls made at a pause point of a call over the backlog (schedule: preempt)"),
     "codec_padded_tokens": ("intone_codec_padded_tokens",
-                            "CosyVoice3: token rows the flow's calls computed (rows x longest, padding included)"),
+                            "Rows x length the codec's calls computed, padding included (CosyVoice3: the flow's "
+                            "token rows; Fish: the decoder's frames)"),
     "codec_flow_seconds": ("intone_codec_flow_seconds",
                            "CosyVoice3: the flow's spans on the codec's CUDA stream (waits for SMs and host gaps included)"),
     "codec_vocoder_seconds": ("intone_codec_vocoder_seconds",
                               "CosyVoice3: HiFT's spans on the codec's CUDA stream (waits for SMs and host gaps included)"),
     "codec_useful_tokens": ("intone_codec_useful_tokens",
-                            "CosyVoice3: token rows of the flow's calls that were real (the rest is padding)"),
+                            "The real part of intone_codec_padded_tokens (the rest is padding)"),
 }
 ENGINE_GAUGES = {
     "reference_cache_entries": ("intone_reference_cache_entries", "Reference features held in the cache"),

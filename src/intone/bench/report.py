@@ -65,7 +65,7 @@ def stage_tables(results: dict) -> list[str]:
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
-              "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | flow padding % | "
+              "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | codec padding % | "
               "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | flow s of it | chunks per first-chunk call "
               "| preempted calls | prefix-cache blocks | compiles |",
               "|" + "---|" * 25]
@@ -89,7 +89,7 @@ def stage_tables(results: dict) -> list[str]:
     return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
-                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; flow padding: the share of the flow's computed token rows that were padding. "
+                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; codec padding: the share of the codec's computed rows x length that was padding (CosyVoice3: the flow's token rows; Fish: the decoder's frames). "
                     "first-chunk calls: codec calls made only of streams' first chunks (`schedule: first` or "
                     "`preempt`, the latter's made at a backlog call's pause points too); their length against first_codec is how long a first chunk waited for "
                     "its call to start; their GPU span (CosyVoice3) against their length, how much of a call was "

@@ -100,6 +100,7 @@ class WindowVocoder(Vocoder):
         self.max_padded_frames = max_padded_frames
         self.stream = model.stream_decoder() if carry_state else None
         self.calls = 0
+        self.padded_tokens = self.useful_tokens = 0  # the calls' frames, padding included, and their real part
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
 
     def warm_up(self, max_window_frames: int) -> int:
@@ -155,8 +156,7 @@ class WindowVocoder(Vocoder):
                 codes[row, :, : jobs[i].length] = jobs[i].codes
                 offsets[row] = jobs[i].first_frame
             audio = self.model.decode(codes.to(self.device), offsets.to(self.device)).cpu().numpy()
-            with self._counting:
-                self.calls += 1
+            self._count(codes.shape[0] * longest, sum(jobs[i].length for i in idx))
             for row, i in enumerate(idx):
                 job = jobs[i]
                 out[i] = np.ascontiguousarray(audio[row, job.context * spf : job.length * spf], dtype=np.float32)
@@ -184,6 +184,12 @@ class WindowVocoder(Vocoder):
             pending = later
         return out
 
+    def _count(self, padded: int, useful: int) -> None:
+        with self._counting:
+            self.calls += 1
+            self.padded_tokens += padded
+            self.useful_tokens += useful
+
     def _decode_round(self, windows: list[CodecWindow], states: dict) -> list[np.ndarray]:
         lengths = [w.end - w.start for w in windows]
         for w in windows:
@@ -198,8 +204,7 @@ class WindowVocoder(Vocoder):
         pad = rows - len(windows)
         audio, new = self.stream.decode(codes.to(self.device), lengths + [0] * pad,
                                         [states.get(w.key) for w in windows] + [None] * pad)
-        with self._counting:
-            self.calls += 1
+        self._count(rows * codes.shape[2], sum(lengths))
         audio = audio.float().cpu().numpy()
         spf = self.model.samples_per_frame
         out = []
