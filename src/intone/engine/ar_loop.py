@@ -77,7 +77,7 @@ class ARLoop:
                           rows.get(r.request_id, -1))
                 for r in batch
             ])
-            copy = out.to_host_async()
+            copy = out.copy_to_host(asynchronous=self.keep_in_flight)
         except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
             self._failed(batch, e)
             return None

@@ -53,26 +53,26 @@ class StepOutput:
     def to_host(self) -> tuple[list[int], list[bool], np.ndarray]:
         """(tokens, stopped, codes [R, K] int64) on the host through one device-to-host copy: the
         loop then reads them without a torch call per row (each call would give up the GIL)."""
-        return self.to_host_async().wait()
+        return self.copy_to_host(asynchronous=False).wait()
 
-    def to_host_async(self) -> "HostCopy":
-        """`to_host`'s copy, started: `wait()` gives what `to_host` gives once it has arrived."""
+    def copy_to_host(self, asynchronous: bool) -> "HostCopy":
+        """`to_host`'s copy, made (or, asynchronous on a GPU, started): `wait()` gives what `to_host` gives."""
         return HostCopy(torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(),
-                                   self.codes.long()), 1))
+                                   self.codes.long()), 1), asynchronous)
 
 
 class HostCopy:
-    """A step's packed outputs on their way to pinned host memory (on the CPU: already there)."""
+    """A step's packed outputs copied to the host: at once, or on a GPU asynchronously into pinned memory."""
 
-    def __init__(self, packed: Tensor):
+    def __init__(self, packed: Tensor, asynchronous: bool):
         self.event = None
-        if packed.is_cuda:
+        if packed.is_cuda and asynchronous:
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.host.copy_(packed, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = packed
+            self.host = packed.cpu()
 
     def wait(self) -> tuple[list[int], list[bool], np.ndarray]:
         if self.event is not None:
