@@ -32,10 +32,9 @@ log = logging.getLogger(__name__)
 class InFlight:
     """A launched step whose tokens the host has not read."""
 
-    batch: list[EngineRequest]
+    batch: list[EngineRequest]  # in the order of the step's output rows
     copy: HostCopy
     start: float
-    rows: dict[str, int]  # request id -> its row of the step's output
 
 
 class ARLoop:
@@ -56,21 +55,18 @@ class ARLoop:
         """Run the batch (in flight: launch it, then apply the step before); the requests that stopped."""
         finished: list[str] = []
         start = time.perf_counter()
-        launched = self._launch(batch, start) if batch else None
-        if not self.keep_in_flight:
-            if launched is not None:
-                self._collect(launched, finished)
-        else:
-            before, self.pending = self.pending, launched
-            if before is not None:
-                self._collect(before, finished)
+        done = self._launch(batch, start) if batch else None
+        if self.keep_in_flight:  # this step stays in flight; the one before is applied
+            done, self.pending = self.pending, done
+        if done is not None:
+            self._collect(done, finished)
         if batch:
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - start
         return finished
 
     def _launch(self, batch: list[EngineRequest], start: float) -> InFlight | None:
-        rows = self.pending.rows if self.pending is not None else {}
+        rows = {r.request_id: i for i, r in enumerate(self.pending.batch)} if self.pending is not None else {}
         try:
             out = self.runner.run([
                 StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table, r.cached_tokens,
@@ -83,7 +79,7 @@ class ARLoop:
             return None
         for req in batch:
             req.steps_in_flight += 1
-        return InFlight(batch, copy, start, {r.request_id: i for i, r in enumerate(batch)})
+        return InFlight(batch, copy, start)
 
     def _collect(self, step: InFlight, finished: list[str]) -> None:
         for req in step.batch:

@@ -57,4 +57,5 @@ def gpu_memory(device: torch.device) -> dict:
 
 def gib_so_far(device: torch.device) -> str:
     """The allocator's peak so far, for start-up log lines."""
-    return f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else "n/a"
+    peak = gpu_memory(device).get("gpu_allocated_peak_bytes")
+    return "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"

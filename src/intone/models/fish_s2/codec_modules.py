@@ -25,10 +25,6 @@ CODEC_NORM_EPS = 1e-5
 class CausalConv(nn.Module):
     """Left-pads by (effective kernel - stride); right-pads only to complete the last stride."""
 
-    # On CUDA a dilated convolution runs undilated over its input's interleaved subsequences (the same
-    # sums; cuDNN's plans for the dilated shapes are up to 10x slower). False: cuDNN's, to measure.
-    dilated_as_batch = True
-
     def __init__(self, c_in: int, c_out: int, kernel: int, stride: int = 1, dilation: int = 1, groups: int = 1):
         super().__init__()
         self.conv = nn.Conv1d(c_in, c_out, kernel, stride=stride, dilation=dilation, groups=groups)
@@ -46,7 +42,9 @@ class CausalConv(nn.Module):
         """The convolution of an input already padded (no padding added); bias False: without its bias."""
         c = self.conv
         b = c.bias if bias else None
-        if self.dilated_as_batch and x.is_cuda and c.dilation[0] > 1 and c.groups == 1 and self.stride == 1:
+        # On CUDA a dilated convolution runs undilated over its input's interleaved subsequences (the same
+        # sums; cuDNN's plans for some dilated shapes are 10x slower: ops/dilated_conv.py)
+        if x.is_cuda and c.dilation[0] > 1 and c.groups == 1 and self.stride == 1:
             return dilated_conv1d(x, c.weight, b, c.dilation[0])
         return F.conv1d(x, c.weight, b, c.stride, 0, c.dilation, c.groups)
 
