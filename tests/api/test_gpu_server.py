@@ -17,12 +17,14 @@ from tests.api.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.gpu
 
-# (model, profile, codec overrides, cosyvoice3.flow overrides, cosyvoice3.hift overrides, ar overrides): Fish
-# with its steps in order and with one in flight; CosyVoice3 once with the flow's solve and HiFT's calls replayed
+# (model, profile, codec overrides, cosyvoice3.flow overrides, cosyvoice3.hift overrides, other sections' overrides):
+# Fish as shipped (one AR step in flight), and with its steps in order and non-streamed audio decoded in pieces as
+# the frames come; CosyVoice3 once with the flow's solve and HiFT's calls replayed
 # from graphs (the flex-attention DiT compiled, its block masks built inside the graphs), once with the flex DiT
 # compiled and eager, the codec on a share of the SMs and first chunks decoded at the backlog calls' Euler steps.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
-         ("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {"async_steps": True}),
+         ("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {},
+          {"ar": {"async_steps": False}, "chunking": {"whole_chunk_frames": 20}}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},
           {"cuda_graphs": True}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},
@@ -42,9 +44,9 @@ def _samples(reply: httpx.Response, i: int) -> np.ndarray:
     return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
 
 
-@pytest.mark.parametrize("model,profile,codec,flow,hift,ar", CASES)
-def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, codec, flow, hift, ar, tiny_cache,
-                                                                  tmp_path):
+@pytest.mark.parametrize("model,profile,codec,flow,hift,sections", CASES)
+def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, codec, flow, hift, sections,
+                                                                  tiny_cache, tmp_path):
     assert torch.cuda.is_available()
     settings = yaml.safe_load((PROFILE_DIR / f"{profile}.yaml").read_text())
     flow_settings = settings.get("cosyvoice3", {}).get("flow", {})
@@ -56,7 +58,8 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     settings["tf32"] = False
     settings["ar"]["dtype"] = settings["codec"]["dtype"] = "float32"
     settings["codec"].update(codec)
-    settings["ar"].update(ar)
+    for section, overrides in sections.items():
+        settings.setdefault(section, {}).update(overrides)
     flow_settings.update(flow)
     flow_settings["autocast"] = "none"
     if model == "tiny:cosyvoice3":

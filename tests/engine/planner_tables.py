@@ -11,8 +11,9 @@ class PlannerTables:
         self.planner = planner
         self.frontiers = {}
 
-    def add(self, rid: str, initial_chunk_frames: int | None = None, prompt_frames: int = 0, whole: bool = False):
-        self.frontiers.setdefault(rid, self.planner.frontier(initial_chunk_frames, prompt_frames, whole))
+    def add(self, rid: str, initial_chunk_frames: int | None = None, prompt_frames: int = 0, whole: bool = False,
+            one_chunk: bool = False):
+        self.frontiers.setdefault(rid, self.planner.frontier(initial_chunk_frames, prompt_frames, whole, one_chunk))
 
     def remove(self, rid: str) -> None:
         self.frontiers.pop(rid, None)

@@ -176,6 +176,30 @@ def test_one_chunk_follows_the_requests_own_first_chunk_and_whole_requests(initi
     assert len(chunks) == 1 and w.one_chunk(initial, n, whole=True)
 
 
+@pytest.mark.parametrize("pieces", [1, 3, STEADY, 7])
+def test_a_whole_request_in_pieces_gets_them_at_its_own_size_under_any_load(pieces):
+    """whole_chunk_frames: a non-streamed request's chunks are each exactly that long, whatever the
+    backlog mode the streams beside it switch (its audio must not depend on them), then its tail; a
+    prompt that needs one chunk still gets one."""
+    p = planner(capacity=2, initial_chunk_frames=1, whole_chunk_frames=pieces)
+    p.add("w", whole=True)
+    p.add("s")  # a stream: its backlog size switches with the load
+    p.add("one", whole=True, one_chunk=True)
+    n = 5 * BACKLOG + 1
+    got = {"w": [], "s": [], "one": []}
+    modes = set()
+    for k in range(n + 1):
+        for c in p.plan({"w": k, "s": k, "one": k}, ["w", "one"] if k == n else []):
+            got[c.request_id].append(c)
+        modes.add(p.backlog_active)
+    assert modes == {True, False}  # the load went both ways
+    w = got["w"]
+    assert [(c.start, c.end) for c in w[:-1]] == [(i, i + pieces) for i in range(0, n - pieces + 1, pieces)]
+    assert w[-1].finished and w[-1].end == n and w[-1].start == (n // pieces) * pieces
+    assert not any(c.finished for c in w[:-1])
+    assert [(c.start, c.end, c.finished) for c in got["one"]] == [(0, n, True)]
+
+
 def test_frame_count_may_stay_but_not_go_back():
     p = planner(backlog_chunk_frames=0)
     p.add("r")
@@ -188,7 +212,8 @@ def test_frame_count_may_stay_but_not_go_back():
 @pytest.mark.parametrize("field, low_ok, bad", [("steady_chunk_frames", 1, 0), ("growth_factor", 1, 0),
                                                 ("initial_chunk_frames", 0, -1), ("left_context_frames", 0, -1),
                                                 ("backlog_chunk_frames", 0, -1), ("lookahead_frames", 0, -1),
-                                                ("max_chunk_frames", 0, -1), ("align_first_chunk", 0, -1)])
+                                                ("max_chunk_frames", 0, -1), ("align_first_chunk", 0, -1),
+                                                ("whole_chunk_frames", 0, -1)])
 def test_policy_bounds_are_inclusive(field, low_ok, bad):
     ChunkPolicy(**{field: low_ok})
     with pytest.raises(ValueError, match=f"must be >= {low_ok}"):

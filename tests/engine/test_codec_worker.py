@@ -258,18 +258,24 @@ def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
 
-def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir):
+@pytest.mark.parametrize("pieces", [0, 30])
+def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir, pieces):
     """codec.carry_state: chunks of 4, 25 and 50 frames (first, steady, backlog), several requests per
-    codec call, join into the one-pass decode of the request's codes (float64: equal to rounding)."""
+    codec call, join into the one-pass decode of the request's codes (float64: equal to rounding); so do
+    the non-streamed requests' pieces under chunking.whole_chunk_frames."""
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
-        "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True})
-    requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i > 0,
+        "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True,
+        "chunking.whole_chunk_frames": pieces})
+    requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
                 for i in range(5)]
     chunks, codes = run_keeping_codes(EngineCore(model, profile), requests)
     sizes = {c.end_frame - c.start_frame for cs in chunks.values() for c in cs if c.end_frame > c.start_frame}
     assert {4, 25, 50} <= sizes, sizes
+    for rid in ("r0", "r3"):  # the non-streamed ones
+        spans = [c.end_frame - c.start_frame for c in chunks[rid]]
+        assert spans[:-1] == [pieces] * (len(spans) - 1) and (len(spans) > 1) is (pieces > 0), spans
     for rid, cs in chunks.items():
         joined = np.concatenate([c.audio for c in cs])
         one_pass = model.codec.decode(codes[rid][None])[0].numpy()

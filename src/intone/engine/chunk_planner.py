@@ -32,12 +32,13 @@ class ChunkPolicy:
     growth_factor: int = 1  # each chunk's hop is the previous one's times this ...
     max_chunk_frames: int = 0  # ... up to this (0: no cap)
     align_first_chunk: int = 0  # pad the first hop so codec prompt + hop is a multiple of this
+    whole_chunk_frames: int = 0  # a non-streamed request's hop (0: its terminal chunk alone)
 
     def __post_init__(self):
         if self.steady_chunk_frames < 1 or self.growth_factor < 1:
             raise ValueError("steady_chunk_frames and growth_factor must be >= 1")
         sizes = (self.initial_chunk_frames, self.left_context_frames, self.backlog_chunk_frames,
-                 self.lookahead_frames, self.max_chunk_frames, self.align_first_chunk)
+                 self.lookahead_frames, self.max_chunk_frames, self.align_first_chunk, self.whole_chunk_frames)
         if min(sizes) < 0:
             raise ValueError("chunk sizes, context and lookahead must be >= 0")
 
@@ -61,6 +62,7 @@ class Frontier:
 
     initial: int  # this request's first-chunk size (0: none)
     whole: bool = False  # no chunk before the terminal one (a non-streamed request)
+    hop: int = 0  # every non-final chunk this long, whatever the load (a non-streamed request in pieces; 0: the policy's)
     emitted: int = 0
     chunks: int = 0  # non-final chunks released so far (for hop growth)
     terminated: bool = False
@@ -75,11 +77,15 @@ class ChunkPlanner:
         self.backlog_active = False  # the mode chosen at the last plan(), for tracing
 
     def frontier(self, initial_chunk_frames: int | None = None, prompt_frames: int = 0,
-                 whole: bool = False) -> Frontier:
+                 whole: bool = False, one_chunk: bool = False) -> Frontier:
         """A new request's frontier. initial_chunk_frames overrides the policy's for this request (capped
         at the steady size); prompt_frames: the codec prompt's length, for `align_first_chunk`; whole:
-        the request's audio is its terminal chunk alone."""
+        a non-streamed request, its audio in `whole_chunk_frames` pieces, or its terminal chunk alone
+        (that also when one_chunk: a prompt whose audio must be decoded in one piece)."""
         p = self.policy
+        if whole:
+            pieces = p.whole_chunk_frames if not one_chunk else 0
+            return Frontier(0, whole=not pieces, hop=pieces)
         initial = p.initial_chunk_frames if initial_chunk_frames is None else initial_chunk_frames
         initial = max(0, min(initial, p.steady_chunk_frames))
         if p.align_first_chunk:
@@ -101,6 +107,8 @@ class ChunkPlanner:
         return p.backlog_chunk_frames if self.backlog_active else p.steady_chunk_frames
 
     def _hop(self, front: Frontier, steady: int) -> int:
+        if front.hop:
+            return front.hop
         if front.chunks == 0 and front.initial > 0:
             return front.initial
         p = self.policy

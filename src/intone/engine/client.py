@@ -96,7 +96,10 @@ class Engine:
             process.kill()
             raise
         if kind != "ready":
-            process.wait(5)
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:  # the reason is in the payload; a slow teardown must not hide it
+                process.kill()
             raise EngineDead(f"engine core failed to start:\n{payload}")
         return cls(process, ctx, push, pull, payload, tmpdir)
 

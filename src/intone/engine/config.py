@@ -127,6 +127,9 @@ class ChunkingConfig(_Strict):
     growth_factor: int = Field(1, ge=1, description="each chunk's hop is the previous one's times this")
     max_chunk_frames: int = Field(0, ge=0, description="cap for grown hops (0: none)")
     align_first_chunk: int = Field(0, ge=0, description="pad the first hop so prompt + hop is a multiple")
+    whole_chunk_frames: int = Field(0, ge=0, description="a non-streamed request's audio decoded as its frames come, "
+                                    "this many at a time against its carried codec state (needs codec.carry_state; "
+                                    "0: one pass after its last frame)")
 
     def policy(self, capacity: int) -> ChunkPolicy:
         min_ready = self.backlog_min_ready or max(2, min(capacity, int(0.75 * capacity)))
@@ -136,6 +139,7 @@ class ChunkingConfig(_Strict):
             backlog_min_ready=min_ready, left_context_frames=self.left_context_frames,
             lookahead_frames=self.lookahead_frames, growth_factor=self.growth_factor,
             max_chunk_frames=self.max_chunk_frames, align_first_chunk=self.align_first_chunk,
+            whole_chunk_frames=self.whole_chunk_frames,
         )
 
 
@@ -173,6 +177,9 @@ class Profile(_Strict):
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
+        if c.whole_chunk_frames and not self.codec.carry_state:
+            raise ValueError("chunking.whole_chunk_frames needs codec.carry_state (each piece continues its request's "
+                             "codec state)")
         return self
 
     def options_for(self, family: str):

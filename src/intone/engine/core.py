@@ -218,7 +218,7 @@ class EngineCore:
         req.times.ready = time.perf_counter()
         self.requests[rid] = req
         req.frontier = self.planner.frontier(request.initial_chunk_frames, prompt.codec_prompt_frames,
-                                             whole=not request.stream)
+                                             whole=not request.stream, one_chunk=bool(prompt.one_chunk_for))
 
     def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
         chunk = self._terminal(rid, 0, "error", error=message)
