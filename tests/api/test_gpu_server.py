@@ -18,12 +18,12 @@ from tests.api.conftest import start_server, stop_server
 pytestmark = pytest.mark.gpu
 
 # (model, profile, codec overrides, cosyvoice3.flow overrides, cosyvoice3.hift overrides, other sections' overrides):
-# Fish as shipped (one AR step in flight), and with its steps in order and non-streamed audio decoded in pieces as
-# the frames come; CosyVoice3 once with the flow's solve and HiFT's calls replayed
+# Fish as shipped (one AR step in flight), and with its steps in order, non-streamed audio decoded in pieces as
+# the frames come and the carried decode replayed from graphs; CosyVoice3 once with the flow's solve and HiFT's calls replayed
 # from graphs (the flex-attention DiT compiled, its block masks built inside the graphs), once with the flex DiT
 # compiled and eager, the codec on a share of the SMs and first chunks decoded at the backlog calls' Euler steps.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
-         ("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {},
+         ("tiny:fish-s2", "fish-s2-high-concurrency", {"stream_graph_frames": 64}, {}, {},
           {"ar": {"async_steps": False}, "chunking": {"whole_chunk_frames": 20}}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},
           {"cuda_graphs": True}, {}),
@@ -65,7 +65,8 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     if model == "tiny:cosyvoice3":
         settings.setdefault("cosyvoice3", {})["flow"] = flow_settings
         settings["cosyvoice3"]["hift"] = hift
-    codec_graphs = flow_settings.get("cuda_graphs", False) or hift.get("cuda_graphs", False)
+    codec_graphs = flow_settings.get("cuda_graphs", False) or hift.get("cuda_graphs", False) or \
+        codec.get("stream_graph_frames", 0) > 0
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(settings))
     server = start_server(tmp_path, tiny_cache, "--model", model, "--profile", str(path), "--device", "cuda",

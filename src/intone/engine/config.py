@@ -68,6 +68,9 @@ class CodecStageConfig(_Strict):
     carry_state: bool = Field(False, description="decode each chunk against the state its request's earlier chunks "
                                                  "left (models with a stream decoder: Fish), so streamed audio equals "
                                                  "the one-pass decode and no left context is re-decoded")
+    stream_graph_frames: int = Field(0, ge=0, le=512, description="with carry_state on a GPU: the carried decode "
+                                     "replayed from CUDA graphs captured at start-up, for chunks up to this many "
+                                     "frames (longer ones run eagerly; 0: all eager)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")
@@ -177,6 +180,8 @@ class Profile(_Strict):
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
+        if self.codec.stream_graph_frames and not self.codec.carry_state:
+            raise ValueError("codec.stream_graph_frames needs codec.carry_state (it graphs the carried decode)")
         if c.whole_chunk_frames and not self.codec.carry_state:
             raise ValueError("chunking.whole_chunk_frames needs codec.carry_state (each piece continues its request's "
                              "codec state)")

@@ -184,7 +184,8 @@ class TTSModel(abc.ABC):
         """The model's vocoder (`models.vocoder`). config: the profile's `codec` section; options: the
         family's own section (`Profile.options_for`). Default: windows through `decode`, or (with
         `codec.carry_state`) streamed chunks through `stream_decoder`."""
-        return WindowVocoder(self, config.max_batch, config.max_padded_frames, config.carry_state)
+        return WindowVocoder(self, config.max_batch, config.max_padded_frames, config.carry_state,
+                             config.stream_graph_frames or None)
 
     # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
 

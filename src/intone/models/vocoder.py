@@ -91,14 +91,19 @@ class WindowVocoder(Vocoder):
 
     carry_state: a streamed chunk's new frames are decoded against its request's state (the model's
     `stream_decoder`, which it must have) instead of a window that re-decodes its left context.
+    graph_frames: with carry_state, those calls are replayed from CUDA graphs (`capture_graphs`) up
+    to this many frames a chunk.
     """
 
-    def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False):
+    def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False,
+                 graph_frames: int | None = None):
         self.model = model
         self.device = model.device
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         self.stream = model.stream_decoder() if carry_state else None
+        self.graph_frames = graph_frames if self.stream is not None else None
+        self.graphs = None
         self.calls = 0
         self.padded_tokens = self.useful_tokens = 0  # the calls' frames, padding included, and their real part
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
@@ -117,6 +122,15 @@ class WindowVocoder(Vocoder):
                 shapes += 1
                 rows *= 2
         return shapes
+
+    def capture_graphs(self, graphs) -> None:
+        """The carried decode at every (rows, frames) bucket a call reaches, up to `graph_frames`; largest
+        first (the graphs share one memory pool, sized once)."""
+        frames = [b for b in FRAME_BUCKETS if b <= bucket_frames(self.graph_frames)]
+        rows = [1 << i for i in range(bucket_rows(self.max_batch).bit_length())]
+        for r, t in sorted(((r, t) for r in rows for t in frames), key=lambda s: s[0] * s[1], reverse=True):
+            self.stream.capture(graphs, r, t, self.device)
+        self.graphs = graphs
 
     def decode(self, windows: list[CodecWindow], states: dict, pause=None) -> tuple[list, dict]:
         states = dict(states)

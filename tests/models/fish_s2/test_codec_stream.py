@@ -87,6 +87,39 @@ def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pa
     assert stream.shape == one_pass.shape and error <= 2 * floor
 
 
+@pytest.mark.gpu
+def test_a_graph_replays_the_carried_decode_bit_for_bit(tiny_cache):
+    """codec.stream_graph_frames: the carried decode replayed from CUDA graphs gives the eager decode's
+    audio and states bit for bit, at the padded shapes the vocoder makes (rows of different lengths and
+    histories, a blank padding row), chunk after chunk; a shape without a graph runs eagerly."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+
+    codec = load_model("tiny:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16).codec
+    eager, graphed = StreamingDecoder(codec), StreamingDecoder(codec)
+    graphs = FunctionGraphs()
+    for rows, frames in ((4, 32), (4, 16), (2, 8)):
+        graphed.capture(graphs, rows, frames, torch.device("cuda"))
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 1024, (3, 10, 160), generator=g).cuda()
+    states = {"eager": [None] * 3, "graph": [None] * 3}
+    done = [0, 0, 0]
+    for sizes, frames, rows in (([25, 4, 13], 32, 4), ([10, 16, 3], 16, 4), ([5, 2], 8, 2), ([40, 7], 50, 2)):
+        live = list(range(len(sizes)))
+        batch = pad_codes([codes[r, :, done[r]: done[r] + n] for r, n in zip(live, sizes)], frames, rows)
+        pad = rows - len(live)
+        outs = {}
+        for name, decoder in (("eager", eager), ("graph", graphed)):
+            audio, new = decoder.decode(batch, sizes + [0] * pad, [states[name][r] for r in live] + [None] * pad)
+            outs[name] = audio
+            for r in live:
+                states[name][r] = new[r]
+        assert torch.equal(outs["eager"], outs["graph"]), (sizes, (outs["eager"] - outs["graph"]).abs().max())
+        for a, b in zip(states["eager"][: len(live)], states["graph"][: len(live)]):
+            assert a.frames == b.frames and all(torch.equal(x, y) for x, y in zip(a.rows, b.rows))
+        done = [d + (sizes[r] if r < len(sizes) else 0) for r, d in enumerate(done)]
+    assert graphs.replays == 3 and graphs.eager == 1  # the 2 x 50 call had no graph
+
+
 CODEC_YAML = """\
 _target_: fish_speech.models.dac.modded_dac.DAC
 sample_rate: 44100

@@ -33,53 +33,130 @@ NO_POSITION = -(2**40)  # the position of a history slot not yet filled: outside
 
 @dataclass
 class DecoderState:
-    """One request's histories, by layer (tensors [1, C, h] or the transformer's [1, W-1, H, d])."""
+    """One request's histories: one flat row per dtype of its decoder's `StateLayout` (views of the
+    call that left them)."""
 
     frames: int  # frames decoded so far (the next chunk's first absolute frame)
-    layers: dict
+    rows: tuple[Tensor, ...]
+
+
+class StateLayout:
+    """Where each layer's history sits in a state row: a request's histories are a few flat tensors
+    (one per dtype), so a call gathers a batch's states in one stack per dtype and the decode is a
+    function of fixed-shape tensors (a CUDA graph replays it). Found by tracing one decode."""
+
+    def __init__(self, blanks: dict[str, Tensor]):
+        """blanks: each layer's history of a request with none yet ([1, ...]), in the decode's order."""
+        self.dtypes = list(dict.fromkeys(t.dtype for t in blanks.values()))
+        self.entries: dict[str, tuple[int, int, torch.Size]] = {}
+        sizes = [0] * len(self.dtypes)
+        for key, blank in blanks.items():
+            group = self.dtypes.index(blank.dtype)
+            self.entries[key] = (group, sizes[group], blank.shape[1:])
+            sizes[group] += blank[0].numel()
+        self.blanks = [torch.cat([b.reshape(-1) for b in blanks.values() if b.dtype == d]) for d in self.dtypes]
 
 
 class StreamingDecoder:
+    """graphs: CUDA graphs of the decode (`capture`); calls at other shapes run eagerly."""
+
     def __init__(self, codec: FishCodec):
         self.codec = codec
+        self.graphs = None
+        self._layout: StateLayout | None = None
+
+    def layout(self, device: torch.device) -> StateLayout:
+        if self._layout is None:
+            tracer = _Tracer()
+            codes = torch.zeros(1, self.codec.cfg.num_codebooks, 1, dtype=torch.long, device=device)
+            one = torch.ones(1, dtype=torch.long, device=device)
+            with torch.inference_mode():
+                self._forward(codes, one, one - 1, tracer)
+            self._layout = StateLayout(tracer.blanks)
+        return self._layout
 
     @torch.inference_mode()
     def decode(self, codes: Tensor, lengths: list[int], states: list[DecoderState | None]) -> tuple[Tensor, list]:
         """codes [B, K, T] (row i valid up to lengths[i], right-padded), each row's state (None: a
         request's first chunk) -> (audio [B, T * hop], padded like the codes; the rows' new states)."""
-        q = self.codec.quantizer
         device = codes.device
+        layout = self.layout(device)
         n = torch.tensor(lengths, device=device)
         start = torch.tensor([s.frames if s else 0 for s in states], device=device)
-        old = [s.layers if s else {} for s in states]
-        new: list[dict] = [{} for _ in states]
-        ctx = _Context(old, new, n)
-        codes = codes.long()
+        flats = [torch.stack([s.rows[g] if s else blank.to(device) for s in states])
+                 for g, blank in enumerate(layout.blanks)]
+        inputs = (codes.long(), n, start, *flats)
+        if self.graphs is not None:
+            audio, *new = self.graphs.run("fish.stream_decode", self._flat, *inputs)
+        else:
+            audio, *new = self._flat(*inputs)
+        rows = list(zip(*(f.unbind(0) for f in new)))
+        frames = [(s.frames if s else 0) + length for s, length in zip(states, lengths)]
+        return audio, [DecoderState(f, r) for f, r in zip(frames, rows)]
+
+    def capture(self, graphs, rows: int, frames: int, device: torch.device) -> None:
+        """A graph of the decode of `rows` chunks of `frames` (start-up only)."""
+        layout = self.layout(device)
+        codes = torch.zeros(rows, self.codec.cfg.num_codebooks, frames, dtype=torch.long, device=device)
+        n = torch.full((rows,), frames, dtype=torch.long, device=device)
+        flats = [blank.to(device).expand(rows, -1).contiguous() for blank in layout.blanks]
+        with torch.inference_mode():
+            graphs.capture("fish.stream_decode", self._flat, codes, n, torch.zeros_like(n), *flats)
+        self.graphs = graphs
+
+    def _flat(self, codes: Tensor, n: Tensor, start: Tensor, *flats: Tensor) -> tuple[Tensor, ...]:
+        """The decode as a function of tensors: (audio, the new state rows per dtype)."""
+        ctx = _Context(self._layout, flats, n)
+        audio = self._forward(codes, n, start, ctx)
+        return (audio, *ctx.outputs())
+
+    def _forward(self, codes: Tensor, n: Tensor, start: Tensor, ctx) -> Tensor:
+        q = self.codec.quantizer
+        ctx.lengths = n
         semantic = codes[:, :1].clamp(max=q.semantic_quantizer.codebook_size - 1)
         residual = codes[:, 1:].clamp(max=q.quantizer.codebook_size - 1)
         z = q.semantic_quantizer.lookup(semantic) + q.quantizer.lookup(residual)
         z = _transformer(q.post_module, z, start, ctx, "post")
         z = _run(q.upsample, z, ctx, "up")
         z = z.to(self.codec.dtype)
-        audio = _run(self.codec.decoder.model, z, ctx, "dec").squeeze(1)
-        frames = [(s.frames if s else 0) + length for s, length in zip(states, lengths)]
-        return audio, [DecoderState(f, layers) for f, layers in zip(frames, new)]
+        return _run(self.codec.decoder.model, z, ctx, "dec").squeeze(1)
 
 
 class _Context:
-    """The batch's old histories (per row), where the new ones go, and each row's valid length at
-    the current rate (it grows through the upsampling layers)."""
+    """The batch's old histories (views of the stacked state rows), the new ones as each layer
+    leaves them, and each row's valid length at the current rate (it grows through the upsampling)."""
 
-    def __init__(self, old: list[dict], new: list[dict], lengths: Tensor):
-        self.old, self.new, self.lengths = old, new, lengths
+    def __init__(self, layout: StateLayout, flats: tuple[Tensor, ...], lengths: Tensor):
+        self.layout, self.flats, self.lengths = layout, flats, lengths
+        self.kept: dict[str, Tensor] = {}
 
     def history(self, key: str, empty: Tensor) -> Tensor:
-        """The rows' histories for this layer, stacked (empty[0] for a row that has none yet)."""
-        return torch.cat([o.get(key, empty) for o in self.old])
+        """The rows' histories for this layer ([B, *empty.shape[1:]])."""
+        group, offset, shape = self.layout.entries[key]
+        return self.flats[group][:, offset: offset + empty[0].numel()].unflatten(1, shape)
 
     def keep(self, key: str, rows: Tensor) -> None:
-        for i, row in enumerate(rows.split(1)):
-            self.new[i][key] = row
+        self.kept[key] = rows.reshape(rows.shape[0], -1)
+
+    def outputs(self) -> list[Tensor]:
+        keys = list(self.layout.entries)
+        return [torch.cat([self.kept[k] for k in keys if self.layout.entries[k][0] == g], dim=1)
+                for g in range(len(self.layout.dtypes))]
+
+
+class _Tracer:
+    """A context for finding the layout: every history is blank; the order of first use is kept."""
+
+    def __init__(self):
+        self.blanks: dict[str, Tensor] = {}
+        self.lengths = None
+
+    def history(self, key: str, empty: Tensor) -> Tensor:
+        self.blanks[key] = empty
+        return empty
+
+    def keep(self, key: str, rows: Tensor) -> None:
+        pass
 
 
 def _tail(x: Tensor, ends: Tensor, h: int) -> Tensor:
