@@ -88,6 +88,8 @@ def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pa
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="H200, session 22: the first replay already differs from the eager decode by "
+                   "up to 5e-3 (fp16 audio); cause not found yet, so codec.stream_graph_frames stays off")
 def test_a_graph_replays_the_carried_decode_bit_for_bit(tiny_cache):
     """codec.stream_graph_frames: the carried decode replayed from CUDA graphs gives the eager decode's
     audio and states bit for bit, at the padded shapes the vocoder makes (rows of different lengths and
