@@ -19,12 +19,12 @@ pytestmark = pytest.mark.gpu
 
 # (model, profile, codec overrides, cosyvoice3.flow overrides, cosyvoice3.hift overrides, other sections' overrides):
 # Fish as shipped (one AR step in flight), and with its steps in order, non-streamed audio decoded in pieces as
-# the frames come and the carried decode replayed from graphs; CosyVoice3 once with the flow's solve and HiFT's calls replayed
+# the frames come, streams paced by their listeners and the carried decode replayed from graphs; CosyVoice3 once with the flow's solve and HiFT's calls replayed
 # from graphs (the flex-attention DiT compiled, its block masks built inside the graphs), once with the flex DiT
 # compiled and eager, the codec on a share of the SMs and first chunks decoded at the backlog calls' Euler steps.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:fish-s2", "fish-s2-high-concurrency", {"stream_graph_frames": 64}, {}, {},
-          {"ar": {"async_steps": False}, "chunking": {"whole_chunk_frames": 20}}),
+          {"ar": {"async_steps": False}, "chunking": {"whole_chunk_frames": 20, "listener_margin_s": 0.5}}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},
           {"cuda_graphs": True}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},

@@ -18,9 +18,9 @@ class PlannerTables:
     def remove(self, rid: str) -> None:
         self.frontiers.pop(rid, None)
 
-    def plan(self, frames: dict[str, int], finished=()):
+    def plan(self, frames: dict[str, int], finished=(), now: float = 0.0):
         return self.planner.plan({rid: (f, frames[rid]) for rid, f in self.frontiers.items() if rid in frames},
-                                 finished)
+                                 finished, now)
 
     def steady_size(self, pending: dict[str, int]) -> int:
         return self.planner.steady_size(pending)

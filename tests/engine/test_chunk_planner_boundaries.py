@@ -4,6 +4,8 @@ Each test fails if its comparison is turned from `>=` into `>` (or `<` into `<=`
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from intone.engine.chunk_planner import ChunkPlanner, ChunkPolicy
 from intone.engine.request import EngineRequest
@@ -298,3 +300,43 @@ def test_fits_ever_counts_free_and_running_blocks_inclusively(tokens, fits):
     s.schedule()
     s.blocks.grow(s.running[0].block_table, 8)  # 2 blocks held by a running request still count
     assert s.fits_ever(request("big", prompt=4, max_new=tokens - 4)) is fits
+
+
+# ---- listener_margin_s: chunks paced by the listener ---------------------------------------------------
+
+FRAME_S = 2048 / 44100
+
+
+def paced_stream(n, dt, latency, margin, initial):
+    """One stream producing a frame every dt s, each chunk reaching its listener `latency` s after its
+    release: (its chunks' (start, end), the simulated player's stall)."""
+    from intone.bench.metrics import underrun
+
+    p = PlannerTables(ChunkPlanner(ChunkPolicy(initial_chunk_frames=initial, steady_chunk_frames=25,
+                                               listener_margin_s=margin, frame_seconds=FRAME_S), 4))
+    p.add("r")
+    chunks, arrivals = [], []
+    for k in range(n + 1):
+        for c in p.plan({"r": k}, ["r"] if k == n else [], now=k * dt):
+            chunks.append((c.start, c.end))
+            if c.end > c.start:
+                arrivals.append((k * dt + latency, (c.end - c.start) * FRAME_S))
+    return chunks, underrun(arrivals)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 200), dt=st.floats(0.005, 0.045), latency=st.floats(0, 1.5),
+       extra=st.floats(0, 1), initial=st.sampled_from([0, 1, 4]))
+def test_a_stream_paced_by_its_listener_never_stalls_once_started(n, dt, latency, extra, initial):
+    """Frames faster than real time, a steady codec latency, a margin of at least a step: the player
+    never waits once playing, and the chunks hold frames 0..n-1 once each, in order."""
+    chunks, stall = paced_stream(n, dt, latency, dt + extra, initial)
+    assert [s for s, _ in chunks[1:]] == [e for _, e in chunks[:-1]] and chunks[0][0] == 0 and chunks[-1][1] == n
+    assert stall < 1e-9
+
+
+def test_without_the_margin_a_small_first_chunk_leaves_its_listener_waiting():
+    """The shipped sizes alone (4, then 25 frames) at a 20 ms step: the second chunk comes 0.5 s after
+    the first, whose 4 frames play for 0.19 s."""
+    assert paced_stream(100, 0.02, 0.2, 0.0, 4)[1] > 0.25
+    assert paced_stream(100, 0.02, 0.2, 0.02, 4)[1] == 0

@@ -135,3 +135,32 @@ def test_a_failed_call_commits_no_state_and_its_chunks_retried_alone_get_their_o
         assert abs(audio - one_pass[id(req)][chunk.start * spf : chunk.end * spf]).max() < 1e-6
     assert isinstance(out[4], RuntimeError) and "codec state is at 3" in str(out[4])
     assert (a.codec_state.frames, b.codec_state.frames, c.codec_state.frames) == (12, 12, 3)
+
+
+def test_a_requests_chunks_that_continue_one_another_decode_as_one_span(tiny_fish_dir):
+    """Carried state: three chunks of one request waiting in one call (a listener-paced stream) and
+    another request's chunk decode in one device call, not three rounds, and each chunk gets its own
+    part of the one-pass decode."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    vocoder = WindowVocoder(model, max_batch=8, max_padded_frames=4096, carry_state=True)
+    stage = CodecStage(vocoder)
+    g = torch.Generator().manual_seed(2)
+    a, b = (EngineRequest(rid, prompt=None, params=SamplingParams()) for rid in "ab")
+    for req in (a, b):
+        req.codes = torch.randint(0, 8, (model.num_codebooks, 14), generator=g)
+    items = [(a, Chunk("a", 0, 4, 0, False)), (b, Chunk("b", 0, 9, 0, False)), (a, Chunk("a", 4, 5, 0, False)),
+             (a, Chunk("a", 5, 5, 0, False)), (a, Chunk("a", 5, 11, 0, True))]
+    out = stage.run(items)
+    assert vocoder.calls == 1
+    spf = model.samples_per_frame
+    one_pass = {id(r): model.decode(r.codes[None], 0)[0].numpy() for r in (a, b)}
+    for (req, chunk), audio in zip(items, out):
+        assert audio.shape == ((chunk.end - chunk.start) * spf,)
+        assert abs(audio - one_pass[id(req)][chunk.start * spf: chunk.end * spf]).max(initial=0) < 1e-6
+    assert (a.codec_state.frames, b.codec_state.frames) == (11, 9)

@@ -283,6 +283,25 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
         assert np.abs(joined - one_pass).max() < 1e-6  # float32 samples on the wire
 
 
+def test_streams_paced_by_their_listeners_are_still_their_one_pass_decode(tiny_fish_dir):
+    """chunking.listener_margin_s: with a margin no listener can meet, every step after a stream's
+    first chunk releases what it made (one frame), so chunks of one frame wait beside each other for
+    the codec; joined, each stream is still its one-pass decode."""
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
+        "ar.max_num_seqs": 4, "codec.max_batch": 4, "codec.carry_state": True, "chunking.listener_margin_s": 10})
+    requests = [SynthesisRequest(f"r{i}", "Paced.", stream=True,
+                                 params=SamplingParams(seed=i, max_new_tokens=30, min_new_tokens=20 + 4 * i))
+                for i in range(3)]
+    chunks, codes = run_keeping_codes(EngineCore(model, profile), requests)
+    for rid, cs in chunks.items():
+        spans = [c.end_frame - c.start_frame for c in cs]
+        assert spans[0] == 4 and set(spans[1:-1]) == {1}, spans
+        joined = np.concatenate([c.audio for c in cs])
+        one_pass = model.codec.decode(codes[rid][None])[0].numpy()
+        assert joined.shape == one_pass.shape and np.abs(joined - one_pass).max() < 1e-6
+
+
 def test_the_profile_sets_the_codec_workers_call_size(tiny_fish):
     for schedule, max_call, expected in (("first", 16, 16), ("first", None, None), ("deadline", None, 64)):
         profile = load_profile("fish-s2-default", device="cpu",

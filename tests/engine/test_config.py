@@ -26,6 +26,7 @@ def test_high_concurrency_reference_values():
     ("codec: {dtype: int8}", "codec.dtype"),
     ("codec: {device: 'cuda:1'}", "codec.device needs codec.process"),
     ("chunking: {whole_chunk_frames: 50}", "chunking.whole_chunk_frames needs codec.carry_state"),
+    ("chunking: {listener_margin_s: 0.5}", "chunking.listener_margin_s needs codec.carry_state"),
     ("chunking: {backlog_load_threshold: 1.5}", "chunking.backlog_load_threshold"),
     ("nonsense: 1", "nonsense"),
     ("- a list", "mapping"),

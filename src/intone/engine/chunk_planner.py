@@ -33,6 +33,8 @@ class ChunkPolicy:
     max_chunk_frames: int = 0  # ... up to this (0: no cap)
     align_first_chunk: int = 0  # pad the first hop so codec prompt + hop is a multiple of this
     whole_chunk_frames: int = 0  # a non-streamed request's hop (0: its terminal chunk alone)
+    listener_margin_s: float = 0.0  # a stream's pending frames are also due once its listener is this close to silence
+    frame_seconds: float = 0.0  # audio per frame (the model's; needed with listener_margin_s)
 
     def __post_init__(self):
         if self.steady_chunk_frames < 1 or self.growth_factor < 1:
@@ -41,6 +43,8 @@ class ChunkPolicy:
                  self.lookahead_frames, self.max_chunk_frames, self.align_first_chunk, self.whole_chunk_frames)
         if min(sizes) < 0:
             raise ValueError("chunk sizes, context and lookahead must be >= 0")
+        if self.listener_margin_s < 0 or (self.listener_margin_s > 0 and self.frame_seconds <= 0):
+            raise ValueError("listener_margin_s must be >= 0, and needs frame_seconds > 0")
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Frontier:
     emitted: int = 0
     chunks: int = 0  # non-final chunks released so far (for hop growth)
     terminated: bool = False
+    first_released: float | None = None  # when its first chunk was released (the earliest its listener can start)
 
 
 class ChunkPlanner:
@@ -115,9 +120,16 @@ class ChunkPlanner:
         hop = steady * p.growth_factor ** front.chunks
         return min(hop, p.max_chunk_frames) if p.max_chunk_frames else hop
 
-    def plan(self, streams: Mapping[str, tuple[Frontier, int]], finished: Sequence[str] = ()) -> list[Chunk]:
+    def plan(self, streams: Mapping[str, tuple[Frontier, int]], finished: Sequence[str] = (),
+             now: float = 0.0) -> list[Chunk]:
         """streams: each live request's frontier and the frames it has generated so far; finished:
-        requests that stopped.
+        requests that stopped; now: the clock `listener_margin_s` reads (seconds).
+
+        With `listener_margin_s`, a stream's pending frames (at least one) are also due, short of its hop,
+        once its listener, counted as playing from its first chunk's release, would run out of audio
+        within the margin: a chunk released then reaches the listener in time whenever the codec and the
+        transport take less than the margin minus one step. Its chunks' boundaries then depend on timing,
+        which only a codec that carries its state can allow (the audio does not depend on them).
 
         Returns the chunks due now: per request at most one regular chunk and, for a finished
         request, then one terminal chunk with the whole pending tail (possibly empty), once;
@@ -134,16 +146,26 @@ class ChunkPlanner:
                 continue
             if n < front.emitted:
                 raise ValueError(f"{rid}: frame count went backwards ({n} < {front.emitted})")
-            target = self._hop(front, steady)
-            if not front.whole and n - front.emitted >= target + self.policy.lookahead_frames:
-                chunks.append(self._release(rid, front, front.emitted + target, False))
+            target, lookahead = self._hop(front, steady), self.policy.lookahead_frames
+            if not front.whole and n - front.emitted >= target + lookahead:
+                chunks.append(self._release(rid, front, front.emitted + target, False, now))
+            elif not front.whole and n - lookahead > front.emitted and self._listener_short(front, now):
+                chunks.append(self._release(rid, front, n - lookahead, False, now))
             if rid in done:
-                chunks.append(self._release(rid, front, n, True))
+                chunks.append(self._release(rid, front, n, True, now))
         return chunks
 
-    def _release(self, rid: str, front: Frontier, end: int, final: bool) -> Chunk:
+    def _listener_short(self, front: Frontier, now: float) -> bool:
+        p = self.policy
+        if not p.listener_margin_s or front.hop or front.first_released is None:
+            return False  # off, a non-streamed request, or no first chunk yet (its own size decides it)
+        return now + p.listener_margin_s >= front.first_released + front.emitted * p.frame_seconds
+
+    def _release(self, rid: str, front: Frontier, end: int, final: bool, now: float) -> Chunk:
         # The first chunk never takes context: there is nothing before it.
         chunk = Chunk(rid, front.emitted, end, min(front.emitted, self.policy.left_context_frames), final)
+        if front.first_released is None:
+            front.first_released = now
         front.emitted, front.terminated = end, final
         front.chunks += not final
         return chunk

@@ -133,8 +133,13 @@ class ChunkingConfig(_Strict):
     whole_chunk_frames: int = Field(0, ge=0, description="a non-streamed request's audio decoded as its frames come, "
                                     "this many at a time against its carried codec state (needs codec.carry_state; "
                                     "0: one pass after its last frame)")
+    listener_margin_s: float = Field(0.0, ge=0, le=10, description="a stream's pending frames are also due, however "
+                                     "few, once its listener (counted from its first chunk's release) would run out "
+                                     "of audio within this many seconds; should exceed the codec's latency plus a "
+                                     "step (needs codec.carry_state: chunk boundaries then follow timing; 0: off)")
 
-    def policy(self, capacity: int) -> ChunkPolicy:
+    def policy(self, capacity: int, frame_seconds: float = 0.0) -> ChunkPolicy:
+        """frame_seconds: the model's audio per frame (what listener_margin_s counts in)."""
         min_ready = self.backlog_min_ready or max(2, min(capacity, int(0.75 * capacity)))
         return ChunkPolicy(
             initial_chunk_frames=self.initial_chunk_frames, steady_chunk_frames=self.steady_chunk_frames,
@@ -142,7 +147,8 @@ class ChunkingConfig(_Strict):
             backlog_min_ready=min_ready, left_context_frames=self.left_context_frames,
             lookahead_frames=self.lookahead_frames, growth_factor=self.growth_factor,
             max_chunk_frames=self.max_chunk_frames, align_first_chunk=self.align_first_chunk,
-            whole_chunk_frames=self.whole_chunk_frames,
+            whole_chunk_frames=self.whole_chunk_frames, listener_margin_s=self.listener_margin_s,
+            frame_seconds=frame_seconds,
         )
 
 
@@ -182,6 +188,9 @@ class Profile(_Strict):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
         if self.codec.stream_graph_frames and not self.codec.carry_state:
             raise ValueError("codec.stream_graph_frames needs codec.carry_state (it graphs the carried decode)")
+        if c.listener_margin_s and not self.codec.carry_state:
+            raise ValueError("chunking.listener_margin_s needs codec.carry_state (chunk boundaries then follow "
+                             "timing, which only a carried decode leaves the audio independent of)")
         if c.whole_chunk_frames and not self.codec.carry_state:
             raise ValueError("chunking.whole_chunk_frames needs codec.carry_state (each piece continues its request's "
                              "codec state)")

@@ -65,7 +65,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps)
-        policy = profile.chunking.policy(ar.max_num_seqs)
+        policy = profile.chunking.policy(ar.max_num_seqs, model.samples_per_frame / model.sample_rate)
         # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
         self.policy = dataclasses.replace(
             policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
@@ -334,7 +334,7 @@ class EngineCore:
         return out
 
     def _plan(self, live: dict, finished: list[str]) -> list[Chunk]:
-        chunks = self.planner.plan(live, finished)
+        chunks = self.planner.plan(live, finished, time.perf_counter())
         if self.planner.backlog_active:
             self.stats.backlog_steps += 1
         return chunks

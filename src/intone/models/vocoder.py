@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -180,22 +180,27 @@ class WindowVocoder(Vocoder):
 
     def _decode_carried(self, windows: list[CodecWindow], states: dict, pause=None) -> list[np.ndarray]:
         """Each window's new frames against its request's state, updated in `states`. A request's
-        windows in one call go in successive rounds (each needs the state the one before leaves)."""
+        windows that continue one another decode as one span (the carried decode does not depend on
+        where chunks begin), split back into their chunks; any others go in successive rounds (each
+        needs the state the one before leaves)."""
         out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(windows)
-        pending = [i for i, w in enumerate(windows) if w.end > w.start]
-        while pending:
+        spans = _contiguous_spans(windows, [i for i, w in enumerate(windows) if w.end > w.start])
+        spf = self.model.samples_per_frame
+        while spans:
             round_, later, seen = [], [], set()
-            for i in pending:
-                (later if windows[i].key in seen else round_).append(i)
-                seen.add(windows[i].key)
-            lengths = [windows[i].end - windows[i].start for i in round_]
+            for span in spans:
+                (later if span[1].key in seen else round_).append(span)
+                seen.add(span[1].key)
+            lengths = [w.end - w.start for _, w in round_]
             for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
-                idx = [round_[g] for g in group]
-                for i, samples in zip(idx, self._decode_round([windows[i] for i in idx], states)):
-                    out[i] = samples
+                for g, samples in zip(group, self._decode_round([round_[g][1] for g in group], states)):
+                    at = 0
+                    for i in round_[g][0]:
+                        n = (windows[i].end - windows[i].start) * spf
+                        out[i], at = samples[at: at + n], at + n
                 if pause is not None:
                     pause()
-            pending = later
+            spans = later
         return out
 
     def _count(self, padded: int, useful: int) -> None:
@@ -226,3 +231,19 @@ class WindowVocoder(Vocoder):
             out.append(np.ascontiguousarray(audio[row, : n * spf], dtype=np.float32))
             states[w.key] = new[row]
         return out
+
+
+def _contiguous_spans(windows: list[CodecWindow], order: list[int]) -> list[tuple[list[int], CodecWindow]]:
+    """Runs of one request's windows in which each starts where the one before ends, in order: (their
+    indices, one window over the run, reading the last one's codes)."""
+    spans: list[tuple[list[int], CodecWindow]] = []
+    last: dict[int, int] = {}  # key -> its latest span
+    for i in order:
+        w = windows[i]
+        k = last.get(w.key)
+        if k is not None and spans[k][1].end == w.start:
+            spans[k] = (spans[k][0] + [i], replace(w, start=spans[k][1].start, context=0))
+        else:
+            last[w.key] = len(spans)
+            spans.append(([i], w))
+    return spans
