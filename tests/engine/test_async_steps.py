@@ -111,3 +111,32 @@ def test_a_failed_step_in_flight_fails_its_requests_and_the_engine_goes_on(tiny_
     assert chunks["r1"][-1].stop_reason == "length" and chunks["r1"][-1].end_frame == 6
     snap = core.snapshot()
     assert snap["kv_blocks_free"] == snap["kv_blocks_total"] and snap["live_requests"] == 0
+
+
+def test_cosyvoice3_with_a_step_in_flight_gives_each_request_its_audio(tiny_cache):
+    """The same for CosyVoice3 (one token a frame, no codes; its flow reads frames beyond a chunk):
+    full responses and streams, float64, each request its audio of the steps in order."""
+    from intone.protocol import VoiceReference
+
+    model = load_model("tiny:cosyvoice3", dtype=torch.float64, codec_dtype=torch.float64)
+    t = torch.arange(16000) / 16000
+
+    def run(in_flight: bool):
+        core = EngineCore(model, load_profile("cosyvoice3-streaming", device="cpu",
+                                              **{"ar.async_steps": in_flight, "ar.max_num_seqs": 3}))
+        for i in range(4):
+            voice = VoiceReference("Ref.", (0.3 * torch.sin(2 * torch.pi * (150 + 20 * i) * t)).float(), 16000)
+            core.add_request(SynthesisRequest(f"r{i}", "Hello there.", [voice], stream=i % 2 == 1,
+                                              params=SamplingParams(seed=10 + i, max_new_tokens=20 + 9 * i)))
+        chunks = {}
+        while core.has_work():
+            for c in core.step():
+                chunks.setdefault(c.request_id, []).append(c)
+        return chunks
+
+    a, b = run(False), run(True)
+    assert set(a) == set(b) == {f"r{i}" for i in range(4)}
+    for rid in a:
+        assert a[rid][-1].stop_reason == b[rid][-1].stop_reason != "error"
+        x, y = (np.concatenate([c.audio for c in cs]) for cs in (a[rid], b[rid]))
+        assert x.shape == y.shape and x.size > 0 and np.abs(x - y).max() < 1e-7, rid
