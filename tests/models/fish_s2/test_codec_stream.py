@@ -88,6 +88,16 @@ def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pa
 
 
 @pytest.mark.gpu
+def test_the_carried_decode_gives_the_same_bits_twice(tiny_cache):
+    """The eager carried decode, the same call twice: equal bits (a kernel that sums with atomics, e.g. a
+    transposed convolution's cuDNN data-gradient plan, would not be; then no graph can equal it either)."""
+    codec = load_model("tiny:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16).codec
+    codes = torch.randint(0, 1024, (4, 10, 32), generator=torch.Generator().manual_seed(4)).cuda()
+    runs = [StreamingDecoder(codec).decode(codes, [32, 25, 13, 4], [None] * 4)[0] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:]), max((runs[0] - r).abs().max().item() for r in runs[1:])
+
+
+@pytest.mark.gpu
 @pytest.mark.xfail(strict=True, reason="H200, session 22: the first replay already differs from the eager decode by "
                    "up to 5e-3 (fp16 audio); cause not found yet, so codec.stream_graph_frames stays off")
 def test_a_graph_replays_the_carried_decode_bit_for_bit(tiny_cache):
