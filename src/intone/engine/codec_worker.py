@@ -102,6 +102,11 @@ class ChunkQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def requests(self) -> int:
+        """Requests with a chunk waiting (what a call's rows come to when each request's waiting chunks
+        continue one another and decode as one span)."""
+        return len({id(t[2][0]) for t in self._heap})
+
 
 def codec_stream(device: torch.device, sms: int | None):
     """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
@@ -209,6 +214,12 @@ class CodecWorker:
     def queued(self) -> int:
         """Chunks waiting for the worker (not yet in a decode call)."""
         return len(self._waiting)
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests with chunks waiting for the worker."""
+        with self._wake:
+            return self._waiting.requests()
 
     def collect(self) -> list[DecodedBatch]:
         with self._lock:
