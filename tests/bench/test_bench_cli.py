@@ -51,6 +51,11 @@ def test_sweep_writes_results_report_and_plots(benches):
     report = (out / "report.md").read_text()
     assert "| WER % | SIM | mean audio s | req/s | audio-s/s | mean completion s | mean first audio s |" in report
     assert "| 1 | — | — |" in report
+    for lvl in results["levels"]:  # a frame per request a step (not its stop token's): at most C seats filled
+        k = lvl["server"]["counters"]
+        rows = k["engine_frames"] / k["engine_steps"]
+        assert 0.9 < rows <= 1.0 if lvl["concurrency"] == 1 else 1.2 < rows <= 3.0, (lvl["concurrency"], rows)
+    assert "| rows per step |" in report
     for plot in ("completion_cdf.png", "first_audio_cdf.png", "throughput.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     assert len(list((tmp_path / "wavs" / "c3").glob("*.wav"))) == 6

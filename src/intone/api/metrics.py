@@ -50,6 +50,7 @@ ENGINE_COUNTERS = {
                          "Codec calls with graphs on that ran eagerly (a shape beyond them; CosyVoice3: flow "
                          "solves and HiFT calls)"),
     "steps": ("intone_engine_steps", "Engine steps"),
+    "frames": ("intone_engine_frames", "Frames the AR steps made (one per request a step: steps x filled seats)"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
     "codec_seconds": ("intone_codec_busy_seconds", "Seconds the codec spent in decode calls (its worker's wall time)"),
     "codec_first_calls": ("intone_codec_first_calls", "Codec calls made only of streams' first chunks"),

@@ -65,10 +65,10 @@ def stage_tables(results: dict) -> list[str]:
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
-              "eager | engine steps | mean step ms | codec calls | codec busy s | flow s | HiFT s | codec padding % | "
+              "eager | engine steps | mean step ms | rows per step | codec calls | codec busy s | flow s | HiFT s | codec padding % | "
               "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | flow s of it | chunks per first-chunk call "
               "| preempted calls | prefix-cache blocks | compiles |",
-              "|" + "---|" * 25]
+              "|" + "---|" * 26]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -78,7 +78,7 @@ def stage_tables(results: dict) -> list[str]:
             + " | ".join(_count(k.get(key)) for key in ("graph_replays", "eager_decode_steps"))
             + f" | {_count(k.get('codec_graph_replays'))} / {_count(k.get('codec_eager_runs'))} | "
             + _count(k.get("engine_steps"))
-            + f" | {_fmt(srv.get('mean_step_ms'), 2)} | {_count(k.get('codec_calls'))}"
+            + f" | {_fmt(srv.get('mean_step_ms'), 2)} | {_fmt(_rows_per_step(k), 1)} | {_count(k.get('codec_calls'))}"
             + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(k.get('codec_flow_seconds'), 2)}"
             + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)}"
             + f" | {_count(k.get('codec_first_calls'))} | {_fmt(_per_call(k, 'codec_first_call_seconds'), 3)}"
@@ -86,7 +86,8 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(_per_call(k, 'codec_first_call_flow_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))}"
             + f" | {_count(k.get('prefix_cache_blocks'))} | {_count(k.get('compiled_graphs'))} |")
-    return lines + ["frontend busy s: the workers' time on batches over the level, summed over the workers (near "
+    return lines + ["rows per step: frames made per AR step over the level (its seats filled, of ar.max_num_seqs). "
+                    "frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
                     "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; codec padding: the share of the codec's computed rows x length that was padding (CosyVoice3: the flow's token rows; Fish: the decoder's frames). "
@@ -126,6 +127,11 @@ def _per_call(counters: dict, key: str) -> float | None:
     """A summed counter per first-chunk codec call of the level."""
     total, calls = counters.get(key), counters.get("codec_first_calls")
     return total / calls if total is not None and calls else None
+
+
+def _rows_per_step(k: dict) -> float | None:
+    frames, steps = k.get("engine_frames"), k.get("engine_steps")
+    return frames / steps if frames is not None and steps else None
 
 
 def _padding(counters: dict) -> float | None:

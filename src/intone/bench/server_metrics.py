@@ -32,6 +32,7 @@ COUNTERS = {
     "codec_eager_runs": "intone_codec_eager_runs_total",
     "eager_decode_steps": "intone_eager_decode_steps_total",
     "engine_steps": "intone_engine_steps_total",
+    "engine_frames": "intone_engine_frames_total",
     "codec_calls": "intone_codec_calls_total",
     "codec_busy_seconds": "intone_codec_busy_seconds_total",
     "codec_first_calls": "intone_codec_first_calls_total",
