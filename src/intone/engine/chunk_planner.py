@@ -146,11 +146,12 @@ class ChunkPlanner:
                 continue
             if n < front.emitted:
                 raise ValueError(f"{rid}: frame count went backwards ({n} < {front.emitted})")
-            target, lookahead = self._hop(front, steady), self.policy.lookahead_frames
-            if not front.whole and n - front.emitted >= target + lookahead:
-                chunks.append(self._release(rid, front, front.emitted + target, False, now))
-            elif not front.whole and n - lookahead > front.emitted and self._listener_short(front, now):
-                chunks.append(self._release(rid, front, n - lookahead, False, now))
+            if not front.whole:
+                ready, target = n - self.policy.lookahead_frames, self._hop(front, steady)  # ready: a chunk's last end
+                if ready - front.emitted >= target:
+                    chunks.append(self._release(rid, front, front.emitted + target, False, now))
+                elif ready > front.emitted and self._listener_short(front, now):
+                    chunks.append(self._release(rid, front, ready, False, now))
             if rid in done:
                 chunks.append(self._release(rid, front, n, True, now))
         return chunks

@@ -178,7 +178,7 @@ class Profile(_Strict):
     cosyvoice3: CosyVoice3Options = CosyVoice3Options()  # that family's own knobs (models/cosyvoice3/options.py)
 
     @model_validator(mode="after")
-    def _initial_not_above_steady(self):
+    def _sections_agree(self):
         c = self.chunking
         if c.initial_chunk_frames > c.steady_chunk_frames:
             raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
@@ -186,14 +186,12 @@ class Profile(_Strict):
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
-        if self.codec.stream_graph_frames and not self.codec.carry_state:
-            raise ValueError("codec.stream_graph_frames needs codec.carry_state (it graphs the carried decode)")
-        if c.listener_margin_s and not self.codec.carry_state:
-            raise ValueError("chunking.listener_margin_s needs codec.carry_state (chunk boundaries then follow "
-                             "timing, which only a carried decode leaves the audio independent of)")
-        if c.whole_chunk_frames and not self.codec.carry_state:
-            raise ValueError("chunking.whole_chunk_frames needs codec.carry_state (each piece continues its request's "
-                             "codec state)")
+        # each works on the carried decode, whose audio does not depend on where its chunks begin
+        for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
+                            ("chunking.listener_margin_s", c.listener_margin_s),
+                            ("chunking.whole_chunk_frames", c.whole_chunk_frames)):
+            if value and not self.codec.carry_state:
+                raise ValueError(f"{name} needs codec.carry_state")
         return self
 
     def options_for(self, family: str):
