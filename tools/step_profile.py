@@ -7,6 +7,7 @@ each boundary (so they add up to the step); a torch.profiler table of the GPU ke
 
 import argparse
 import collections
+import sys
 import time
 from pathlib import Path
 
@@ -149,6 +150,20 @@ def overlapped(core, run, steps):
         rows[0] += len(batch)
         return run_ar(batch)
     core.ar.step = counted
+    # The step's kernels on the loop's stream, from the first launch to the last (graph replays
+    # included): against the wall step, the time the stream waited for the host (GIL, launches).
+    marks = []
+    launch = core.runner.execute
+
+    def execute_marked(batch):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = launch(batch)
+        end.record()
+        marks.append((begin, end))
+        return out
+    if torch.cuda.is_available():
+        core.runner.execute = execute_marked
     core._emit = wall("emit (incl. codec backpressure waits)", core._emit)
     front, codec = frontend_pieces(core), codec_pieces(core)
     core._deliver = wall("deliver", core._deliver)
@@ -162,10 +177,14 @@ def overlapped(core, run, steps):
     n, frames = core.stats.steps - s0, core.stats.frames - f0
     core.ar.step, core._emit, core._deliver, core._admit_prepared = originals
     core.runner.build, core.runner.execute = runner_originals
-    print(f"as served: {n} steps in {elapsed:.2f} s = {1000 * elapsed / n:.1f} ms per step, "
+    print(f"as served (switch interval {1000 * sys.getswitchinterval():.2f} ms): {n} steps in {elapsed:.2f} s = {1000 * elapsed / n:.1f} ms per step, "
           f"{rows[0] / n:.1f} rows per step, {frames * core.model.samples_per_frame / core.model.sample_rate / elapsed:.1f} audio-s/s of frames")
     for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:40s} {1000 * s / n:7.2f} ms/step")
+    if marks:
+        torch.cuda.synchronize()
+        gpu = sum(b.elapsed_time(e) for b, e in marks)
+        print(f"  {'AR kernels on the GPU (first to last)':40s} {gpu / len(marks):7.2f} ms/step over {len(marks)} launches")
     outer = sum(v for k, v in spent.items() if not k.startswith(" "))
     print(f"  {'other (loop, planner, host)':40s} {1000 * (elapsed - outer) / n:7.2f} ms/step")
     front.report(n)
@@ -233,6 +252,8 @@ def main():
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--timeline-steps", type=int, default=40, help="steps under torch.profiler (kernel table, GPU timeline)")
     ap.add_argument("--stream", action="store_true", help="streamed requests (chunks), not whole responses")
+    ap.add_argument("--switch-intervals", default="", help="comma-separated seconds: the served window again with "
+                    "each as sys.setswitchinterval (how long a thread holds the GIL before handing it over)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="profile overrides")
     args = ap.parse_args()
     overrides = {k: value(v) for k, v in (s.split("=", 1) for s in args.set)}
@@ -262,8 +283,16 @@ def main():
                     inflight.discard(c.request_id)
                     done += 1
 
-    run(120)  # reach steady state
+    for _ in range(2000):  # reach steady state: the first wave done, the seats refilled
+        run(10)
+        if done >= args.concurrency and len(core.scheduler.running) >= 0.9 * args.concurrency:
+            break
     overlapped(core, run, args.steps)
+    for interval in filter(None, args.switch_intervals.split(",")):
+        default = sys.getswitchinterval()
+        sys.setswitchinterval(float(interval))
+        overlapped(core, run, args.steps)
+        sys.setswitchinterval(default)
     instrument(core)
     s0 = core.stats.steps
     t = time.perf_counter()

@@ -52,7 +52,7 @@ def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fi
     assert snap["live_requests"] == 0 and snap["kv_tables"] == 0 and snap["planner_requests"] == 0
 
 
-def _gated_worker(tiny_fish, max_call, first_alone=False):
+def _gated_worker(tiny_fish, max_call, first_alone=False, **options):
     """A worker whose decode calls wait for `gate`; calls records the request ids of each call."""
     import threading
 
@@ -76,7 +76,8 @@ def _gated_worker(tiny_fish, max_call, first_alone=False):
         req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
         req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
         items[req.request_id] = (req, Chunk(req.request_id, 0, 12 + b, 0, True))
-    return CodecWorker(stage, tiny_fish.device, max_call=max_call, first_alone=first_alone), gate, calls, items, decode
+    worker = CodecWorker(stage, tiny_fish.device, max_call=max_call, first_alone=first_alone, **options)
+    return worker, gate, calls, items, decode
 
 
 def _drain(worker, count):
@@ -128,6 +129,40 @@ def test_waiting_chunks_are_decoded_earliest_deadline_first_in_full_calls(tiny_f
     _drain(worker, 5)
     assert calls == [["r0"], ["r2", "r3"], ["r3", "r1"]]
     assert worker.in_flight == 0 and worker.queued == 0
+
+
+def test_gathering_makes_one_call_of_the_chunks_handed_over_within_the_window(tiny_fish):
+    """codec.gather_ms: whole responses' chunks handed over within the window of the oldest go into
+    one call, which starts when the window closes (not before), with each chunk's own audio."""
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None, gather_s=0.4, full=64)
+    gate.set()
+    start = time.perf_counter()
+    worker.submit([items["r0"]], [12])
+    time.sleep(0.1)
+    worker.submit([items["r1"], items["r2"]], [13, 14])
+    got = _drain(worker, 3)
+    assert calls == [["r0", "r1", "r2"]]
+    assert time.perf_counter() - start >= 0.4  # the window of r0, not r2's arrival, closed it
+    for d in got:
+        for item, audio in zip(d.items, d.audio):
+            assert np.allclose(audio, decode([item])[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["a new stream's first chunk", "a full call's worth"])
+def test_gathering_never_holds_a_new_streams_first_chunk_or_a_full_call(tiny_fish, case):
+    from intone.engine.chunk_planner import Chunk
+
+    worker, gate, calls, items, _ = _gated_worker(tiny_fish, max_call=None, gather_s=30.0, full=3)
+    gate.set()
+    if case == "a new stream's first chunk":
+        req = items["r0"][0]
+        handed = [(req, Chunk("r0", 0, 4, 0, False))]  # not its last chunk: a stream's opening
+    else:
+        handed = [items["r0"], items["r1"], items["r2"]]
+    start = time.perf_counter()
+    worker.submit(handed, [12] * len(handed))
+    _drain(worker, len(handed))
+    assert len(calls) == 1 and time.perf_counter() - start < 10
 
 
 @pytest.mark.parametrize("max_call, expected", [

@@ -102,6 +102,10 @@ class ChunkQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def holds(self, predicate) -> bool:
+        """Some waiting item satisfies predicate."""
+        return any(predicate(t[2]) for t in self._heap)
+
     def requests(self) -> int:
         """Requests with a chunk waiting (what a call's rows come to when each request's waiting chunks
         continue one another and decode as one span)."""
@@ -171,12 +175,16 @@ class Preemption:
 
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
-                 sms: int | None = None, preempt: bool = False):
+                 sms: int | None = None, preempt: bool = False, gather_s: float = 0.0, full: int = 64):
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
         sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
-        decode the first chunks that arrive meanwhile at their pause points (`Preemption`)."""
+        decode the first chunks that arrive meanwhile at their pause points (`Preemption`).
+        gather_s: a call starts once its oldest chunk has waited this long, at once if `full`
+        requests wait or a new stream's first chunk does (fewer, larger calls: see `_hold`)."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
+        self._gather_s, self._full = gather_s, full
+        self._oldest: float | None = None  # when the oldest chunk still waiting was handed over
         self._preempt = preempt
         self._done: list[DecodedBatch] = []
         self._lock = threading.Lock()
@@ -196,6 +204,8 @@ class CodecWorker:
         with self._wake:
             for item, n, deadline in zip(items, tokens, deadlines):
                 self._waiting.push(item, n, deadline)
+            if self._oldest is None:
+                self._oldest = time.perf_counter()
             self._wake.notify_all()
 
     def take_first_chunks(self) -> tuple[list, list[int]]:
@@ -243,13 +253,27 @@ class CodecWorker:
                 while True:
                     if self._stop:
                         return
-                    items, tokens = self._waiting.take() if self._waiting else ([], [])
-                    if items:
-                        break
-                    self._wake.wait()
+                    hold = self._hold() if self._waiting else None
+                    if hold == 0.0:
+                        items, tokens = self._waiting.take()
+                        self._oldest = time.perf_counter() if self._waiting else None
+                        if items:
+                            break
+                    self._wake.wait(hold)
             # a call of first chunks is what the pause points would run: it pauses for nothing
             backlog = self._preempt and not all(is_first_chunk(item) for item in items)
             self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
+
+    def _hold(self) -> float:
+        """Seconds the next call should still wait for more chunks (0: start it now). A decode call
+        costs about the same up to a few dozen rows (launch-bound on the host; its kernels share the
+        GPU with the AR steps), so gathering rows for a few steps makes the codec's share smaller,
+        at the price of that wait on each request's last audio."""
+        if self._gather_s <= 0 or self._waiting.requests() >= self._full:
+            return 0.0
+        if self._waiting.holds(opens_a_stream):
+            return 0.0  # a new stream's first audio never waits for company
+        return max(0.0, self._oldest + self._gather_s - time.perf_counter())
 
     def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
                 preempted: bool = False) -> DecodedBatch:

@@ -88,7 +88,8 @@ class EngineCore:
             # give fails at once; its threads stay idle until the first chunk.
             self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
                                             first_alone=profile.codec.schedule == "first", sms=profile.codec.sms,
-                                            preempt=profile.codec.schedule == "preempt")
+                                            preempt=profile.codec.schedule == "preempt",
+                                            gather_s=profile.codec.gather_ms / 1000, full=profile.codec.max_batch)
         self._start_up()
 
     def _start_up(self) -> None:
