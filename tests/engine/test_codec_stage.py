@@ -164,3 +164,28 @@ def test_a_requests_chunks_that_continue_one_another_decode_as_one_span(tiny_fis
         assert audio.shape == ((chunk.end - chunk.start) * spf,)
         assert abs(audio - one_pass[id(req)][chunk.start * spf: chunk.end * spf]).max(initial=0) < 1e-6
     assert (a.codec_state.frames, b.codec_state.frames) == (11, 9)
+
+
+def test_a_span_never_pads_the_call_beyond_its_longest_chunk(tiny_fish_dir):
+    """Carried state: a request's two waiting chunks that together outgrow the call's padded length
+    (a backlog of whole responses' pieces) decode in two rounds, not as one longer row that every
+    row of the call would be padded to; each chunk still gets its part of the one-pass decode."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    vocoder = WindowVocoder(model, max_batch=8, max_padded_frames=4096, carry_state=True)
+    g = torch.Generator().manual_seed(3)
+    a, b = (EngineRequest(rid, prompt=None, params=SamplingParams()) for rid in "ab")
+    for req in (a, b):
+        req.codes = torch.randint(0, 8, (model.num_codebooks, 16), generator=g)
+    items = [(a, Chunk("a", 0, 8, 0, False)), (b, Chunk("b", 0, 8, 0, False)), (a, Chunk("a", 8, 16, 0, True))]
+    out = CodecStage(vocoder).run(items)
+    assert vocoder.calls == 2 and vocoder.padded_tokens == 2 * 8 + 1 * 8  # rows x frames: [a, b] then [a]
+    spf = model.samples_per_frame
+    for (req, chunk), audio in zip(items, out):
+        one_pass = model.decode(req.codes[None], 0)[0].numpy()
+        assert abs(audio - one_pass[chunk.start * spf: chunk.end * spf]).max() < 1e-6

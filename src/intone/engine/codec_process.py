@@ -127,11 +127,6 @@ class CodecProcess:
         here: the process takes what waits when it starts a call)."""
         return max(0, self.in_flight - self.max_batch)
 
-    @property
-    def queued_requests(self) -> int:
-        """The same estimate (the process's queue is not visible from here)."""
-        return self.queued
-
     def collect(self) -> list[DecodedBatch]:
         self._check_alive()
         while True:

@@ -225,12 +225,6 @@ class CodecWorker:
         """Chunks waiting for the worker (not yet in a decode call)."""
         return len(self._waiting)
 
-    @property
-    def queued_requests(self) -> int:
-        """Requests with chunks waiting for the worker."""
-        with self._wake:
-            return self._waiting.requests()
-
     def collect(self) -> list[DecodedBatch]:
         with self._lock:
             done, self._done = self._done, []

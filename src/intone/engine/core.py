@@ -359,18 +359,13 @@ class EngineCore:
             return
         # Backpressure: the loop waits only while a full codec call's worth of chunks is already
         # queued, so the worker's next call is full (large batches are what make the codec fast),
-        # and the queue stays bounded. A carried decode takes each request's waiting chunks as one
-        # row, so there a call's worth is one of requests.
-        while self._codec_rows_queued() >= self.profile.codec.max_batch:
+        # and the queue stays bounded.
+        while self.codec_worker.queued >= self.profile.codec.max_batch:
             self.codec_worker.wait(1.0)
             for decoded in self.codec_worker.collect():
                 self._deliver(decoded)
         by_deadline = self.profile.codec.schedule == "deadline"
         self.codec_worker.submit(items, tokens, [self._deadline(req, c) for req, c in items] if by_deadline else None)
-
-    def _codec_rows_queued(self) -> int:
-        worker = self.codec_worker
-        return worker.queued_requests if self.profile.codec.carry_state else worker.queued
 
     def _deadline(self, req: EngineRequest, chunk: Chunk) -> float:
         """When the listener runs out of audio without this chunk: a first chunk is due since the
