@@ -134,7 +134,11 @@ def test_waiting_chunks_are_decoded_earliest_deadline_first_in_full_calls(tiny_f
 def test_gathering_makes_one_call_of_the_chunks_handed_over_within_the_window(tiny_fish):
     """codec.gather_ms: whole responses' chunks handed over within the window of the oldest go into
     one call, which starts when the window closes (not before), with each chunk's own audio."""
+    from intone.engine.chunk_planner import Frontier
+
     worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None, gather_s=0.4, full=64)
+    for req, _ in items.values():
+        req.frontier = Frontier(0, hop=8)  # non-streamed, in pieces
     gate.set()
     start = time.perf_counter()
     worker.submit([items["r0"]], [12])
@@ -148,15 +152,18 @@ def test_gathering_makes_one_call_of_the_chunks_handed_over_within_the_window(ti
             assert np.allclose(audio, decode([item])[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["a new stream's first chunk", "a full call's worth"])
-def test_gathering_never_holds_a_new_streams_first_chunk_or_a_full_call(tiny_fish, case):
-    from intone.engine.chunk_planner import Chunk
+@pytest.mark.parametrize("case", ["a stream's chunk", "a full call's worth"])
+def test_gathering_never_holds_a_streams_chunk_or_a_full_call(tiny_fish, case):
+    from intone.engine.chunk_planner import Chunk, Frontier
 
     worker, gate, calls, items, _ = _gated_worker(tiny_fish, max_call=None, gather_s=30.0, full=3)
+    for req, _ in items.values():
+        req.frontier = Frontier(0, hop=8)
     gate.set()
-    if case == "a new stream's first chunk":
+    if case == "a stream's chunk":
         req = items["r0"][0]
-        handed = [(req, Chunk("r0", 0, 4, 0, False))]  # not its last chunk: a stream's opening
+        req.frontier = Frontier(4)  # streamed: a listener plays its chunks as they come
+        handed = [items["r1"], (req, Chunk("r0", 0, 9, 0, False))]  # with a piece, which goes along
     else:
         handed = [items["r0"], items["r1"], items["r2"]]
     start = time.perf_counter()

@@ -72,6 +72,11 @@ class Frontier:
     terminated: bool = False
     first_released: float | None = None  # when its first chunk was released (the earliest its listener can start)
 
+    @property
+    def listened(self) -> bool:
+        """A stream's: its chunks are played as they come (a non-streamed request's wait for its last)."""
+        return not (self.whole or self.hop)
+
 
 class ChunkPlanner:
     """The chunk policy applied to the live requests' frontiers. `plan()` is called once per engine step."""

@@ -142,6 +142,11 @@ def opens_a_stream(item) -> bool:
     return item[1].start == 0 and not item[1].finished
 
 
+def is_piece(item) -> bool:
+    """A non-streamed request's chunk (nobody listens before its last one)."""
+    return item[0].frontier is not None and not item[0].frontier.listened
+
+
 def is_first_chunk(item) -> bool:
     """Its request's first chunk: a new stream's, or a whole response's only one."""
     return item[1].start == 0
@@ -179,8 +184,8 @@ class CodecWorker:
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
         sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
         decode the first chunks that arrive meanwhile at their pause points (`Preemption`).
-        gather_s: a call starts once its oldest chunk has waited this long, at once if `full`
-        requests wait or a new stream's first chunk does (fewer, larger calls: see `_hold`)."""
+        gather_s: a call of non-streamed requests' chunks starts once its oldest has waited this
+        long, at once if `full` requests wait or any stream's chunk does (fewer, larger calls: `_hold`)."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
         self._gather_s, self._full = gather_s, full
@@ -265,8 +270,8 @@ class CodecWorker:
         at the price of that wait on each request's last audio."""
         if self._gather_s <= 0 or self._waiting.requests() >= self._full:
             return 0.0
-        if self._waiting.holds(opens_a_stream):
-            return 0.0  # a new stream's first audio never waits for company
+        if self._waiting.holds(lambda item: not is_piece(item)):
+            return 0.0  # a listener's audio never waits for company
         return max(0.0, self._oldest + self._gather_s - time.perf_counter())
 
     def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
