@@ -183,6 +183,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
     with torch.inference_mode():
         if model.device.type == "cuda":
             torch.backends.cudnn.benchmark = c.cudnn_benchmark
+            torch.backends.cudnn.deterministic = c.deterministic
             warm_up_codec(stage, profile, model.max_seq_len)
         push.send(pickle.dumps(("ready", None)))
         first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else None

@@ -83,6 +83,10 @@ class CodecStageConfig(_Strict):
                                                        "many frames (whole responses reach the utterance length)")
     cudnn_benchmark: bool = Field(False, description="let cuDNN time its convolution algorithms per shape (GPU; "
                                                      "for codecs whose shapes are bucketed and warmed up at start-up)")
+    deterministic: bool = Field(False, description="cuDNN's deterministic algorithms only (GPU; a global switch, "
+                                "so the frontend's convolutions too): the same call gives the same bits, which a "
+                                "graph of the call can then equal (session 23: the default plans differ by 6e-3 "
+                                "on fp16 audio from one call to the next)")
     sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
                                                  "(a CUDA green context; GPU, in-process worker): the rest stay free "
                                                  "for the AR step's kernels whatever the codec runs (None: all)")

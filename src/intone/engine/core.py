@@ -100,6 +100,7 @@ class EngineCore:
         self.frontend_graphs: FunctionGraphs | None = None
         if gpu:
             torch.backends.cudnn.benchmark = self.profile.codec.cudnn_benchmark
+            torch.backends.cudnn.deterministic = self.profile.codec.deterministic
             log.info("start-up: warming the reference frontend's shapes")
             # Graphs of the frontend's networks: their eager launches (thousands of small kernels
             # per clip) would hold the GIL the engine loop needs.
