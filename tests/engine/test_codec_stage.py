@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from intone.models.vocoder import CodecJob, WindowVocoder
-from intone.ops.batching import bucket_rows, group_jobs
+from intone.ops.batching import bucket_rows, group_jobs, row_buckets
 
 
 def split_cost(groups, lengths, call_cost, padded=lambda rows, longest: rows * longest):
@@ -63,6 +63,47 @@ def test_a_spread_of_lengths_splits_into_calls_of_similar_lengths():
     waste = {c: 1 - useful / sum(len(g) * max(lengths[i] for i in g) for g in group_jobs(lengths, 64, 16384, c))
              for c in (None, 512)}
     assert waste[None] > 0.25 and waste[512] < 0.12
+
+
+@given(rows=st.integers(1, 300), granule=st.sampled_from([0, 4, 8, 16]))
+def test_a_call_is_padded_to_its_rows_bucket_and_warm_up_reaches_every_bucket(rows, granule):
+    """codec.row_granule: at most one granule of blank rows above it (a power of two below), never fewer
+    rows than the call's; `row_buckets` lists each bucket a call of up to max_rows can reach, with the
+    fewest rows that reach it (what the warm-up bounds by max_padded_frames)."""
+    b = bucket_rows(rows, granule)
+    assert b >= rows
+    if granule and b > granule:
+        assert b % granule == 0 and b - rows < granule
+    else:
+        assert b & (b - 1) == 0 and b < 2 * rows
+    buckets = row_buckets(rows, granule)
+    assert [x for x, _ in buckets] == sorted({bucket_rows(n, granule) for n in range(1, rows + 1)})
+    assert all(bucket_rows(n, granule) == x and (n == 1 or bucket_rows(n - 1, granule) < x) for x, n in buckets)
+
+
+def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny_fish_dir):
+    """Ten requests' chunks in one carried call: 16 rows computed by default, 12 with a granule of 4;
+    each chunk its one-pass decode either way (float64)."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    codes = [torch.randint(0, 8, (model.num_codebooks, 6), generator=g) for _ in range(10)]
+    spf = model.samples_per_frame
+    for granule, rows in ((0, 16), (4, 12)):
+        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True, row_granule=granule)
+        reqs = [EngineRequest(f"r{i}", prompt=None, params=SamplingParams()) for i in range(10)]
+        for req, c in zip(reqs, codes):
+            req.codes = c
+        items = [(req, Chunk(req.request_id, 0, 6, 0, False)) for req in reqs]
+        out = CodecStage(vocoder).run(items)
+        assert vocoder.padded_tokens == rows * 8  # 6 frames: bucket 8
+        for (req, chunk), audio in zip(items, out):
+            assert abs(audio - model.decode(req.codes[None], 0)[0].numpy()[: 6 * spf]).max() < 1e-6
 
 
 def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):

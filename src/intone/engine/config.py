@@ -71,6 +71,9 @@ class CodecStageConfig(_Strict):
     stream_graph_frames: int = Field(0, ge=0, le=512, description="with carry_state on a GPU: the carried decode "
                                      "replayed from CUDA graphs captured at start-up, for chunks up to this many "
                                      "frames (longer ones run eagerly; 0: all eager)")
+    row_granule: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) padded to a multiple "
+                             "of this many rows above it (0: to a power of two: 33 rows compute 64); more shapes "
+                             "to warm at start-up, fewer blank rows computed")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")

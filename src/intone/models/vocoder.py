@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs
+from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs, row_buckets
 
 
 @dataclass
@@ -85,9 +85,9 @@ class WindowVocoder(Vocoder):
     `max_batch * longest <= max_padded_frames` (at least one window per group). Shorter windows are
     right-padded with code 0: the codec is causal, so padding after a window cannot change its
     samples, and each row is decoded at its own absolute frame positions. Each call's shape is padded
-    further, frames to a bucket and rows to a power of two (padding rows are zeros and dropped), so
-    the codec meets few distinct shapes: its kernels choose their plans once per shape, and a new
-    shape costs more than the decode.
+    further, frames to a bucket and rows to a power of two (above `row_granule`, when set, to a
+    multiple of it; padding rows are zeros and dropped), so the codec meets few distinct shapes: its
+    kernels choose their plans once per shape, and a new shape costs more than the decode.
 
     carry_state: a streamed chunk's new frames are decoded against its request's state (the model's
     `stream_decoder`, which it must have) instead of a window that re-decodes its left context.
@@ -96,8 +96,9 @@ class WindowVocoder(Vocoder):
     """
 
     def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False,
-                 graph_frames: int | None = None):
+                 graph_frames: int | None = None, row_granule: int = 0):
         self.model = model
+        self.row_granule = row_granule
         self.device = model.device
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
@@ -112,22 +113,25 @@ class WindowVocoder(Vocoder):
         k, shapes = self.model.num_codebooks, 0
         frames = [b for b in FRAME_BUCKETS if b < max_window_frames] + [bucket_frames(max_window_frames)]
         for t in frames:
-            rows = 1
-            # a group of n windows is padded to bucket_rows(n) rows: warm every bucket a group can reach
-            while rows <= bucket_rows(self.max_batch) and (rows // 2 + 1) * t <= max(self.max_padded_frames, t):
+            # a group of n windows is padded to _rows(n) rows: warm every bucket a group can reach
+            for rows, fewest in row_buckets(self.max_batch, self.row_granule):
+                if fewest * t > max(self.max_padded_frames, t):
+                    break
                 codes = torch.zeros(rows, k, t, dtype=torch.long)
                 if self.stream is not None:  # streamed chunks; whole utterances take the plain decode
                     self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
                 self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
                 shapes += 1
-                rows *= 2
         return shapes
+
+    def _rows(self, n: int) -> int:
+        return bucket_rows(n, self.row_granule)
 
     def capture_graphs(self, graphs) -> None:
         """The carried decode at every (rows, frames) bucket a call reaches, up to `graph_frames`; largest
         first (the graphs share one memory pool, sized once)."""
         frames = [b for b in FRAME_BUCKETS if b <= bucket_frames(self.graph_frames)]
-        rows = [1 << i for i in range(bucket_rows(self.max_batch).bit_length())]
+        rows = [r for r, _ in row_buckets(self.max_batch, self.row_granule)]
         for r, t in sorted(((r, t) for r in rows for t in frames), key=lambda s: s[0] * s[1], reverse=True):
             self.stream.capture(graphs, r, t, self.device)
         self.graphs = graphs
@@ -164,7 +168,7 @@ class WindowVocoder(Vocoder):
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
             idx = [live[g] for g in group]
             longest = bucket_frames(max(jobs[i].length for i in idx))
-            codes = torch.zeros(bucket_rows(len(idx)), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long)
+            codes = torch.zeros(self._rows(len(idx)), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long)
             offsets = torch.zeros(codes.shape[0], dtype=torch.long)
             for row, i in enumerate(idx):
                 codes[row, :, : jobs[i].length] = jobs[i].codes
@@ -220,7 +224,7 @@ class WindowVocoder(Vocoder):
             at = state.frames if state is not None else 0
             if at != w.start:
                 raise RuntimeError(f"{w.request_id}: chunk from frame {w.start}, but the codec state is at {at}")
-        rows = bucket_rows(len(windows))
+        rows = self._rows(len(windows))
         codes = torch.zeros(rows, windows[0].codes.shape[0], bucket_frames(max(lengths)), dtype=torch.long)
         for row, w in enumerate(windows):
             codes[row, :, : w.end - w.start] = w.codes[:, w.start : w.end]

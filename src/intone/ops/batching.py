@@ -16,8 +16,19 @@ def bucket_frames(frames: int) -> int:
     return next((b for b in FRAME_BUCKETS if b >= frames), -(-frames // 256) * 256)
 
 
-def bucket_rows(rows: int) -> int:
-    return 1 << max(0, rows - 1).bit_length()
+def bucket_rows(rows: int, granule: int = 0) -> int:
+    """rows padded to a power of two; with a granule, above it to a multiple of it instead (33 rows:
+    64, or 40 with a granule of 8)."""
+    power = 1 << max(0, rows - 1).bit_length()
+    return -(-rows // granule) * granule if granule and power > granule else power
+
+
+def row_buckets(max_rows: int, granule: int = 0) -> list[tuple[int, int]]:
+    """(bucket, fewest rows that reach it) for every bucket of 1..max_rows rows, ascending."""
+    found: dict[int, int] = {}
+    for rows in range(1, max_rows + 1):
+        found.setdefault(bucket_rows(rows, granule), rows)
+    return sorted(found.items())
 
 
 def pad_rows(t: Tensor, target: int) -> Tensor:
