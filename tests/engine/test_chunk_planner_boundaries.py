@@ -307,13 +307,14 @@ def test_fits_ever_counts_free_and_running_blocks_inclusively(tokens, fits):
 FRAME_S = 2048 / 44100
 
 
-def paced_stream(n, dt, latency, margin, initial):
+def paced_stream(n, dt, latency, margin, initial, ramp=0.0, steady=25):
     """One stream producing a frame every dt s, each chunk reaching its listener `latency` s after its
     release: (its chunks' (start, end), the simulated player's stall)."""
     from intone.bench.metrics import underrun
 
-    p = PlannerTables(ChunkPlanner(ChunkPolicy(initial_chunk_frames=initial, steady_chunk_frames=25,
-                                               listener_margin_s=margin, frame_seconds=FRAME_S), 4))
+    p = PlannerTables(ChunkPlanner(ChunkPolicy(initial_chunk_frames=initial, steady_chunk_frames=steady,
+                                               listener_margin_s=margin, frame_seconds=FRAME_S,
+                                               ramp_factor=ramp), 4))
     p.add("r")
     chunks, arrivals = [], []
     for k in range(n + 1):
@@ -340,3 +341,27 @@ def test_without_the_margin_a_small_first_chunk_leaves_its_listener_waiting():
     the first, whose 4 frames play for 0.19 s."""
     assert paced_stream(100, 0.02, 0.2, 0.0, 4)[1] > 0.25
     assert paced_stream(100, 0.02, 0.2, 0.02, 4)[1] == 0
+
+
+# ---- ramp_factor: hops that grow from the first chunk ------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 300), ramp=st.floats(1.1, 2.5), slack=st.floats(0, 1), latency=st.floats(0, 1.5),
+       initial=st.sampled_from([1, 2, 4, 8]), steady=st.sampled_from([25, 50]))
+def test_a_ramped_stream_never_stalls_once_started_while_it_runs_faster_than_the_ramp(
+        n, ramp, slack, latency, initial, steady):
+    """chunking.ramp_factor: a stream generating at ramp + 1/initial (the hops' rounding) x real time or
+    faster, any steady codec latency: the player never waits once playing; frames 0..n-1 once each, in
+    order; no hop above the steady size."""
+    speed = ramp + 1 / initial + slack
+    chunks, stall = paced_stream(n, FRAME_S / speed, latency, 0.0, initial, ramp, steady)
+    assert [s for s, _ in chunks[1:]] == [e for _, e in chunks[:-1]] and chunks[0][0] == 0 and chunks[-1][1] == n
+    assert max(e - s for s, e in chunks) <= steady
+    assert stall < 1e-9
+
+
+def test_the_ramp_climbs_from_the_first_chunk_to_the_steady_size():
+    chunks, _ = paced_stream(120, 0.02, 0.1, 0.0, 4, 1.5)
+    assert [e - s for s, e in chunks] == [4, 6, 9, 14, 21, 25, 25, 16]  # the last: the tail
+    assert paced_stream(120, 0.02, 0.1, 0.0, 4, 1.5)[1] == 0  # the shipped sizes stall 0.25+ s here (above)
+    assert paced_stream(200, FRAME_S / 1.3, 0.1, 0.0, 4, 1.5)[1] > 0.2  # a stream slower than its ramp stalls

@@ -16,6 +16,7 @@ codec's prompt plus the first hop ends on a multiple of `align_first_chunk` fram
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -29,6 +30,7 @@ class ChunkPolicy:
     backlog_min_ready: int = 2
     left_context_frames: int = 25
     lookahead_frames: int = 0  # frames that must exist beyond a non-final chunk's end
+    ramp_factor: float = 0.0  # after the first chunk, hops of initial x ramp^k until they reach the steady size (0: off)
     growth_factor: int = 1  # each chunk's hop is the previous one's times this ...
     max_chunk_frames: int = 0  # ... up to this (0: no cap)
     align_first_chunk: int = 0  # pad the first hop so codec prompt + hop is a multiple of this
@@ -43,6 +45,8 @@ class ChunkPolicy:
                  self.lookahead_frames, self.max_chunk_frames, self.align_first_chunk, self.whole_chunk_frames)
         if min(sizes) < 0:
             raise ValueError("chunk sizes, context and lookahead must be >= 0")
+        if self.ramp_factor and (self.ramp_factor <= 1 or self.growth_factor > 1):
+            raise ValueError("ramp_factor must be > 1 (or 0: off), and excludes growth_factor")
         if self.listener_margin_s < 0 or (self.listener_margin_s > 0 and self.frame_seconds <= 0):
             raise ValueError("listener_margin_s must be >= 0, and needs frame_seconds > 0")
 
@@ -122,6 +126,12 @@ class ChunkPlanner:
         if front.chunks == 0 and front.initial > 0:
             return front.initial
         p = self.policy
+        if p.ramp_factor and front.initial > 0:
+            # A stream's hop k may be at most initial + (frames before it) x (its speed over real
+            # time - 1) for chunk k to arrive before its listener runs out, whatever the codec's steady
+            # latency; geometric hops from the first chunk stay under that bound while the ramp is at
+            # most that speed (Fish at C64: a frame of 46 ms audio per ~20 ms step, speed ~2.3).
+            return min(steady, math.ceil(front.initial * p.ramp_factor ** front.chunks))
         hop = steady * p.growth_factor ** front.chunks
         return min(hop, p.max_chunk_frames) if p.max_chunk_frames else hop
 

@@ -138,6 +138,10 @@ class ChunkingConfig(_Strict):
     backlog_min_ready: int | None = Field(None, ge=1, description="default: max(2, 3/4 of capacity)")
     left_context_frames: int = Field(25, ge=0)
     lookahead_frames: int = Field(0, ge=0, description="frames needed beyond a streamed chunk's end")
+    ramp_factor: float = Field(0.0, ge=0, le=8, description="a stream's hops after its first chunk: initial x "
+                               "ramp^k frames until they reach the steady size (4, 6, 9, 14, 21, 25 at 1.5), so each "
+                               "arrives before its listener runs out while the stream runs faster than ramp x real "
+                               "time (0: off, the steady size at once)")
     growth_factor: int = Field(1, ge=1, description="each chunk's hop is the previous one's times this")
     max_chunk_frames: int = Field(0, ge=0, description="cap for grown hops (0: none)")
     align_first_chunk: int = Field(0, ge=0, description="pad the first hop so prompt + hop is a multiple")
@@ -156,7 +160,7 @@ class ChunkingConfig(_Strict):
             initial_chunk_frames=self.initial_chunk_frames, steady_chunk_frames=self.steady_chunk_frames,
             backlog_chunk_frames=self.backlog_chunk_frames, backlog_load_threshold=self.backlog_load_threshold,
             backlog_min_ready=min_ready, left_context_frames=self.left_context_frames,
-            lookahead_frames=self.lookahead_frames, growth_factor=self.growth_factor,
+            lookahead_frames=self.lookahead_frames, ramp_factor=self.ramp_factor, growth_factor=self.growth_factor,
             max_chunk_frames=self.max_chunk_frames, align_first_chunk=self.align_first_chunk,
             whole_chunk_frames=self.whole_chunk_frames, listener_margin_s=self.listener_margin_s,
             frame_seconds=frame_seconds,
