@@ -197,10 +197,13 @@ class Profile(_Strict):
         c = self.chunking
         if c.initial_chunk_frames > c.steady_chunk_frames:
             raise ValueError("chunking.initial_chunk_frames must be <= chunking.steady_chunk_frames")
+        if c.ramp_factor and (c.ramp_factor <= 1 or c.growth_factor > 1):
+            raise ValueError("chunking.ramp_factor must be > 1 (or 0: off), and excludes chunking.growth_factor")
         if self.codec.device is not None and not self.codec.process:
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
-        if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
-            raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
+        for name, value in (("codec.sms", self.codec.sms), ("codec.gather_ms", self.codec.gather_ms)):
+            if value and (self.codec.process or not self.codec.overlap):
+                raise ValueError(f"{name} needs the in-process codec worker (codec.overlap, no codec.process)")
         # each works on the carried decode, whose audio does not depend on where its chunks begin
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
                             ("chunking.listener_margin_s", c.listener_margin_s),
