@@ -151,8 +151,8 @@ class CosyVoice3(TTSModel):
     # ---- codec ------------------------------------------------------------------------------
 
     def make_vocoder(self, config, options: CosyVoice3Options | None = None) -> CosyVocoder:
-        """The flow + HiFT vocoder; `cosyvoice3.flow.dtype` recasts this model's flow (the model belongs
-        to one engine), `cosyvoice3.flow.compile` compiles its DiT now."""
+        """The flow + HiFT vocoder; `cosyvoice3.flow.dtype` and `cosyvoice3.hift.dtype` recast this model's
+        flow and HiFT (the model belongs to one engine), `cosyvoice3.flow.compile` compiles its DiT now."""
         flow = (options or CosyVoice3Options()).flow
         gpu = self.codec_device.type == "cuda"
         if flow.attention == "flex" and gpu and not flow.compile:
@@ -163,6 +163,8 @@ class CosyVoice3(TTSModel):
         if flow.dtype != "auto" and gpu:
             self.flow.to(getattr(torch, flow.dtype))
         hift = (options or CosyVoice3Options()).hift
+        if hift.dtype != "auto" and gpu:
+            self.hift.to(getattr(torch, hift.dtype))  # the F0 predictor and the noise keep their dtypes
         vocoder = CosyVocoder(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
                                flow.cache, flow.graph_frames if flow.cuda_graphs else None,
                                hift.graph_frames if hift.cuda_graphs else None)

@@ -59,6 +59,9 @@ class FlowOptions(_Strict):
 
 
 class HiFTOptions(_Strict):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="HiFT's convolutions in this dtype (GPU only; its F0 predictor stays float64, its "
+                            "excitation and iSTFT float32; the official runs float32)")
     cuda_graphs: bool = Field(False, description="replay HiFT's calls from CUDA graphs captured at start-up, one per "
                                                  "(rows, frames) bucket (GPU): its ~1100 launches a call are the "
                                                  "host's work while the GPU waits")
