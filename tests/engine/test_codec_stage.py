@@ -1,5 +1,6 @@
 """The codec stage: grouping bounds, and batched decoding equal to decoding each window alone."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -230,3 +231,28 @@ def test_a_span_never_pads_the_call_beyond_its_longest_chunk(tiny_fish_dir):
     for (req, chunk), audio in zip(items, out):
         one_pass = model.decode(req.codes[None], 0)[0].numpy()
         assert abs(audio - one_pass[chunk.start * spf: chunk.end * spf]).max() < 1e-6
+
+
+@pytest.mark.parametrize("split_cost, calls, padded", [(None, 1, 8 * 50), (100, 2, 8 * 4 + 2 * 50)])
+def test_a_split_cost_keeps_long_chunks_from_padding_many_short_ones(tiny_fish_dir, split_cost, calls, padded):
+    """codec.split_cost: six streams' 4-frame chunks beside two 50-frame ones go in two calls of their
+    own lengths when the padding saved exceeds the cost of a call; each chunk its one-pass decode."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True, split_cost=split_cost)
+    g = torch.Generator().manual_seed(6)
+    items = []
+    for i, n in enumerate([4] * 6 + [50] * 2):
+        req = EngineRequest(f"r{i}", prompt=None, params=SamplingParams())
+        req.codes = torch.randint(0, 8, (model.num_codebooks, n), generator=g)
+        items.append((req, Chunk(req.request_id, 0, n, 0, False)))
+    out = CodecStage(vocoder).run(items)
+    assert (vocoder.calls, vocoder.padded_tokens) == (calls, padded)
+    spf = model.samples_per_frame
+    for (req, chunk), audio in zip(items, out):
+        assert abs(audio - model.decode(req.codes[None], 0)[0].numpy()[: chunk.end * spf]).max() < 1e-6

@@ -74,6 +74,9 @@ class CodecStageConfig(_Strict):
     row_granule: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) padded to a multiple "
                              "of this many rows above it (0: to a power of two: 33 rows compute 64); more shapes "
                              "to warm at start-up, fewer blank rows computed")
+    split_cost: int | None = Field(None, ge=0, description="the windowed vocoder (Fish) splits a call's chunks into "
+                                   "calls of similar lengths where that saves more padded frame-rows than this per "
+                                   "extra call (None: one call as full as max_batch and max_padded_frames allow)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop")

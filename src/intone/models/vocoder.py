@@ -89,6 +89,9 @@ class WindowVocoder(Vocoder):
     multiple of it; padding rows are zeros and dropped), so the codec meets few distinct shapes: its
     kernels choose their plans once per shape, and a new shape costs more than the decode.
 
+    split_cost: a call's windows split into calls of similar lengths where that saves more padded
+    frame-rows than this per extra call (None: every call as full as the bounds allow).
+
     carry_state: a streamed chunk's new frames are decoded against its request's state (the model's
     `stream_decoder`, which it must have) instead of a window that re-decodes its left context.
     graph_frames: with carry_state, those calls are replayed from CUDA graphs (`capture_graphs`) up
@@ -96,9 +99,9 @@ class WindowVocoder(Vocoder):
     """
 
     def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False,
-                 graph_frames: int | None = None, row_granule: int = 0):
+                 graph_frames: int | None = None, row_granule: int = 0, split_cost: int | None = None):
         self.model = model
-        self.row_granule = row_granule
+        self.row_granule, self.split_cost = row_granule, split_cost
         self.device = model.device
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
@@ -126,6 +129,13 @@ class WindowVocoder(Vocoder):
 
     def _rows(self, n: int) -> int:
         return bucket_rows(n, self.row_granule)
+
+    def _groups(self, lengths: list[int]) -> list[list[int]]:
+        """The calls a round's windows go in: as full as the bounds allow, or with `split_cost` the
+        cheapest split, a call costing that many frame-rows plus its padded shape's (so a few long
+        rows do not pad many short ones to their length)."""
+        return group_jobs(lengths, self.max_batch, self.max_padded_frames, self.split_cost,
+                          lambda rows, longest: self._rows(rows) * bucket_frames(longest))
 
     def capture_graphs(self, graphs) -> None:
         """The carried decode at every (rows, frames) bucket a call reaches, up to `graph_frames`; largest
@@ -165,7 +175,7 @@ class WindowVocoder(Vocoder):
         out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(jobs)
         live = [i for i, j in enumerate(jobs) if j.length > j.context]
         lengths = [jobs[i].length for i in live]
-        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+        for group in self._groups(lengths):
             idx = [live[g] for g in group]
             longest = bucket_frames(max(jobs[i].length for i in idx))
             codes = torch.zeros(self._rows(len(idx)), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long)
@@ -200,7 +210,7 @@ class WindowVocoder(Vocoder):
                 (later if span[1].key in seen else round_).append(span)
                 seen.add(span[1].key)
             lengths = [w.end - w.start for _, w in round_]
-            for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+            for group in self._groups(lengths):
                 for g, samples in zip(group, self._decode_round([round_[g][1] for g in group], states)):
                     at = 0
                     for i in round_[g][0]:
