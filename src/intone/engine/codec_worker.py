@@ -107,8 +107,7 @@ class ChunkQueue:
         return any(predicate(t[2]) for t in self._heap)
 
     def requests(self) -> int:
-        """Requests with a chunk waiting (what a call's rows come to when each request's waiting chunks
-        continue one another and decode as one span)."""
+        """Requests with a chunk waiting."""
         return len({id(t[2][0]) for t in self._heap})
 
 
@@ -264,10 +263,10 @@ class CodecWorker:
             self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
 
     def _hold(self) -> float:
-        """Seconds the next call should still wait for more chunks (0: start it now). A decode call
-        costs about the same up to a few dozen rows (launch-bound on the host; its kernels share the
-        GPU with the AR steps), so gathering rows for a few steps makes the codec's share smaller,
-        at the price of that wait on each request's last audio."""
+        """Seconds the next call should still wait for more chunks (0: start it now). A call of a few
+        rows costs about what one of a few dozen does (launch-bound), so a run of small calls keeps
+        the codec busy and a request's last piece queues behind it; gathered, the pieces go in fewer
+        calls and the last one waits for one (Fish, session 23: +10%, completion -0.25 s)."""
         if self._gather_s <= 0 or self._waiting.requests() >= self._full:
             return 0.0
         if self._waiting.holds(lambda item: not is_piece(item)):

@@ -96,10 +96,10 @@ class CodecStageConfig(_Strict):
     sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
                                                  "(a CUDA green context; GPU, in-process worker): the rest stay free "
                                                  "for the AR step's kernels whatever the codec runs (None: all)")
-    gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec worker starts a call once its "
-                             "oldest waiting chunk has waited this long (at once when max_batch requests wait or a "
-                             "new stream's first chunk does): fewer, larger calls beside the AR (0: every call as "
-                             "soon as the worker is free)")
+    gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec worker starts a call made only of "
+                             "non-streamed requests' pieces once the oldest has waited this long (at once when "
+                             "max_batch requests wait or any stream's chunk does, which takes them along): fewer, "
+                             "larger calls beside the AR (0: every call as soon as the worker is free)")
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")
