@@ -28,7 +28,6 @@ def test_high_concurrency_reference_values():
     ("chunking: {whole_chunk_frames: 50}", "chunking.whole_chunk_frames needs codec.carry_state"),
     ("chunking: {listener_margin_s: 0.5}", "chunking.listener_margin_s needs codec.carry_state"),
     ("chunking: {backlog_load_threshold: 1.5}", "chunking.backlog_load_threshold"),
-    ("codec: {gather_ms: 40, process: true}", "codec.gather_ms needs the in-process codec worker"),
     ("chunking: {ramp_factor: 1.5, growth_factor: 2}", "ramp_factor"),
     ("codec: {row_granule: 65}", "codec.row_granule"),
     ("nonsense: 1", "nonsense"),

@@ -99,7 +99,8 @@ class CodecStageConfig(_Strict):
     gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec worker starts a call made only of "
                              "non-streamed requests' pieces once the oldest has waited this long (at once when "
                              "max_batch requests wait or any stream's chunk does, which takes them along): fewer, "
-                             "larger calls beside the AR (0: every call as soon as the worker is free)")
+                             "larger calls beside the AR (0: every call as soon as the worker is free; the codec "
+                             "process and the in-loop codec take what waits)")
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")
@@ -204,9 +205,8 @@ class Profile(_Strict):
             raise ValueError("chunking.ramp_factor must be > 1 (or 0: off), and excludes chunking.growth_factor")
         if self.codec.device is not None and not self.codec.process:
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
-        for name, value in (("codec.sms", self.codec.sms), ("codec.gather_ms", self.codec.gather_ms)):
-            if value and (self.codec.process or not self.codec.overlap):
-                raise ValueError(f"{name} needs the in-process codec worker (codec.overlap, no codec.process)")
+        if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
+            raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
         # each works on the carried decode, whose audio does not depend on where its chunks begin
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
                             ("chunking.listener_margin_s", c.listener_margin_s),
