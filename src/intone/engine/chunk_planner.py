@@ -45,8 +45,6 @@ class ChunkPolicy:
                  self.lookahead_frames, self.max_chunk_frames, self.align_first_chunk, self.whole_chunk_frames)
         if min(sizes) < 0:
             raise ValueError("chunk sizes, context and lookahead must be >= 0")
-        if self.ramp_factor and (self.ramp_factor <= 1 or self.growth_factor > 1):
-            raise ValueError("ramp_factor must be > 1 (or 0: off), and excludes growth_factor")
         if self.listener_margin_s < 0 or (self.listener_margin_s > 0 and self.frame_seconds <= 0):
             raise ValueError("listener_margin_s must be >= 0, and needs frame_seconds > 0")
 
@@ -173,7 +171,7 @@ class ChunkPlanner:
 
     def _listener_short(self, front: Frontier, now: float) -> bool:
         p = self.policy
-        if not p.listener_margin_s or front.hop or front.first_released is None:
+        if not p.listener_margin_s or not front.listened or front.first_released is None:
             return False  # off, a non-streamed request, or no first chunk yet (its own size decides it)
         return now + p.listener_margin_s >= front.first_released + front.emitted * p.frame_seconds
 

@@ -38,7 +38,7 @@ import zmq
 from intone.engine.child import parent_sockets, watch_parent
 from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
 from intone.engine.config import Profile
-from intone.engine.loading import codec_stage_for, load_for_profile, warm_up_codec
+from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +182,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
     stage = codec_stage_for(model, profile)
     with torch.inference_mode():
         if model.device.type == "cuda":
-            torch.backends.cudnn.benchmark = c.cudnn_benchmark
-            torch.backends.cudnn.deterministic = c.deterministic
+            set_cudnn(profile)
             warm_up_codec(stage, profile, model.max_seq_len)
         push.send(pickle.dumps(("ready", None)))
         first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else None

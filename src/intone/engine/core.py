@@ -21,7 +21,7 @@ from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
-from intone.engine.loading import codec_stage_for, load_for_profile, warm_up_codec
+from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
 from intone.engine.model_runner import ModelRunner
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
@@ -99,8 +99,7 @@ class EngineCore:
         gpu = self.model.device.type == "cuda"
         self.frontend_graphs: FunctionGraphs | None = None
         if gpu:
-            torch.backends.cudnn.benchmark = self.profile.codec.cudnn_benchmark
-            torch.backends.cudnn.deterministic = self.profile.codec.deterministic
+            set_cudnn(self.profile)
             log.info("start-up: warming the reference frontend's shapes")
             # Graphs of the frontend's networks: their eager launches (thousands of small kernels
             # per clip) would hold the GIL the engine loop needs.

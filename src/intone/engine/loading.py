@@ -50,6 +50,13 @@ def load_for_profile(model_spec: str, profile: Profile):
     return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
 
 
+def set_cudnn(profile: Profile) -> None:
+    """cuDNN's process-wide switches as the codec section asks (GPU; before the warm-ups, whose
+    shapes then keep the plans they chose)."""
+    torch.backends.cudnn.benchmark = profile.codec.cudnn_benchmark
+    torch.backends.cudnn.deterministic = profile.codec.deterministic
+
+
 def codec_stage_for(model, profile: Profile) -> CodecStage:
     """The codec stage over the model's vocoder (given the profile's codec section and the family's own)."""
     return CodecStage(model.make_vocoder(profile.codec, profile.options_for(model.name)))
