@@ -74,7 +74,8 @@ for stage in "$@"; do
     profile-cosy-stream) timeout ${T:-300} python3 tools/step_profile.py --model random:cosyvoice3 --profile cosyvoice3-streaming --stream \
         --frames normal:128:45 --steps 200 ${PROFILE_ARGS:-} 2>&1 | grep -v Warn > "$OUT/profile-cosy-stream${TAG}.txt"
       head -40 "$OUT/profile-cosy-stream${TAG}.txt" ;;
-    profile-cosy) timeout 300 python3 tools/step_profile.py --model random:cosyvoice3 --profile "$COSY_FULL" --frames normal:128:45 2>&1 | tee "$OUT/profile-cosy.txt" | tail -45 ;;
+    profile-cosy) timeout ${T:-300} python3 tools/step_profile.py --model random:cosyvoice3 --profile "$COSY_FULL" --frames normal:128:45 \
+        ${PROFILE_ARGS:-} 2>&1 | grep -v Warn > "$OUT/profile-cosy${TAG}.txt"; head -60 "$OUT/profile-cosy${TAG}.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
   rm -rf "$OUT"/*/dataset "$OUT"/*/*.png  # the generated clips: too many files to bring back
