@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, ar-timing, flow-calls (FLOW_ARGS='--sms 96'), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, ar-timing, flow-calls (FLOW_ARGS='--sms 96'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -37,6 +37,8 @@ for stage in "$@"; do
         | tee "$OUT/probe-${PROBE_TAG:-0}.txt" | grep -v Warning | tail -${PROBE_TAIL:-60} ;;
     flow-calls) timeout ${T:-400} python3 -m intone.bench.cosy_flow_calls ${FLOW_ARGS:-} 2>&1 | tee "$OUT/flow-calls.txt" \
         | grep -v Warn | tail -20 ;;
+    # flow-kernels: a full-response codec call alone, per flow variant (FK_ARGS='--rows 12 --variant name:dtype:autocast:attention')
+    flow-kernels) timeout ${T:-300} python3 tools/flow_kernels.py ${FK_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/flow-kernels.txt" | tail -20 ;;
     hift-timing) timeout 200 python3 tools/hift_timing.py 2>&1 | tee "$OUT/hift-timing.txt" | grep -v Warn | tail -12 ;;
     cosy-frontend) timeout 200 python3 tools/cosy_frontend_timing.py 2>&1 | tee "$OUT/cosy-frontend.txt" | tail -20 ;;
     fish-http) timeout ${T:-420} $INTONE bench --model random:fish-s2 --profile fish-s2-high-concurrency --preset seedtts-fish \
