@@ -443,6 +443,58 @@ def test_packed_rows_give_the_padded_mel(flow, rows, kernel):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(4, 90), st.booleans(), st.booleans()), min_size=1, max_size=5))
+def test_varlen_attention_gives_the_padded_mel(flow, rows):
+    """`cosyvoice3.flow.attention: varlen`: a call of whole rows runs packed, each row attending only to
+    itself; a call with a streamed row runs padded under the dense mask. Either way every row gets the mel
+    of the padded SDPA solve (float64, eager: the row-by-row reference of the kernel, to 1e-12)."""
+    g = torch.Generator().manual_seed(len(rows))
+    reqs = [request(g, prompt=p, tokens=n, streaming=s, finalize=f) for p, n, s, f in rows]
+    padded = flow.inference(reqs)
+    flow.decoder.estimator.attention_kernel = "varlen"
+    try:
+        assert flow.runs_packed(reqs) == (not any(r.streaming for r in reqs))
+        got = flow.inference(reqs)
+    finally:
+        flow.decoder.estimator.attention_kernel = "sdpa"
+    for a, b in zip(got, padded):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_compiled_varlen_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
+    """The varlen kernel as the full-response stage runs it (compiled DiT, bf16 autocast, FlashAttention's
+    variable-length kernel on packed rows) against the dense-mask SDPA flow on padded rows: the same mel
+    to bf16 rounding, for whole rows of different lengths; a call with a streamed row (padded, dense mask)
+    too; a second batch of other lengths compiles nothing new."""
+    flow = make_flow(torch.float32).cuda()
+    g = torch.Generator().manual_seed(12)
+
+    def on_gpu(r):
+        return FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(),
+                           r.streaming, r.finalize)
+
+    batches = [[on_gpu(request(g, prompt=p, tokens=n, streaming=s, finalize=not s, dtype=torch.float32))
+                for p, n, s in rows] for rows in (((8, 60, False), (12, 41, False), (5, 97, False)),
+                                                  ((20, 130, False), (3, 33, False)),
+                                                  ((9, 70, True), (4, 50, False)))]
+    with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+        dense = [flow.inference(b) for b in batches]
+        flow.decoder.estimator.attention_kernel = "varlen"
+        torch._dynamo.reset()
+        compile_dit(flow.decoder.estimator, "dit")
+        got = [flow.inference(batches[0])]
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        got += [flow.inference(batches[1]), flow.inference(batches[2])]
+        got.append(flow.inference(batches[0][1:]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 1  # the padded path's, once
+    for got_batch, want_batch in zip(got, dense + [dense[0][1:]]):
+        for a, b in zip(got_batch, want_batch):
+            assert a.shape == b.shape
+            assert (a - b).abs().max() < 5e-2
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 400), st.booleans()), min_size=1, max_size=5), st.sampled_from([50, 0, 37]))
 def test_the_packed_block_mask_misses_no_visible_pair_and_skips_no_hidden_one(rows, chunk):
@@ -453,7 +505,7 @@ def test_the_packed_block_mask_misses_no_visible_pair_and_skips_no_hidden_one(ro
 
     from intone.models.cosyvoice3.packing import packing
 
-    ours = packing([n for n, _ in rows], [s for _, s in rows], 400, chunk, 30, True, torch.device("cpu")).mask
+    ours = packing([n for n, _ in rows], [s for _, s in rows], 400, chunk, 30, "flex", torch.device("cpu")).mask
     size = ours.seq_lengths[0]
     theirs = create_block_mask(ours.mask_mod, 1, None, size, size, device="cpu")
 

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from intone.ops.varlen_attention import RowSpans, varlen_attention
+
 # Not cuDNN's attention (torch's first choice on Hopper since 2.11). Streamed CosyVoice3 on the H200
 # twice lost the engine to an illegal memory access (2026-12-01 with deadline scheduling; 2026-12-02 at
 # start, first seen in the codec thread's next cuDNN call after a flow call); full responses never did.
@@ -195,7 +197,11 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         q = apply_rope(self.to_q(x), rope)
         k = apply_rope(self.to_k(x), rope)
-        q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
+        v = self.to_v(x)
+        if isinstance(mask, RowSpans):  # packed rows [1, S, C], each attending to itself
+            out = varlen_attention(*(y.view(n, self.heads, -1) for y in (q, k, v)), mask)
+            return self.to_out[0](out.reshape(b, n, -1)).masked_fill(~valid[..., None], 0.0), (k, v)
+        q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, v))
         keys, values = (k, v) if past is None else (torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2))
         if isinstance(mask, BlockMask):
             # Contiguous [B, H, T, D]: inductor's flex lowering takes no head-split views (torch 2.13)
@@ -267,7 +273,9 @@ class DiT(nn.Module):
         super().__init__()
         self.config = cfg
         # "sdpa": a dense boolean mask; "flex": a block mask for flex attention, whose kernel skips
-        # the key blocks that a row's padding or its chunk mask hides (fast only compiled).
+        # the key blocks that a row's padding or its chunk mask hides (fast only compiled); "varlen":
+        # calls without chunk masks packed, each row attending to itself (`ops.varlen_attention`),
+        # others as "sdpa".
         self.attention_kernel = "sdpa"
         self.time_embed = TimestepEmbedding(cfg.dim, cfg.time_freq_dim)
         self.input_embed = InputEmbedding(cfg)
@@ -347,8 +355,11 @@ class DiT(nn.Module):
         temb = self.time_embed(t)
         h = self.input_embed.packed(x, cond, mu, spks, packing)
         rope = self.rotary_embed.at(packing.positions)
+        mask = packing.mask
+        if isinstance(mask, RowSpans):  # no row is longer than the padded rows
+            mask = RowSpans(mask.starts, x.shape[1])
         for block in self.transformer_blocks:
-            h, _ = block(h, temb, packing.mask, packing.valid, rope, rows=packing.rows)
+            h, _ = block(h, temb, mask, packing.valid, rope, rows=packing.rows)
         return packing.unpack(self._out(h, temb, packing.rows), x.shape[0], x.shape[1])
 
     def _out(self, h: Tensor, temb: Tensor, rows: Tensor | None = None) -> Tensor:

@@ -178,7 +178,7 @@ class CausalCFM(nn.Module):
         """The packing of a solve's rows (host lists, before `start` doubles them) padded to `total` frames."""
         dit = self.estimator
         return packing(lengths * 2, streaming * 2, total, dit.config.static_chunk_size,
-                       dit.input_embed.conv_pos_embed.pad, dit.attention_kernel == "flex", self.noise_bits.device)
+                       dit.input_embed.conv_pos_embed.pad, dit.attention_kernel, self.noise_bits.device)
 
     def _step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, mask, t: Tensor, dt: Tensor) -> Tensor:
         """mask: `attention_mask`'s (mask, valid), or a Packing."""
@@ -249,6 +249,11 @@ class CosyFlow(nn.Module):
             return pad_solve_inputs(*inputs, inputs[0].shape[0], FLEX_BLOCK + 1)
         return inputs
 
+    def runs_packed(self, requests: list[FlowRequest]) -> bool:
+        """The DiT runs on packed rows: `packed`, or the varlen kernel on a call without chunk masks."""
+        by_rows = self.decoder.estimator.attention_kernel == "varlen" and not any(r.streaming for r in requests)
+        return self.decoder.packed or by_rows
+
     def _padded_solve_inputs(self, requests: list[FlowRequest]) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         inputs = self.solve_inputs(requests)
         return inputs, pad_solve_inputs(*inputs, *graph_shape(len(requests), inputs[0].shape[1]))
@@ -268,7 +273,7 @@ class CosyFlow(nn.Module):
         if graphs is None:
             inputs = self._eager_inputs(self.solve_inputs(requests))
             packed = self.decoder.packing_of(self.mel_lengths(requests), [r.streaming for r in requests],
-                                             inputs[0].shape[1]) if self.decoder.packed else None
+                                             inputs[0].shape[1]) if self.runs_packed(requests) else None
             mel = self.decoder(*inputs, pause=pause, packing=packed)
         else:
             inputs, padded = self._padded_solve_inputs(requests)

@@ -24,9 +24,13 @@ class FlowOptions(_Strict):
     compile_unit: Literal["dit", "block"] = Field(
         "dit", description="with compile: the whole DiT as one graph, or each transformer block (the same code "
                            "compiled once: start-up ~10x shorter, the kernels between blocks eager)")
-    attention: Literal["sdpa", "flex"] = Field(
-        "sdpa", description="the DiT's attention as SDPA under a dense mask, or flex attention under a block mask "
-                            "that skips the key blocks padding and the chunk mask hide (GPU: with compile only)")
+    attention: Literal["sdpa", "flex", "varlen"] = Field(
+        "sdpa", description="the DiT's attention as SDPA under a dense mask, flex attention under a block mask "
+                            "that skips the key blocks padding and the chunk mask hide (GPU: with compile only), "
+                            "or varlen: a call of whole responses (no chunk mask) runs on its rows' frames packed "
+                            "end to end, each row attending to itself through FlashAttention's variable-length "
+                            "kernel (GPU, half precision: autocast or dtype), no work on padding; calls with "
+                            "streamed hops as sdpa")
     cuda_graphs: bool = Field(False, description="replay each Euler step of the flow's ODE solve (a DiT pass with CFG) "
                                                  "from CUDA graphs captured at start-up, one per (rows, frames) bucket "
                                                  "(GPU); a solve keeps its pause points between steps")
@@ -52,6 +56,9 @@ class FlowOptions(_Strict):
         if self.cuda_graphs and self.cache:
             raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
                              "(the graphs replay the whole-prefix solve)")
+        if self.attention == "varlen" and (self.cuda_graphs or self.cache):
+            raise ValueError("cosyvoice3.flow.attention varlen needs cosyvoice3.flow.cuda_graphs and "
+                             "cosyvoice3.flow.cache off (their solves are padded)")
         if self.packed and (self.cuda_graphs or self.cache):
             raise ValueError("cosyvoice3.flow.packed needs cosyvoice3.flow.cuda_graphs and cosyvoice3.flow.cache off "
                              "(their solves are padded)")

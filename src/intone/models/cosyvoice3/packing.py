@@ -5,7 +5,8 @@ work is padding (session 20). Packed, the rows' valid frames lie end to end in o
 per-frame piece of the DiT (projections, norms, feed-forward) then computes only real frames. Each
 frame attends to an interval of that sequence: its own row, up to the end of its chunk for a
 streamed row (`DiT.attention_mask`'s pattern); the input embedding's causal convolutions run on a
-layout with `pad` zeros before each row, as the padded solve's own zero padding gives them.
+layout with `pad` zeros before each row, as the padded solve's own zero padding gives them. A call of
+whole rows only (no chunk mask) with the `varlen` kernel attends row by row (`ops.varlen_attention`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, block_lists
+from intone.ops.varlen_attention import RowSpans
 
 
 @dataclass
@@ -26,7 +28,7 @@ class Packing:
     (unused: rows * total, a frame of none), `positions` [S] its index in its row (RoPE), `valid` [1, S];
     `gapped` [S] its place in the convolutions' layout, `kept` [1, G, 1] 1 where a frame lies there
     (zeros before each row; unused slots all go to its last place, never kept); `mask` the attention
-    pattern (flex BlockMask, or boolean [1, 1, S, S] for SDPA). No Python numbers: compiled code sees
+    pattern (flex BlockMask, RowSpans for the varlen kernel, or boolean [1, 1, S, S] for SDPA). No Python numbers: compiled code sees
     tensors only, so one compile serves every packing."""
 
     rows: Tensor
@@ -35,7 +37,7 @@ class Packing:
     valid: Tensor
     gapped: Tensor
     kept: Tensor
-    mask: Tensor | BlockMask
+    mask: Tensor | BlockMask | RowSpans
 
     def pack(self, y: Tensor) -> Tensor:
         """Padded [rows, total, C] -> packed [1, S, C] (unused slots: zeros)."""
@@ -48,10 +50,13 @@ class Packing:
         return out[:-1].view(rows, total, -1)
 
 
-def packing(lengths: list[int], streaming: list[bool], total: int, chunk: int, pad: int, flex: bool,
+def packing(lengths: list[int], streaming: list[bool], total: int, chunk: int, pad: int, kernel: str,
             device: torch.device) -> Packing:
     """The packing of rows of these valid lengths (host lists: no read from the device), padded to
-    `total` frames each; chunk: the DiT's static chunk (<= 0: none); pad: its convolutions' context."""
+    `total` frames each; chunk: the DiT's static chunk (<= 0: none); pad: its convolutions' context;
+    kernel: the DiT's attention kernel (`varlen` with a streamed row under a chunk mask: SDPA's mask)."""
+    flex = kernel == "flex"
+    by_rows = kernel == "varlen" and not (chunk > 0 and any(streaming))
     starts = torch.tensor([0, *lengths]).cumsum(0)
     used = int(starts[-1])
     size = max(used, FLEX_BLOCK + 1) if flex else used  # flex: two blocks at least (one would compile apart)
@@ -74,7 +79,10 @@ def packing(lengths: list[int], streaming: list[bool], total: int, chunk: int, p
             (torch.arange(size) < used).long(), kept.long())
     # one transfer (each from pageable memory waits for the stream), split into its pieces
     rows, frames, positions, gapped, lo, hi, valid, kept = torch.cat(host).to(device).split([len(t) for t in host])
-    mask = _block_mask(lo, hi, size) if flex else _dense_mask(lo, hi, size)
+    if by_rows:
+        mask = RowSpans(starts.to(device=device, dtype=torch.int32))
+    else:
+        mask = _block_mask(lo, hi, size) if flex else _dense_mask(lo, hi, size)
     return Packing(rows, frames, positions, valid.bool()[None], gapped, kept.bool()[None, :, None], mask)
 
 

@@ -256,9 +256,9 @@ class CosyVocoder(Vocoder):
         # (flow_cache) are not solved already
         lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
-        packed = model.flow.decoder.packed  # no padding computed (options: not with the cache or graphs)
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
+            packed = model.flow.runs_packed([jobs[i] for i in idx])  # no padding computed (not with cache or graphs)
             with self._autocast():
                 if self.flow_cache:
                     mels, kept = solve_continued(model.flow, [jobs[i] for i in idx], [given[i] for i in idx],
