@@ -74,6 +74,22 @@ def compile_dit(estimator, unit: str) -> None:
         block.forward = torch.compile(block.forward, dynamic=True)
 
 
+def compile_batches(flow, device) -> list[list[FlowRequest]]:
+    """The flow calls that compile the DiT at start-up: a whole and a streamed row (the padded solve),
+    and with the varlen kernel three whole rows (the packed solve) whose sizes (rows, slots, padded
+    frames, the convolutions' layout) all differ: dynamic shapes equate the sizes equal at their first
+    compile, and a later call where they differ compiles again (real size: a minute, mid-service)."""
+    def row(tokens: int, streaming: bool) -> FlowRequest:
+        return FlowRequest(torch.zeros(tokens, dtype=torch.long, device=device),
+                           torch.zeros(30, dtype=torch.long, device=device), torch.zeros(60, 80, device=device),
+                           torch.ones(192, device=device), streaming=streaming, finalize=not streaming)
+
+    batches = [[row(40, False), row(50, True)]]
+    if flow.decoder.estimator.attention_kernel == "varlen":
+        batches.append([row(40 + 10 * i, False) for i in range(3)])
+    return batches
+
+
 class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
@@ -144,21 +160,20 @@ class CosyVocoder(Vocoder):
                 self.model.flow.capture_solve([dummy] * r, graphs)
 
     def compile_flow(self, unit: str = "dit") -> None:
-        """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on a small dummy
-        batch, so no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
+        """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on small dummy
+        calls (`compile_batches`), so no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
         compile_dit(self.model.flow.decoder.estimator, unit)
         dev = self.model.codec_device
-        dummy = [FlowRequest(torch.zeros(40 + 10 * i, dtype=torch.long, device=dev),
-                             torch.zeros(30, dtype=torch.long, device=dev), torch.zeros(60, 80, device=dev),
-                             torch.ones(192, device=dev), streaming=bool(i), finalize=not i) for i in range(2)]
+        dummy = compile_batches(self.model.flow, dev)
         with self._autocast():
-            self.model.flow.inference(dummy)
+            for batch in dummy:
+                self.model.flow.inference(batch)
             if self.flow_cache:
                 # Three streams' first hops (no cache; 200 mel frames), then their next (200 solved + 50 new).
                 # Sizes that differ from each other (rows, frames, past frames, flex blocks), so the compiled
                 # code ties none of them (dynamic shapes equate the sizes equal at their first compile, and
                 # a later call where they differ compiles again: real size, a minute each).
-                first, second = ([replace(dummy[1], tokens=torch.zeros(n, dtype=torch.long, device=dev))] * 3
+                first, second = ([replace(dummy[0][1], tokens=torch.zeros(n, dtype=torch.long, device=dev))] * 3
                                  for n in (73, 98))
                 kept = solve_continued(self.model.flow, first, [None] * 3, [True] * 3)[1]
                 solve_continued(self.model.flow, second, kept, [True] * 3)
