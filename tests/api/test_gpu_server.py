@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 # replayed from graphs on cuDNN's deterministic plans with rows padded to multiples of 8 and calls split by length; CosyVoice3 once with the
 # flow's solve and HiFT's calls replayed from graphs (the flex-attention DiT compiled, its block masks built inside
 # the graphs), once with the flex DiT compiled and eager, HiFT in fp16, the codec on a share of the SMs and first
-# chunks decoded at the backlog calls' Euler steps.
+# chunks decoded at the backlog calls' Euler steps; and the full-response profile with the varlen DiT compiled under
+# bf16 autocast (FlashAttention needs half precision), whole responses packed and streams padded, HiFT from graphs.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:fish-s2", "fish-s2-high-concurrency", {"stream_graph_frames": 64, "row_granule": 8,
                                                        "deterministic": True, "split_cost": 256}, {}, {},
@@ -32,7 +33,10 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},
           {"cuda_graphs": True}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},
-          {"compile": True, "attention": "flex"}, {"dtype": "float16"}, {})]
+          {"compile": True, "attention": "flex"}, {"dtype": "float16"}, {}),
+         ("tiny:cosyvoice3", "cosyvoice3-full-response", {},
+          {"compile": True, "attention": "varlen", "autocast": "bfloat16"}, {"cuda_graphs": True, "graph_frames": 512},
+          {})]
 
 
 def _metric(text: str, name: str) -> float:
@@ -64,8 +68,8 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     settings["codec"].update(codec)
     for section, overrides in sections.items():
         settings.setdefault(section, {}).update(overrides)
-    flow_settings.update(flow)
     flow_settings["autocast"] = "none"
+    flow_settings.update(flow)
     if model == "tiny:cosyvoice3":
         settings.setdefault("cosyvoice3", {})["flow"] = flow_settings
         settings["cosyvoice3"]["hift"] = hift
