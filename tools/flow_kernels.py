@@ -114,7 +114,8 @@ def main(argv=None) -> None:
         ms, kinds, kernels = timed(call, args.repeats)
         print(json.dumps(dict(piece="flow", variant=name, rows=args.rows, wall_ms=round(ms, 1),
                               gpu_ms_by_kind=kinds, kernels=kernels, useful_tflop_s=round(tflop / ms * 1000, 1),
-                              ms_per_row=round(ms / args.rows, 2), padding=round(padding, 3),
+                              ms_per_row=round(ms / args.rows, 2),
+                              padding=0.0 if model.flow.runs_packed(jobs) else round(padding, 3),
                               first_call_s=round(first, 1))), flush=True)
         if mels is not None and args.hift:
             for dt in args.hift.split(","):
