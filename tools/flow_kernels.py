@@ -85,8 +85,9 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[],
                     help="name:flow dtype (auto|bfloat16|float16):autocast (none|bfloat16|float16):attention (sdpa|flex)")
-    ap.add_argument("--hift", default="float32,float16", help="HiFT dtypes to time on the call's mels")
+    ap.add_argument("--hift", default="float32,float16", help="HiFT dtypes to time on the call's mels (none: no HiFT)")
     args = ap.parse_args(argv)
+    args.hift = "" if args.hift == "none" else args.hift
     device = torch.device("cuda", torch.cuda.current_device())
     jobs = full_response_jobs(args.rows, device)
     frames = [2 * (j.prompt_tokens.numel() + j.tokens.numel()) for j in jobs]
