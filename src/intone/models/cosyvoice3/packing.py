@@ -28,8 +28,8 @@ class Packing:
     (unused: rows * total, a frame of none), `positions` [S] its index in its row (RoPE), `valid` [1, S];
     `gapped` [S] its place in the convolutions' layout, `kept` [1, G, 1] 1 where a frame lies there
     (zeros before each row; unused slots all go to its last place, never kept); `mask` the attention
-    pattern (flex BlockMask, RowSpans for the varlen kernel, or boolean [1, 1, S, S] for SDPA). No Python numbers: compiled code sees
-    tensors only, so one compile serves every packing."""
+    pattern (flex BlockMask, RowSpans for the varlen kernel, or boolean [1, 1, S, S] for SDPA). No Python
+    numbers: compiled code sees tensors only, so one compile serves every packing."""
 
     rows: Tensor
     frames: Tensor
@@ -76,11 +76,12 @@ def packing(lengths: list[int], streaming: list[bool], total: int, chunk: int, p
     frames[:used] = rows * total + positions
     unused = torch.zeros(size - used, dtype=torch.long)
     host = (torch.cat((rows, unused)), frames, torch.cat((positions, unused)), gapped, lo, hi,
-            (torch.arange(size) < used).long(), kept.long())
+            (torch.arange(size) < used).long(), kept.long(), starts)
     # one transfer (each from pageable memory waits for the stream), split into its pieces
-    rows, frames, positions, gapped, lo, hi, valid, kept = torch.cat(host).to(device).split([len(t) for t in host])
+    rows, frames, positions, gapped, lo, hi, valid, kept, starts = \
+        torch.cat(host).to(device).split([len(t) for t in host])
     if by_rows:
-        mask = RowSpans(starts.to(device=device, dtype=torch.int32))
+        mask = RowSpans(starts.int())
     else:
         mask = _block_mask(lo, hi, size) if flex else _dense_mask(lo, hi, size)
     return Packing(rows, frames, positions, valid.bool()[None], gapped, kept.bool()[None, :, None], mask)
