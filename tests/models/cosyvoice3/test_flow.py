@@ -364,6 +364,16 @@ def test_the_flow_solve_replayed_from_its_graph_gives_the_eager_mel(autocast, co
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
+def gpu_batches(g, batches) -> list[list[FlowRequest]]:
+    """fp32 requests on the GPU, a batch per tuple of (prompt tokens, tokens, streamed) rows; whole rows finalize."""
+    def on_gpu(r):
+        return FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(),
+                           r.streaming, r.finalize)
+
+    return [[on_gpu(request(g, prompt=p, tokens=n, streaming=s, finalize=not s, dtype=torch.float32))
+             for p, n, s in rows] for rows in batches]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
 def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32, packed):
@@ -374,13 +384,7 @@ def test_compiled_flex_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32, packed):
     flow = make_flow(torch.float32).cuda()
     g = torch.Generator().manual_seed(11)
 
-    def on_gpu(r):
-        return FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(),
-                           r.streaming, r.finalize)
-
-    batches = [[on_gpu(request(g, prompt=p, tokens=n, streaming=s, finalize=not s, dtype=torch.float32))
-                for p, n, s in rows] for rows in (((8, 60, True), (12, 41, False), (5, 97, True)),
-                                                  ((20, 130, True), (3, 33, False)))]
+    batches = gpu_batches(g, (((8, 60, True), (12, 41, False), (5, 97, True)), ((20, 130, True), (3, 33, False))))
     with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
         dense = [flow.inference(b) for b in batches]
         flow.decoder.estimator.attention_kernel, flow.decoder.packed = "flex", packed
@@ -472,14 +476,8 @@ def test_compiled_varlen_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
     flow = make_flow(torch.float32).cuda()
     g = torch.Generator().manual_seed(12)
 
-    def on_gpu(r):
-        return FlowRequest(r.tokens.cuda(), r.prompt_tokens.cuda(), r.prompt_mel.cuda(), r.speaker.cuda(),
-                           r.streaming, r.finalize)
-
-    batches = [[on_gpu(request(g, prompt=p, tokens=n, streaming=s, finalize=not s, dtype=torch.float32))
-                for p, n, s in rows] for rows in (((8, 60, False), (12, 41, False), (5, 97, False)),
-                                                  ((20, 130, False), (3, 33, False)),
-                                                  ((9, 70, True), (4, 50, False)))]
+    batches = gpu_batches(g, (((8, 60, False), (12, 41, False), (5, 97, False)), ((20, 130, False), (3, 33, False)),
+                              ((9, 70, True), (4, 50, False))))
     with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
         dense = [flow.inference(b) for b in batches]
         flow.decoder.estimator.attention_kernel = "varlen"
