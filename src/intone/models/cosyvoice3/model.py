@@ -158,8 +158,9 @@ class CosyVoice3(TTSModel):
         if flow.attention == "flex" and gpu and not flow.compile:
             raise ValueError("cosyvoice3.flow.attention flex needs cosyvoice3.flow.compile on a GPU "
                              "(flex attention is fast only compiled)")
-        if flow.attention == "varlen" and gpu and flow.autocast == "none" and flow.dtype in ("auto", "float32") \
-                and self.flow.input_embedding.weight.dtype not in (torch.float16, torch.bfloat16):
+        weights = self.flow.input_embedding.weight.dtype if flow.dtype == "auto" else getattr(torch, flow.dtype)
+        half = flow.autocast != "none" or weights in (torch.float16, torch.bfloat16)
+        if flow.attention == "varlen" and gpu and not half:
             raise ValueError("cosyvoice3.flow.attention varlen needs half precision on a GPU "
                              "(cosyvoice3.flow.autocast or cosyvoice3.flow.dtype): FlashAttention has no fp32 kernel")
         self.flow.decoder.estimator.attention_kernel = flow.attention
