@@ -151,6 +151,29 @@ def is_first_chunk(item) -> bool:
     return item[1].start == 0
 
 
+def decode_timed(stage, items: list, tokens: list[int], pause=None, preempted: bool = False) -> DecodedBatch:
+    """`decode_batch` with its wall time and the stage's GPU spans; pause: `Preemption` (the calls it
+    makes at the pause points are timed by it, and taken out of this call's times)."""
+    start, gpu, flow = time.perf_counter(), stage.gpu_seconds, stage.flow_seconds
+    audio = decode_batch(stage, items, pause)
+    nested = (pause.seconds, pause.gpu_seconds, pause.flow_seconds) if pause is not None else (0.0, 0.0, 0.0)
+    return DecodedBatch(items, audio, time.perf_counter() - start - nested[0], tokens,
+                        gpu_seconds=stage.gpu_seconds - gpu - nested[1],
+                        flow_seconds=stage.flow_seconds - flow - nested[2], preempted=preempted)
+
+
+def hold_seconds(waiting: ChunkQueue, oldest: float | None, gather_s: float, full: int) -> float:
+    """Seconds the next call should still wait for more chunks (0: start it now). A call of a few
+    rows costs about what one of a few dozen does (launch-bound), so a run of small calls keeps
+    the codec busy and a request's last piece queues behind it; gathered, the pieces go in fewer
+    calls and the last one waits for one (Fish, session 23: +10%, completion -0.25 s)."""
+    if gather_s <= 0 or oldest is None or waiting.requests() >= full:
+        return 0.0
+    if waiting.holds(lambda item: not is_piece(item)):
+        return 0.0  # a listener's audio never waits for company
+    return max(0.0, oldest + gather_s - time.perf_counter())
+
+
 class Preemption:
     """The pause points of one call over the backlog: at each, the first chunks waiting are decoded
     before the call goes on. On a GPU it also keeps the call's launches at most one pause point ahead
@@ -263,29 +286,16 @@ class CodecWorker:
             self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
 
     def _hold(self) -> float:
-        """Seconds the next call should still wait for more chunks (0: start it now). A call of a few
-        rows costs about what one of a few dozen does (launch-bound), so a run of small calls keeps
-        the codec busy and a request's last piece queues behind it; gathered, the pieces go in fewer
-        calls and the last one waits for one (Fish, session 23: +10%, completion -0.25 s)."""
-        if self._gather_s <= 0 or self._waiting.requests() >= self._full:
-            return 0.0
-        if self._waiting.holds(lambda item: not is_piece(item)):
-            return 0.0  # a listener's audio never waits for company
-        return max(0.0, self._oldest + self._gather_s - time.perf_counter())
+        return hold_seconds(self._waiting, self._oldest, self._gather_s, self._full)
 
     def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
                 preempted: bool = False) -> DecodedBatch:
-        start, gpu, flow = time.perf_counter(), self.stage.gpu_seconds, self.stage.flow_seconds
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             if stream is None:
-                audio = decode_batch(self.stage, items, pause)
+                decoded = decode_timed(self.stage, items, tokens, pause, preempted)
             else:
                 with torch.cuda.stream(stream):
-                    audio = decode_batch(self.stage, items, pause)
-        nested = (pause.seconds, pause.gpu_seconds, pause.flow_seconds) if pause is not None else (0.0, 0.0, 0.0)
-        decoded = DecodedBatch(items, audio, time.perf_counter() - start - nested[0], tokens,
-                               gpu_seconds=self.stage.gpu_seconds - gpu - nested[1],
-                               flow_seconds=self.stage.flow_seconds - flow - nested[2], preempted=preempted)
+                    decoded = decode_timed(self.stage, items, tokens, pause, preempted)
         with self._wake:
             self._done.append(decoded)
             self._ready.set()

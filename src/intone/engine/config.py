@@ -79,7 +79,8 @@ class CodecStageConfig(_Strict):
                                    "extra call (None: one call as full as max_batch and max_padded_frames allow)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
-                                            "the AR steps; false: in the engine loop")
+                                            "the AR steps; false: in the engine loop between its steps, the two "
+                                            "taking turns on the GPU (`engine/loop_codec.py`)")
     process: bool = Field(False, description="decode in a child process of the engine core, with its own copy of "
                                              "the model and its own interpreter (so no GIL shared with the AR "
                                              "loop); overrides overlap")
@@ -96,11 +97,11 @@ class CodecStageConfig(_Strict):
     sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
                                                  "(a CUDA green context; GPU, in-process worker): the rest stay free "
                                                  "for the AR step's kernels whatever the codec runs (None: all)")
-    gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec worker starts a call made only of "
-                             "non-streamed requests' pieces once the oldest has waited this long (at once when "
-                             "max_batch requests wait or any stream's chunk does, which takes them along): fewer, "
-                             "larger calls beside the AR (0: every call as soon as the worker is free; the codec "
-                             "process and the in-loop codec take what waits)")
+    gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec (worker or loop) starts a call "
+                             "made only of non-streamed requests' pieces once the oldest has waited this long (at once "
+                             "when max_batch requests wait or any stream's chunk does, which takes them along; in "
+                             "the loop also when nothing else runs): fewer, larger calls (0: every call as soon as "
+                             "the codec is free; the codec process takes what waits)")
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")

@@ -16,12 +16,13 @@ import torch
 from intone.engine.ar_loop import ARLoop
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_process import CodecProcess
-from intone.engine.codec_worker import CodecWorker, DecodedBatch, decode_batch
+from intone.engine.codec_worker import CodecWorker, DecodedBatch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
+from intone.engine.loop_codec import LoopCodec
 from intone.engine.model_runner import ModelRunner
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
@@ -73,7 +74,7 @@ class EngineCore:
         if profile.codec.carry_state and model.stream_decoder() is None:
             raise ValueError(f"codec.carry_state: {model.name} has no stream decoder")
         self.codec = None if codec_process else codec_stage_for(model, profile)
-        self.codec_worker: CodecWorker | CodecProcess | None = codec_process
+        self.codec_worker: CodecWorker | CodecProcess | LoopCodec = codec_process
         # Most urgent: the frontend's small kernels otherwise wait behind the codec's for every SM.
         self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
         model.configure_frontend(profile.options_for(model.name))
@@ -83,13 +84,16 @@ class EngineCore:
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
         self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
-        if codec_process is None and profile.codec.overlap:
+        codec = profile.codec
+        if codec_process is None and codec.overlap:
             # Before the start-up's minutes of warm-ups and captures, so a codec.sms the GPU cannot
             # give fails at once; its threads stay idle until the first chunk.
-            self.codec_worker = CodecWorker(self.codec, model.device, profile.codec.call_size,
-                                            first_alone=profile.codec.schedule == "first", sms=profile.codec.sms,
-                                            preempt=profile.codec.schedule == "preempt",
-                                            gather_s=profile.codec.gather_ms / 1000, full=profile.codec.max_batch)
+            self.codec_worker = CodecWorker(self.codec, model.device, codec.call_size,
+                                            first_alone=codec.schedule == "first", sms=codec.sms,
+                                            preempt=codec.schedule == "preempt",
+                                            gather_s=codec.gather_ms / 1000, full=codec.max_batch)
+        elif codec_process is None:
+            self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch)
         self._start_up()
 
     def _start_up(self) -> None:
@@ -268,7 +272,7 @@ class EngineCore:
             steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
-            finished=dict(self.stats.finished), codec_calls=(self.codec_worker or self.codec).calls,
+            finished=dict(self.stats.finished), codec_calls=self.codec_worker.calls,
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,
             codec_first_calls=self.stats.first_calls, codec_first_call_seconds=self.stats.first_call_seconds,
             codec_first_call_gpu_seconds=self.stats.first_call_gpu_seconds,
@@ -292,12 +296,11 @@ class EngineCore:
     def close(self) -> None:
         """Stop the frontend and codec workers (the process is ending)."""
         self.frontend.close()
-        if self.codec_worker is not None:
-            self.codec_worker.close()
+        self.codec_worker.close()
 
     def has_work(self) -> bool:
         return (bool(self.requests) or bool(self._outbox) or bool(self._preparing) or bool(self._encoded)
-                or bool(self.frontend.pending_encodes) or bool(self.codec_worker and self.codec_worker.in_flight)
+                or bool(self.frontend.pending_encodes) or bool(self.codec_worker.in_flight)
                 or self.ar.busy)
 
     def progress(self) -> dict[str, int]:
@@ -321,16 +324,15 @@ class EngineCore:
                     check_device(error)
             self._encoded += encoded
         worker = self.codec_worker
-        if worker and worker.in_flight and not self.scheduler.running and not self.scheduler.waiting:
+        if worker.in_flight and not self.scheduler.running and not self.scheduler.waiting:
             worker.wait(IDLE_WAIT_S)  # only the codec has work: wait for it rather than spin
         finished = self.ar.step(self.scheduler.schedule())
         done = set(finished)
         live = {rid: (r.frontier, r.num_frames) for rid, r in self.requests.items()
                 if r.status is Status.RUNNING or rid in done}
         self._emit(self._plan(live, finished))
-        if worker:
-            for decoded in worker.collect():
-                self._deliver(decoded)
+        for decoded in worker.collect():
+            self._deliver(decoded)
         out, self._outbox = self._outbox, []
         return out
 
@@ -341,8 +343,8 @@ class EngineCore:
         return chunks
 
     def _emit(self, chunks: list[Chunk]) -> None:
-        """Hand the step's due chunks to the codec: to its worker (overlapped with the next AR
-        steps), or decoded here."""
+        """Hand the step's due chunks to the codec: its worker (beside the next AR steps), its
+        process, or the loop's own (`LoopCodec`, decoding at this step's collect)."""
         if not chunks:
             return
         items = [(self.requests[c.request_id], c) for c in chunks]
@@ -352,11 +354,6 @@ class EngineCore:
             req.codec_in_flight += 1
             if req.times.first_planned is None:
                 req.times.first_planned = now
-        if self.codec_worker is None:
-            start = time.perf_counter()
-            audio = decode_batch(self.codec, items)
-            self._deliver(DecodedBatch(items, audio, time.perf_counter() - start, tokens))
-            return
         # Backpressure: the loop waits only while a full codec call's worth of chunks is already
         # queued, so the worker's next call is full (large batches are what make the codec fast),
         # and the queue stays bounded.
@@ -421,8 +418,7 @@ class EngineCore:
         self.scheduler.remove(req)
         if self.requests.pop(req.request_id, None) is not None:
             self.stats.finished[reason or "unknown"] += 1
-        if self.codec_worker is not None:
-            self.codec_worker.release(req.request_id)
+        self.codec_worker.release(req.request_id)
         if not req.codec_in_flight:  # else the codec worker still reads them; they go with the request
             req.codes = req.codec_state = None
 

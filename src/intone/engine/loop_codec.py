@@ -1,0 +1,71 @@
+"""The codec stage in the engine loop (`codec.overlap: false`): the AR and the codec take turns on the GPU.
+
+Beside the AR (`codec_worker`, a thread and a CUDA stream of its own) the two share the GPU's SMs and
+one interpreter, and each slows the other: Fish's AR graphs ran ~60% slower beside the codec, whose
+calls took ~5x their time alone (session 23); CosyVoice3's flow 1.4x and HiFT 3.3x (session 24). Here
+the loop decodes between its steps, so each runs alone. With `codec.gather_ms` the non-streamed
+pieces wait for company exactly as the worker's do (`codec_worker.hold_seconds`), so the calls that
+stop the AR are few and large; a stream's chunk never waits, and takes the waiting pieces along.
+Same interface as `CodecWorker` (submit, collect, wait, queued, in_flight), so the core drives either.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_timed, hold_seconds
+
+
+class LoopCodec:
+    def __init__(self, stage, max_call: int | None = None, gather_s: float = 0.0, full: int = 64):
+        """max_call: chunks per call at most (None: every waiting chunk); gather_s, full: `hold_seconds`."""
+        self.stage = stage
+        self._waiting = ChunkQueue(max_call)
+        self._gather_s, self._full = gather_s, full
+        self._oldest: float | None = None  # when the oldest chunk still waiting was handed over
+        self._done: list[DecodedBatch] = []
+        self.in_flight = 0  # chunks handed over and not yet collected
+
+    def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
+        """deadlines: per item (perf_counter seconds), the order in which a capped call takes them."""
+        self.in_flight += len(items)
+        now = time.perf_counter()
+        for item, n, deadline in zip(items, tokens, deadlines or [now] * len(items)):
+            self._waiting.push(item, n, deadline)
+        if self._oldest is None:
+            self._oldest = now
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def calls(self) -> int:
+        return self.stage.calls
+
+    def collect(self) -> list[DecodedBatch]:
+        """Decode what is due (every waiting chunk, unless all are pieces still gathering), then hand
+        over every decoded batch."""
+        self._decode_due(force=False)
+        done, self._done = self._done, []
+        self.in_flight -= sum(len(d.items) for d in done)
+        return done
+
+    def wait(self, timeout: float) -> None:
+        """The loop has nothing else to run (or a call's worth waits): decode everything waiting now."""
+        self._decode_due(force=True)
+
+    def release(self, request_id: str) -> None:
+        """A request ended: its codec state lives on the request object, so nothing to do."""
+
+    def close(self) -> None:
+        """Nothing runs beside the loop."""
+
+    def _decode_due(self, force: bool) -> None:
+        while self._waiting and (force or hold_seconds(self._waiting, self._oldest, self._gather_s, self._full) == 0):
+            items, tokens = self._waiting.take()
+            self._oldest = time.perf_counter() if self._waiting else None
+            with torch.inference_mode():
+                self._done.append(decode_timed(self.stage, items, tokens))

@@ -1,0 +1,106 @@
+"""The codec in the engine loop (`codec.overlap: false`): pieces gathered into fewer calls between the AR
+steps, a stream's chunk never held, every request still its one-pass decode."""
+
+import numpy as np
+import pytest
+import torch
+
+from intone.engine.chunk_planner import Chunk, Frontier
+from intone.engine.codec_stage import CodecStage
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore
+from intone.engine.loop_codec import LoopCodec
+from intone.engine.request import EngineRequest
+from intone.models.registry import load_model
+from intone.models.vocoder import WindowVocoder
+from intone.protocol import SamplingParams, SynthesisRequest
+from tests.engine.test_codec_worker import run_keeping_codes
+
+
+def _loop_codec(tiny_fish, **options):
+    """A LoopCodec over the real windowed vocoder; calls records each call's request ids; four whole
+    responses' chunks (r0-r3, non-streamed) to hand over."""
+    stage = CodecStage(WindowVocoder(tiny_fish, max_batch=64, max_padded_frames=4096))
+    calls, decode = [], stage.run
+
+    def recorded(items, pause=None):
+        calls.append([req.request_id for req, _ in items])
+        return decode(items)
+    stage.run = recorded
+    g = torch.Generator().manual_seed(0)
+    items = {}
+    for b in range(4):
+        req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
+        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
+        req.frontier = Frontier(0, whole=True)
+        items[req.request_id] = (req, Chunk(req.request_id, 0, 12 + b, 0, True))
+    return LoopCodec(stage, **options), calls, items, decode
+
+
+def test_pieces_wait_for_company_and_a_streams_chunk_takes_them_along(tiny_fish):
+    codec, calls, items, decode = _loop_codec(tiny_fish, gather_s=30.0, full=4)
+    codec.submit([items["r0"], items["r1"]], [12, 13])
+    assert codec.collect() == [] and calls == [] and codec.queued == 2 and codec.in_flight == 2
+    stream = EngineRequest("s", prompt=None, params=SamplingParams())
+    stream.codes, stream.frontier = items["r2"][0].codes, Frontier(4)  # a listener plays its chunks as they come
+    codec.submit([(stream, Chunk("s", 0, 9, 0, False))], [14])
+    got = codec.collect()
+    assert calls == [["r0", "r1", "s"]] and codec.queued == 0 and codec.in_flight == 0
+    for item, audio in zip(got[0].items, got[0].audio):
+        assert np.allclose(audio, decode([item])[0], atol=1e-4)
+
+
+def test_a_full_calls_worth_or_an_idle_loop_decodes_at_once(tiny_fish):
+    codec, calls, items, _ = _loop_codec(tiny_fish, gather_s=30.0, full=3)
+    codec.submit([items["r0"], items["r1"], items["r2"]], [12, 13, 14])  # `full` requests wait
+    assert [len(d.items) for d in codec.collect()] == [3]
+    codec.submit([items["r3"]], [15])
+    assert codec.collect() == []
+    codec.wait(0.01)  # the loop has nothing else to run
+    assert [len(d.items) for d in codec.collect()] == [1] and calls == [["r0", "r1", "r2"], ["r3"]]
+
+
+def test_without_gathering_every_collect_decodes_what_waits(tiny_fish):
+    codec, calls, items, _ = _loop_codec(tiny_fish, max_call=2)
+    codec.submit(list(items.values()), [12, 13, 14, 15])
+    assert [len(d.items) for d in codec.collect()] == [2, 2] and codec.in_flight == 0
+
+
+def test_the_profile_puts_the_codec_in_the_loop(tiny_fish):
+    core = EngineCore(tiny_fish, load_profile("fish-s2-default", device="cpu", **{
+        "codec.overlap": False, "codec.gather_ms": 50, "codec.max_batch": 8}))
+    try:
+        assert isinstance(core.codec_worker, LoopCodec)
+        assert (core.codec_worker._gather_s, core.codec_worker._full) == (0.05, 8)
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("gather_ms", [0, 1000])
+def test_in_the_loop_every_request_is_its_one_pass_decode(tiny_fish_dir, gather_ms):
+    """Streams and non-streamed requests in pieces, the codec in the loop with and without gathering:
+    joined, each request's chunks are its one-pass decode (float64), and gathering makes fewer calls
+    (each call empties the queue, so a run never makes more calls than steps that handed chunks over)."""
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
+        "ar.max_num_seqs": 4, "codec.max_batch": 4, "codec.carry_state": True, "chunking.whole_chunk_frames": 30,
+        "codec.overlap": False, "codec.gather_ms": gather_ms})
+    requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
+                                 params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
+                for i in range(6)]
+    core = EngineCore(model, profile)
+    handed = []
+    submit = core.codec_worker.submit
+
+    def counted(items, tokens, deadlines=None):
+        handed.append(len(items))
+        submit(items, tokens, deadlines)
+    core.codec_worker.submit = counted
+    chunks, codes = run_keeping_codes(core, requests)
+    for rid, cs in chunks.items():
+        joined = np.concatenate([c.audio for c in cs])
+        one_pass = model.codec.decode(codes[rid][None])[0].numpy()
+        assert cs[-1].stop_reason in ("stop", "length") and joined.shape == one_pass.shape
+        assert np.abs(joined - one_pass).max() < 1e-6
+    calls = core.snapshot()["codec_calls"]
+    assert calls < len(handed) if gather_ms else calls == len(handed)
