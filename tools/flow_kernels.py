@@ -84,7 +84,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[],
-                    help="name:flow dtype (auto|bfloat16|float16):autocast (none|bfloat16|float16):attention (sdpa|flex)")
+                    help="name:flow dtype (auto|bfloat16|float16):autocast (none|bfloat16|float16):attention "
+                         "(sdpa|flex|varlen)[:per-pass] (per-pass: autocast casts the DiT's weights in every pass, "
+                         "as served before session 25; else they are stored cast, as served now)")
     ap.add_argument("--hift", default="float32,float16", help="HiFT dtypes to time on the call's mels (none: no HiFT)")
     args = ap.parse_args(argv)
     args.hift = "" if args.hift == "none" else args.hift
@@ -95,10 +97,12 @@ def main(argv=None) -> None:
     tflop = useful_tflop(jobs)
     mels = None
     for spec in args.variant or ["shipped:auto:bfloat16:flex"]:
-        name, dtype, autocast, attention = spec.split(":")
+        name, dtype, autocast, attention, *per_pass = spec.split(":")
         model = random_cosyvoice3(device)
         if dtype != "auto":
             model.flow.to(getattr(torch, dtype))
+        if autocast != "none" and not per_pass:  # as `make_vocoder` stores them
+            model.flow.decoder.estimator.to(getattr(torch, autocast))
         model.flow.decoder.estimator.attention_kernel = attention
         torch._dynamo.reset()
         compile_dit(model.flow.decoder.estimator, "dit")

@@ -210,6 +210,27 @@ def test_cuda_matches_cpu():
     assert all(m.is_cuda and m.dtype == torch.float32 and torch.isfinite(m).all() for m in bf16)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
+def test_dit_weights_stored_in_the_autocast_dtype_give_the_same_bits(kernel):
+    """`make_vocoder` stores the DiT's weights in the flow's autocast dtype (GPU) instead of letting autocast
+    cast them in every pass: each feeds a matmul or a convolution that autocast runs in that dtype, so the mel
+    is the same to the bit (here under the CPU's bf16 autocast, whole and streamed rows; the RoPE table and the
+    flow outside the DiT stay fp32)."""
+    g = torch.Generator().manual_seed(3)
+    reqs = [request(g, prompt=10, tokens=40, streaming=False, dtype=torch.float32),
+            request(g, prompt=5, tokens=30, streaming=True, finalize=False, dtype=torch.float32),
+            request(g, prompt=7, tokens=22, streaming=False, dtype=torch.float32)]
+    per_pass, stored = make_flow(torch.float32), make_flow(torch.float32)
+    stored.decoder.estimator.to(torch.bfloat16)
+    assert stored.decoder.estimator.rotary_embed.inv_freq.dtype == torch.float32
+    for flow in (per_pass, stored):
+        flow.decoder.estimator.attention_kernel = kernel
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+        want, got = per_pass.inference(reqs), stored.inference(reqs)
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+
+
 @settings(max_examples=4, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(4, 90), st.booleans(), st.booleans()), min_size=1, max_size=4))
 def test_flex_attention_gives_the_sdpa_mel(flow, rows):

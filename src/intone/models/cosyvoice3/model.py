@@ -167,6 +167,11 @@ class CosyVoice3(TTSModel):
         self.flow.decoder.packed = flow.packed
         if flow.dtype != "auto" and gpu:
             self.flow.to(getattr(torch, flow.dtype))
+        if flow.autocast != "none" and gpu:
+            # Autocast would cast every DiT weight in every pass (real size: ~2 GB of traffic and 154 kernels
+            # a pass, ten passes a call); each feeds a matmul or convolution that autocast runs in its dtype,
+            # so the weights stored cast give the same bits. Its RoPE table stays fp32 (`RotaryEmbedding`).
+            self.flow.decoder.estimator.to(getattr(torch, flow.autocast))
         hift = (options or CosyVoice3Options()).hift
         if hift.dtype != "auto" and gpu:
             self.hift.to(getattr(torch, hift.dtype))  # the F0 predictor and the noise keep their dtypes
