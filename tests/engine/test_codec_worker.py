@@ -391,3 +391,34 @@ def test_the_codec_stream_with_an_sm_share_runs_only_on_that_share():
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3)  # cuBLAS may pick another split on 16 SMs
     with pytest.raises(ValueError, match="codec.sms"):
         codec_stream(device, total)
+
+
+@pytest.mark.gpu
+def test_on_the_loops_stream_the_worker_decodes_on_the_stream_current_where_it_was_built(tiny_fish_dir):
+    """codec.stream: loop: the worker thread decodes on the loop's stream (so the GPU runs the codec's
+    kernels and the loop's in launch order, none beside another), and the audio is the loop's decode."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.codec_worker import CodecWorker
+    from intone.engine.request import EngineRequest
+    from intone.models.vocoder import WindowVocoder
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = load_model(str(tiny_fish_dir), device="cuda")
+    stage = CodecStage(WindowVocoder(model, max_batch=64, max_padded_frames=4096))
+    seen, decode = [], stage.run
+
+    def recorded(items, pause=None):
+        seen.append(torch.cuda.current_stream(device))
+        return decode(items)
+    stage.run = recorded
+    req = EngineRequest("r0", prompt=None, params=SamplingParams())
+    req.codes = torch.randint(0, 8, (model.num_codebooks, 20), generator=torch.Generator().manual_seed(0))
+    item = (req, Chunk("r0", 0, 20, 0, True))
+    loop = torch.cuda.Stream(device)
+    with torch.cuda.stream(loop):
+        worker = CodecWorker(stage, device, shared_stream=True)
+        want = decode([item])[0]
+    worker.submit([item], [20])
+    got = _drain(worker, 1)
+    assert seen[-1] == loop and np.allclose(got[0].audio[0], want, atol=1e-4)

@@ -76,6 +76,13 @@ def test_an_sm_share_needs_the_in_process_codec_worker(other):
         load_profile("cosyvoice3-streaming", device="cpu", **{"codec.sms": 96, **other})
 
 
+@pytest.mark.parametrize("other", [{"codec.process": True}, {"codec.overlap": False}, {"codec.sms": 64}])
+def test_the_loops_stream_is_for_the_in_process_codec_worker(other):
+    assert load_profile("fish-s2-default", device="cpu", **{"codec.stream": "loop"}).codec.stream == "loop"
+    with pytest.raises(ProfileError, match="codec.stream"):
+        load_profile("fish-s2-default", device="cpu", **{"codec.stream": "loop", **other})
+
+
 def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_does_not():
     flow = load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.cuda_graphs": True}).cosyvoice3.flow
     assert flow.attention == "flex" and flow.cuda_graphs

@@ -111,13 +111,16 @@ class ChunkQueue:
         return len({id(t[2][0]) for t in self._heap})
 
 
-def codec_stream(device: torch.device, sms: int | None):
+def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
     """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
     green context of that many of the GPU's SMs: the codec's long GEMMs then never hold every SM,
     so the AR step's small kernels (on the loop's stream, unpartitioned) always find some free.
-    Stream priorities cannot give that: a running block is never preempted (session 8)."""
+    Stream priorities cannot give that: a running block is never preempted (session 8). shared: the
+    calling thread's current stream (the engine loop's, `codec.stream: loop`)."""
     if device.type != "cuda":
         return None, None
+    if shared:
+        return torch.cuda.current_stream(device), None
     if sms is None:
         return torch.cuda.Stream(device), None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -202,12 +205,15 @@ class Preemption:
 
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
-                 sms: int | None = None, preempt: bool = False, gather_s: float = 0.0, full: int = 64):
+                 sms: int | None = None, preempt: bool = False, gather_s: float = 0.0, full: int = 64,
+                 shared_stream: bool = False):
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
         sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
         decode the first chunks that arrive meanwhile at their pause points (`Preemption`).
         gather_s: a call of non-streamed requests' chunks starts once its oldest has waited this
-        long, at once if `full` requests wait or any stream's chunk does (fewer, larger calls: `_hold`)."""
+        long, at once if `full` requests wait or any stream's chunk does (fewer, larger calls: `_hold`).
+        shared_stream: decode on the constructing thread's current stream (the loop's) instead of one of
+        its own, so the GPU runs the codec's kernels and the AR's one after the other."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
         self._gather_s, self._full = gather_s, full
@@ -219,7 +225,7 @@ class CodecWorker:
         self._ready = threading.Event()
         self._stop = False
         self.in_flight = 0  # chunks handed over and not yet collected
-        stream, self._green_context = codec_stream(device, sms)
+        stream, self._green_context = codec_stream(device, sms, shared_stream)
         self._thread = threading.Thread(target=self._work, args=(stream,), name="intone-codec", daemon=True)
         self._thread.start()
 

@@ -81,6 +81,11 @@ class CodecStageConfig(_Strict):
     overlap: bool = Field(True, description="decode on a worker thread (and CUDA stream) of its own, beside "
                                             "the AR steps; false: in the engine loop between its steps, the two "
                                             "taking turns on the GPU (`engine/loop_codec.py`)")
+    stream: Literal["own", "loop"] = Field("own", description="the in-process codec worker's CUDA stream: its own, "
+                                           "beside the loop's (the GPU runs AR and codec kernels side by side, "
+                                           "sharing its SMs), or the engine loop's: the GPU runs them one after "
+                                           "the other in launch order, as the in-loop codec does, while the "
+                                           "host work of both still overlaps")
     process: bool = Field(False, description="decode in a child process of the engine core, with its own copy of "
                                              "the model and its own interpreter (so no GIL shared with the AR "
                                              "loop); overrides overlap")
@@ -208,6 +213,9 @@ class Profile(_Strict):
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
+        if self.codec.stream == "loop" and (self.codec.process or not self.codec.overlap or self.codec.sms):
+            raise ValueError("codec.stream loop needs the in-process codec worker (codec.overlap, no codec.process) "
+                             "and no codec.sms (its SM share is a stream of its own)")
         # each works on the carried decode, whose audio does not depend on where its chunks begin
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
                             ("chunking.listener_margin_s", c.listener_margin_s),

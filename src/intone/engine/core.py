@@ -91,7 +91,8 @@ class EngineCore:
             self.codec_worker = CodecWorker(self.codec, model.device, codec.call_size,
                                             first_alone=codec.schedule == "first", sms=codec.sms,
                                             preempt=codec.schedule == "preempt",
-                                            gather_s=codec.gather_ms / 1000, full=codec.max_batch)
+                                            gather_s=codec.gather_ms / 1000, full=codec.max_batch,
+                                            shared_stream=codec.stream == "loop")
         elif codec_process is None:
             self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch)
         self._start_up()
