@@ -21,7 +21,8 @@ pytestmark = pytest.mark.gpu
 # Fish as shipped (one AR step in flight, pieces' calls gathered), and with its steps in order, non-streamed audio
 # decoded in pieces as the frames come, streams paced by their listeners with ramped hops, the carried decode
 # replayed from graphs on cuDNN's deterministic plans with rows padded to multiples of 8 and calls split by length,
-# in the engine loop between its steps (pieces gathered there); CosyVoice3 once with the
+# in the engine loop between its steps (pieces gathered there, streams' chunks held for their listeners' deadlines);
+# CosyVoice3 once with the
 # flow's solve and HiFT's calls replayed from graphs (the flex-attention DiT compiled, its block masks built inside
 # the graphs), once with the flex DiT compiled and eager, HiFT in fp16, the codec on a share of the SMs and first
 # chunks decoded at the backlog calls' Euler steps; and the full-response profile with the varlen DiT compiled under
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.gpu
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:fish-s2", "fish-s2-high-concurrency", {"stream_graph_frames": 64, "row_granule": 8,
                                                        "deterministic": True, "split_cost": 256, "overlap": False,
-                                                       "gather_ms": 50}, {}, {},
+                                                       "gather_ms": 50, "stream_lead_ms": 300}, {}, {},
           {"ar": {"async_steps": False},
            "chunking": {"whole_chunk_frames": 20, "listener_margin_s": 0.5, "ramp_factor": 1.5}}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},

@@ -1,6 +1,8 @@
 """The codec in the engine loop (`codec.overlap: false`): pieces gathered into fewer calls between the AR
 steps, a stream's chunk never held, every request still its one-pass decode."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +68,40 @@ def test_without_gathering_every_collect_decodes_what_waits(tiny_fish):
     assert [len(d.items) for d in codec.collect()] == [2, 2] and codec.in_flight == 0
 
 
+def _stream_chunk(codes, rid: str, start: int, end: int, finished: bool = False):
+    req = EngineRequest(rid, prompt=None, params=SamplingParams())
+    req.codes, req.frontier = codes, Frontier(4)  # a listener plays its chunks as they come
+    return req, Chunk(rid, start, end, 0, finished)
+
+
+def test_with_a_lead_a_playing_streams_chunk_waits_until_its_listener_needs_it(tiny_fish):
+    """codec.stream_lead_ms: a stream's chunk between its first and its last waits until its deadline
+    is within the lead (then it takes every waiting chunk along); a first chunk never waits."""
+    codec, calls, items, _ = _loop_codec(tiny_fish, gather_s=30.0, full=64, lead_s=0.5)
+    codes = items["r0"][0].codes
+    now = time.perf_counter()
+    codec.submit([_stream_chunk(codes, "s", 4, 9)], [9], [now + 60.0])  # its listener has a minute of audio
+    codec.submit([items["r1"]], [13], [now])
+    assert codec.collect() == [] and codec.queued == 2
+    codec.submit([_stream_chunk(codes, "t", 4, 9)], [9], [now + 0.3])  # due within the lead
+    assert [len(d.items) for d in codec.collect()] == [3] and calls == [["r1", "t", "s"]]  # earliest deadline first
+    codec.submit([_stream_chunk(codes, "u", 4, 9)], [9], [now + 60.0])
+    assert codec.collect() == []
+    codec.submit([_stream_chunk(codes, "v", 0, 4)], [4], [now])  # a new stream's first chunk
+    assert [len(d.items) for d in codec.collect()] == [2]
+
+
+def test_with_a_lead_a_streams_last_chunk_is_decoded_at_once(tiny_fish):
+    """A client may wait for a stream's end before its next request: the end never waits for its deadline."""
+    codec, calls, items, _ = _loop_codec(tiny_fish, lead_s=0.5)
+    codes = items["r0"][0].codes
+    later = time.perf_counter() + 60.0
+    codec.submit([_stream_chunk(codes, "s", 4, 9)], [9], [later])
+    assert codec.collect() == []
+    codec.submit([_stream_chunk(codes, "s2", 9, 12, finished=True)], [12], [later + 1])
+    assert [len(d.items) for d in codec.collect()] == [2]
+
+
 def test_the_profile_puts_the_codec_in_the_loop(tiny_fish):
     core = EngineCore(tiny_fish, load_profile("fish-s2-default", device="cpu", **{
         "codec.overlap": False, "codec.gather_ms": 50, "codec.max_batch": 8}))
@@ -76,15 +112,17 @@ def test_the_profile_puts_the_codec_in_the_loop(tiny_fish):
         core.close()
 
 
-@pytest.mark.parametrize("gather_ms", [0, 1000])
-def test_in_the_loop_every_request_is_its_one_pass_decode(tiny_fish_dir, gather_ms):
-    """Streams and non-streamed requests in pieces, the codec in the loop with and without gathering:
-    joined, each request's chunks are its one-pass decode (float64), and gathering makes fewer calls
-    (each call empties the queue, so a run never makes more calls than steps that handed chunks over)."""
+@pytest.mark.parametrize("overlap,gather_ms,lead_ms", [(False, 0, None), (False, 1000, None), (False, 1000, 200),
+                                                       (True, 40, 200)])
+def test_every_request_is_its_one_pass_decode_however_its_chunks_wait(tiny_fish_dir, overlap, gather_ms, lead_ms):
+    """Streams and non-streamed requests in pieces, the codec in the loop or on its worker, pieces gathered
+    or not, streams' chunks held for their deadlines or not: joined, each request's chunks are its one-pass
+    decode (float64); in the loop, gathering makes fewer calls (each call empties the queue, so a run never
+    makes more calls than steps that handed chunks over)."""
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "codec.carry_state": True, "chunking.whole_chunk_frames": 30,
-        "codec.overlap": False, "codec.gather_ms": gather_ms})
+        "codec.overlap": overlap, "codec.gather_ms": gather_ms, "codec.stream_lead_ms": lead_ms})
     requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
                 for i in range(6)]
@@ -103,4 +141,5 @@ def test_in_the_loop_every_request_is_its_one_pass_decode(tiny_fish_dir, gather_
         assert cs[-1].stop_reason in ("stop", "length") and joined.shape == one_pass.shape
         assert np.abs(joined - one_pass).max() < 1e-6
     calls = core.snapshot()["codec_calls"]
-    assert calls < len(handed) if gather_ms else calls == len(handed)
+    if not overlap:
+        assert calls < len(handed) if gather_ms else calls == len(handed)

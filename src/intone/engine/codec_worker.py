@@ -106,6 +106,10 @@ class ChunkQueue:
         """Some waiting item satisfies predicate."""
         return any(predicate(t[2]) for t in self._heap)
 
+    def earliest(self, predicate) -> float | None:
+        """The earliest deadline among the waiting items that satisfy predicate (None: no such item)."""
+        return min((t[0] for t in self._heap if predicate(t[2])), default=None)
+
     def requests(self) -> int:
         """Requests with a chunk waiting."""
         return len({id(t[2][0]) for t in self._heap})
@@ -149,6 +153,11 @@ def is_piece(item) -> bool:
     return item[0].frontier is not None and not item[0].frontier.listened
 
 
+def is_midstream(item) -> bool:
+    """A stream's chunk after its first and before its last: its listener is playing the audio before it."""
+    return not is_piece(item) and item[1].start > 0 and not item[1].finished
+
+
 def is_first_chunk(item) -> bool:
     """Its request's first chunk: a new stream's, or a whole response's only one."""
     return item[1].start == 0
@@ -165,16 +174,26 @@ def decode_timed(stage, items: list, tokens: list[int], pause=None, preempted: b
                         flow_seconds=stage.flow_seconds - flow - nested[2], preempted=preempted)
 
 
-def hold_seconds(waiting: ChunkQueue, oldest: float | None, gather_s: float, full: int) -> float:
+def hold_seconds(waiting: ChunkQueue, oldest: float | None, gather_s: float, full: int,
+                 lead_s: float | None = None) -> float:
     """Seconds the next call should still wait for more chunks (0: start it now). A call of a few
     rows costs about what one of a few dozen does (launch-bound), so a run of small calls keeps
     the codec busy and a request's last piece queues behind it; gathered, the pieces go in fewer
-    calls and the last one waits for one (Fish, session 23: +10%, completion -0.25 s)."""
-    if gather_s <= 0 or oldest is None or waiting.requests() >= full:
+    calls and the last one waits for one (Fish, session 23: +10%, completion -0.25 s). Pieces are
+    due `gather_s` after the oldest chunk waiting was handed over; with `lead_s` a stream's chunk
+    between its first and its last is due `lead_s` before its deadline (its listener runs out of
+    audio); any other stream's chunk at once (a new listener's first audio, and a stream's end, which
+    a client may be waiting for before its next request)."""
+    if oldest is None or waiting.requests() >= full:
         return 0.0
-    if waiting.holds(lambda item: not is_piece(item)):
-        return 0.0  # a listener's audio never waits for company
-    return max(0.0, oldest + gather_s - time.perf_counter())
+    if waiting.holds(lambda item: not is_piece(item) and (lead_s is None or not is_midstream(item))):
+        return 0.0  # a listener's audio never waits for company (with a lead: only while it is playing)
+    now = time.perf_counter()
+    due = [oldest + gather_s if gather_s > 0 else now] if waiting.holds(is_piece) else []
+    later = waiting.earliest(is_midstream)
+    if later is not None:
+        due.append(later - lead_s)
+    return max(0.0, min(due) - now)
 
 
 class Preemption:
@@ -206,17 +225,18 @@ class Preemption:
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
                  sms: int | None = None, preempt: bool = False, gather_s: float = 0.0, full: int = 64,
-                 shared_stream: bool = False):
+                 shared_stream: bool = False, lead_s: float | None = None):
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
         sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
         decode the first chunks that arrive meanwhile at their pause points (`Preemption`).
         gather_s: a call of non-streamed requests' chunks starts once its oldest has waited this
         long, at once if `full` requests wait or any stream's chunk does (fewer, larger calls: `_hold`).
         shared_stream: decode on the constructing thread's current stream (the loop's) instead of one of
-        its own, so the GPU runs the codec's kernels and the AR's one after the other."""
+        its own, so the GPU runs the codec's kernels and the AR's one after the other. lead_s: a stream's
+        later chunk waits until its deadline is that near (`hold_seconds`)."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
-        self._gather_s, self._full = gather_s, full
+        self._gather_s, self._full, self._lead_s = gather_s, full, lead_s
         self._oldest: float | None = None  # when the oldest chunk still waiting was handed over
         self._preempt = preempt
         self._done: list[DecodedBatch] = []
@@ -292,7 +312,7 @@ class CodecWorker:
             self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
 
     def _hold(self) -> float:
-        return hold_seconds(self._waiting, self._oldest, self._gather_s, self._full)
+        return hold_seconds(self._waiting, self._oldest, self._gather_s, self._full, self._lead_s)
 
     def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
                 preempted: bool = False) -> DecodedBatch:

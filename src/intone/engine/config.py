@@ -107,6 +107,13 @@ class CodecStageConfig(_Strict):
                              "when max_batch requests wait or any stream's chunk does, which takes them along; in "
                              "the loop also when nothing else runs): fewer, larger calls (0: every call as soon as "
                              "the codec is free; the codec process takes what waits)")
+    stream_lead_ms: float | None = Field(None, ge=0, le=10000, description="the in-process codec (worker or loop) "
+                                         "holds a stream's chunk between its first and its last until its listener "
+                                         "would run "
+                                         "out of audio within this many ms without it (the first chunk's planning "
+                                         "plus the audio before it), so streams ahead of their listeners gather into "
+                                         "fewer, larger calls (None: a stream's chunk never waits; the codec process "
+                                         "takes what waits)")
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")

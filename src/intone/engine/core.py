@@ -85,6 +85,7 @@ class EngineCore:
         self._outbox: list[AudioChunk] = []
         self._encoded: list[tuple] = []  # finished voice uploads: (token, features | None, error | None)
         codec = profile.codec
+        self._lead_s = codec.stream_lead_ms / 1000 if codec.stream_lead_ms is not None else None
         if codec_process is None and codec.overlap:
             # Before the start-up's minutes of warm-ups and captures, so a codec.sms the GPU cannot
             # give fails at once; its threads stay idle until the first chunk.
@@ -92,9 +93,10 @@ class EngineCore:
                                             first_alone=codec.schedule == "first", sms=codec.sms,
                                             preempt=codec.schedule == "preempt",
                                             gather_s=codec.gather_ms / 1000, full=codec.max_batch,
-                                            shared_stream=codec.stream == "loop")
+                                            shared_stream=codec.stream == "loop", lead_s=self._lead_s)
         elif codec_process is None:
-            self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch)
+            self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch,
+                                          self._lead_s)
         self._start_up()
 
     def _start_up(self) -> None:
@@ -362,7 +364,7 @@ class EngineCore:
             self.codec_worker.wait(1.0)
             for decoded in self.codec_worker.collect():
                 self._deliver(decoded)
-        by_deadline = self.profile.codec.schedule == "deadline"
+        by_deadline = self.profile.codec.schedule == "deadline" or self._lead_s is not None
         self.codec_worker.submit(items, tokens, [self._deadline(req, c) for req, c in items] if by_deadline else None)
 
     def _deadline(self, req: EngineRequest, chunk: Chunk) -> float:

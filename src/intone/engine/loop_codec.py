@@ -4,8 +4,9 @@ Beside the AR (`codec_worker`, a thread and a CUDA stream of its own) the two sh
 one interpreter, and each slows the other: Fish's AR graphs ran ~60% slower beside the codec, whose
 calls took ~5x their time alone (session 23); CosyVoice3's flow 1.4x and HiFT 3.3x (session 24). Here
 the loop decodes between its steps, so each runs alone. With `codec.gather_ms` the non-streamed
-pieces wait for company exactly as the worker's do (`codec_worker.hold_seconds`), so the calls that
-stop the AR are few and large; a stream's chunk never waits, and takes the waiting pieces along.
+pieces (and, with `codec.stream_lead_ms`, streams' later chunks) wait for company exactly as the
+worker's do (`codec_worker.hold_seconds`), so the calls that stop the AR are few and large; a chunk
+that is due takes every waiting one along.
 Same interface as `CodecWorker` (submit, collect, wait, queued, in_flight), so the core drives either.
 """
 
@@ -19,11 +20,12 @@ from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_timed, h
 
 
 class LoopCodec:
-    def __init__(self, stage, max_call: int | None = None, gather_s: float = 0.0, full: int = 64):
-        """max_call: chunks per call at most (None: every waiting chunk); gather_s, full: `hold_seconds`."""
+    def __init__(self, stage, max_call: int | None = None, gather_s: float = 0.0, full: int = 64,
+                 lead_s: float | None = None):
+        """max_call: chunks per call at most (None: every waiting chunk); gather_s, full, lead_s: `hold_seconds`."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call)
-        self._gather_s, self._full = gather_s, full
+        self._gather_s, self._full, self._lead_s = gather_s, full, lead_s
         self._oldest: float | None = None  # when the oldest chunk still waiting was handed over
         self._done: list[DecodedBatch] = []
         self.in_flight = 0  # chunks handed over and not yet collected
@@ -64,7 +66,8 @@ class LoopCodec:
         """Nothing runs beside the loop."""
 
     def _decode_due(self, force: bool) -> None:
-        while self._waiting and (force or hold_seconds(self._waiting, self._oldest, self._gather_s, self._full) == 0):
+        while self._waiting and (force or hold_seconds(self._waiting, self._oldest, self._gather_s, self._full,
+                                                       self._lead_s) == 0):
             items, tokens = self._waiting.take()
             self._oldest = time.perf_counter() if self._waiting else None
             with torch.inference_mode():
