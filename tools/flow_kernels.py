@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.model import random_cosyvoice3
-from intone.models.cosyvoice3.vocoder import compile_dit
+from intone.models.cosyvoice3.vocoder import compile_dit, store_for_autocast
 
 
 def full_response_jobs(rows: int, device, seed: int = 0) -> list[FlowRequest]:
@@ -102,7 +102,7 @@ def main(argv=None) -> None:
         if dtype != "auto":
             model.flow.to(getattr(torch, dtype))
         if autocast != "none" and not per_pass:  # as `make_vocoder` stores them
-            model.flow.decoder.estimator.to(getattr(torch, autocast))
+            store_for_autocast(model.flow.decoder.estimator, getattr(torch, autocast))
         model.flow.decoder.estimator.attention_kernel = attention
         torch._dynamo.reset()
         compile_dit(model.flow.decoder.estimator, "dit")

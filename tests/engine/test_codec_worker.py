@@ -12,8 +12,8 @@ from intone.models.registry import load_model
 from intone.protocol import SamplingParams, SynthesisRequest
 
 
-def run(model, overlap: bool, cancel_at: int | None = None):
-    profile = load_profile("fish-s2-default", device="cpu", **{"codec.overlap": overlap})
+def run(model, overlap: bool, cancel_at: int | None = None, **overrides):
+    profile = load_profile("fish-s2-default", device="cpu", **{"codec.overlap": overlap, **overrides})
     core = EngineCore(model, profile)
     for i in range(6):
         core.add_request(SynthesisRequest(f"r{i}", "Hello over there.", params=SamplingParams(seed=i, max_new_tokens=40)))
@@ -41,8 +41,10 @@ def test_overlapped_codec_gives_the_same_chunks_as_the_loop(tiny_fish):
     assert snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
 
 
-def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fish):
-    chunks, snap = run(tiny_fish, overlap=True, cancel_at=12)
+@pytest.mark.parametrize("overlap,gather_ms", [(True, 0), (False, 1000), (True, 1000)])
+def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fish, overlap, gather_ms):
+    """Also with chunks still gathering in the codec (worker or loop) when their request is aborted."""
+    chunks, snap = run(tiny_fish, overlap=overlap, cancel_at=12, **{"codec.gather_ms": gather_ms})
     for rid in ("r1", "r4"):
         got = chunks[rid]
         assert sum(c.finished for c in got) == 1 and got[-1].stop_reason == "abort"

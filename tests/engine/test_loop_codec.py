@@ -102,6 +102,42 @@ def test_with_a_lead_a_streams_last_chunk_is_decoded_at_once(tiny_fish):
     assert [len(d.items) for d in codec.collect()] == [2]
 
 
+def test_a_full_calls_worth_of_held_chunks_is_decoded_at_once(tiny_fish):
+    """The loop's backpressure waits on `max_batch` queued chunks: that many never wait for a deadline,
+    even when fewer requests hold them (two streams far ahead of their listeners)."""
+    codec, calls, items, _ = _loop_codec(tiny_fish, full=4, lead_s=0.5)
+    codes, later = items["r0"][0].codes, time.perf_counter() + 60.0
+    for rid in ("s", "t"):
+        codec.submit([_stream_chunk(codes, rid, 4, 6)], [6], [later])
+        assert codec.collect() == []
+        codec.submit([_stream_chunk(codes, rid, 6, 9)], [9], [later + 1])
+    assert [len(d.items) for d in codec.collect()] == [4]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_ended_requests_waiting_chunks_are_handed_back_undecoded(tiny_fish, overlap):
+    """A request that ends (abort, error) while its chunks wait (gathering, or held for a deadline long
+    after the end) gets them back at once, undecoded, so nothing of it waits in the codec."""
+    from intone.engine.codec_worker import CodecWorker
+
+    codec, calls, items, _ = _loop_codec(tiny_fish, gather_s=30.0, full=64, lead_s=0.5)
+    if overlap:
+        codec = CodecWorker(codec.stage, tiny_fish.device, gather_s=30.0, lead_s=0.5)
+    def handed_back():  # the loop's wait would decode what waits: it collects only
+        if overlap:
+            codec.wait(1.0)
+        return codec.collect()
+    codes, later = items["r0"][0].codes, time.perf_counter() + 60.0
+    codec.submit([_stream_chunk(codes, "s", 4, 9), items["r1"]], [9, 13], [later, time.perf_counter()])
+    codec.release("s")
+    got = handed_back()
+    assert [(len(d.items), d.dropped) for d in got] == [(1, True)] and got[0].items[0][0].request_id == "s"
+    assert codec.queued == 1 and codec.in_flight == 1 and calls == []
+    codec.release("r1")
+    assert [d.dropped for d in handed_back()] == [True] and codec.in_flight == 0 and calls == []
+    codec.close()
+
+
 def test_the_profile_puts_the_codec_in_the_loop(tiny_fish):
     core = EngineCore(tiny_fish, load_profile("fish-s2-default", device="cpu", **{
         "codec.overlap": False, "codec.gather_ms": 50, "codec.max_batch": 8}))

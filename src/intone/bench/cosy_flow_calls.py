@@ -33,7 +33,7 @@ from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.flow_cache import solve_continued
 from intone.models.cosyvoice3.hift import graph_shape as hift_graph_shape
 from intone.models.cosyvoice3.model import random_cosyvoice3
-from intone.models.cosyvoice3.vocoder import compile_dit
+from intone.models.cosyvoice3.vocoder import compile_dit, store_for_autocast
 from intone.ops.batching import group_jobs
 
 
@@ -169,6 +169,8 @@ def main(argv=None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     model = random_cosyvoice3(device)
     flow = model.flow
+    if device.type == "cuda":  # as served under bf16 autocast
+        store_for_autocast(flow.decoder.estimator, torch.bfloat16)
     stream, _context = codec_stream(device, args.sms)
     served = served_jobs(args.jobs)
     lengths = [job[:3] for job in served]

@@ -39,6 +39,13 @@ class DecodedBatch:
     gpu_seconds: float = 0.0  # their spans on the codec's stream (a stage that times its pieces; else 0)
     flow_seconds: float = 0.0  # CosyVoice3: the flow's part of gpu_seconds
     preempted: bool = False  # decoded at a pause point of a call over the backlog
+    dropped: bool = False  # not decoded: their request ended while they waited (`ended_batch`)
+
+
+def ended_batch(items: list) -> DecodedBatch:
+    """Waiting chunks of a request that ended, handed back undecoded so the loop's counts come down."""
+    return DecodedBatch(items, [RuntimeError("the request ended")] * len(items), 0.0, [0] * len(items),
+                        dropped=True)
 
 
 def decode_batch(stage, items: list, pause=None) -> list:
@@ -184,8 +191,8 @@ def hold_seconds(waiting: ChunkQueue, oldest: float | None, gather_s: float, ful
     between its first and its last is due `lead_s` before its deadline (its listener runs out of
     audio); any other stream's chunk at once (a new listener's first audio, and a stream's end, which
     a client may be waiting for before its next request)."""
-    if oldest is None or waiting.requests() >= full:
-        return 0.0
+    if oldest is None or waiting.requests() >= full or len(waiting) >= full:
+        return 0.0  # a full call's worth (the loop's backpressure waits on as many chunks)
     if waiting.holds(lambda item: not is_piece(item) and (lead_s is None or not is_midstream(item))):
         return 0.0  # a listener's audio never waits for company (with a lead: only while it is playing)
     now = time.perf_counter()
@@ -271,7 +278,15 @@ class CodecWorker:
         return self.stage.calls
 
     def release(self, request_id: str) -> None:
-        """A request ended: its state lives on the request object here, so nothing to do."""
+        """A request ended: its chunks still waiting are dropped (a held stream's may otherwise wait
+        for a deadline long past its end); its state lives on the request object."""
+        with self._wake:
+            dropped = self._waiting.drop(lambda item: item[0].request_id != request_id)
+            if not self._waiting:
+                self._oldest = None
+            if dropped:
+                self._done.append(ended_batch(dropped))
+                self._ready.set()
 
     @property
     def queued(self) -> int:

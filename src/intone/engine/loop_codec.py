@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_timed, hold_seconds
+from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_timed, ended_batch, hold_seconds
 
 
 class LoopCodec:
@@ -60,7 +60,13 @@ class LoopCodec:
         self._decode_due(force=True)
 
     def release(self, request_id: str) -> None:
-        """A request ended: its codec state lives on the request object, so nothing to do."""
+        """A request ended: its chunks still waiting are dropped (handed back undecoded at the next
+        collect); its codec state lives on the request object."""
+        dropped = self._waiting.drop(lambda item: item[0].request_id != request_id)
+        if not self._waiting:
+            self._oldest = None
+        if dropped:
+            self._done.append(ended_batch(dropped))
 
     def close(self) -> None:
         """Nothing runs beside the loop."""

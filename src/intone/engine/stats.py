@@ -34,6 +34,8 @@ class EngineStats:
     ready_allocated_peak_bytes: int | None = None  # the allocator's peak when start-up ended (GPU)
 
     def count_codec_call(self, decoded: DecodedBatch) -> None:
+        if decoded.dropped:
+            return
         self.codec_seconds += decoded.seconds
         self.preempted_calls += decoded.preempted
         if all(opens_a_stream(item) for item in decoded.items):

@@ -13,7 +13,7 @@ from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models.cosyvoice3.dit import DiTConfig, RotaryEmbedding, apply_rope
 from intone.models.cosyvoice3.flow import (GRAPH_FRAME_BUCKET, CosyFlow, FlowConfig, FlowRequest, cosine_euler_steps,
                                           graph_rows, graph_shape, pad_solve_inputs)
-from intone.models.cosyvoice3.vocoder import compile_batches, compile_dit
+from intone.models.cosyvoice3.vocoder import compile_batches, compile_dit, store_for_autocast
 
 TINY = FlowConfig(pre_lookahead_channels=32, dit=DiTConfig(dim=64, depth=2, heads=4, dim_head=16))
 CHUNK = TINY.dit.static_chunk_size
@@ -221,8 +221,11 @@ def test_dit_weights_stored_in_the_autocast_dtype_give_the_same_bits(kernel):
             request(g, prompt=5, tokens=30, streaming=True, finalize=False, dtype=torch.float32),
             request(g, prompt=7, tokens=22, streaming=False, dtype=torch.float32)]
     per_pass, stored = make_flow(torch.float32), make_flow(torch.float32)
-    stored.decoder.estimator.to(torch.bfloat16)
+    store_for_autocast(stored.decoder.estimator, torch.bfloat16)
     assert stored.decoder.estimator.rotary_embed.inv_freq.dtype == torch.float32
+    wide = make_flow(torch.float64)  # autocast leaves float64 alone: so does the store
+    store_for_autocast(wide.decoder.estimator, torch.bfloat16)
+    assert all(p.dtype == torch.float64 for p in wide.parameters())
     for flow in (per_pass, stored):
         flow.decoder.estimator.attention_kernel = kernel
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, cache_enabled=False):

@@ -23,7 +23,7 @@ from intone.models.cosyvoice3.prompt import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT
 from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
 from intone.models.cosyvoice3.talker import CosyTalker, QwenShape
 from intone.models.cosyvoice3.tokenizer import BLANK_EN, CosyTokenizer
-from intone.models.cosyvoice3.vocoder import CosyVocoder
+from intone.models.cosyvoice3.vocoder import CosyVocoder, store_for_autocast
 from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
@@ -168,10 +168,7 @@ class CosyVoice3(TTSModel):
         if flow.dtype != "auto" and gpu:
             self.flow.to(getattr(torch, flow.dtype))
         if flow.autocast != "none" and gpu:
-            # Autocast would cast every DiT weight in every pass (real size: ~2 GB of traffic and 154 kernels
-            # a pass, ten passes a call); each feeds a matmul or convolution that autocast runs in its dtype,
-            # so the weights stored cast give the same bits. Its RoPE table stays fp32 (`RotaryEmbedding`).
-            self.flow.decoder.estimator.to(getattr(torch, flow.autocast))
+            store_for_autocast(self.flow.decoder.estimator, getattr(torch, flow.autocast))
         hift = (options or CosyVoice3Options()).hift
         if hift.dtype != "auto" and gpu:
             self.hift.to(getattr(torch, hift.dtype))  # the F0 predictor and the noise keep their dtypes

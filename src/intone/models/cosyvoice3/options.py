@@ -19,7 +19,8 @@ class FlowOptions(_Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the flow's weights in this dtype (GPU only; its ODE state stays fp32)")
     autocast: Literal["none", "bfloat16", "float16"] = Field(
-        "none", description="run the flow's DiT under autocast, weights unchanged (GPU only)")
+        "none", description="run the flow's DiT under autocast (GPU only): its weights stored in that dtype (the "
+                            "same bits as autocast casting them in every pass), the rest of the flow unchanged")
     compile: bool = Field(False, description="torch.compile the DiT at start-up (GPU only; minutes)")
     compile_unit: Literal["dit", "block"] = Field(
         "dit", description="with compile: the whole DiT as one graph, or each transformer block (the same code "

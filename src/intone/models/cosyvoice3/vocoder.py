@@ -74,6 +74,15 @@ def compile_dit(estimator, unit: str) -> None:
         block.forward = torch.compile(block.forward, dynamic=True)
 
 
+def store_for_autocast(estimator, dtype: torch.dtype) -> None:
+    """Store the DiT's weights in the autocast dtype it runs under: autocast would cast each one in every
+    pass (real size: ~2 GB of traffic and 154 kernels a pass, ten passes a call), and each feeds a matmul
+    or convolution that autocast runs in that dtype, so the mel keeps its bits. Its RoPE table stays fp32
+    (`RotaryEmbedding`); a float64 DiT, which autocast leaves alone, stays float64."""
+    if next(estimator.parameters()).dtype != torch.float64:
+        estimator.to(dtype)
+
+
 def compile_batches(flow, device) -> list[list[FlowRequest]]:
     """The flow calls that compile the DiT at start-up: a whole and a streamed row (the padded solve),
     and with the varlen kernel three whole rows (the packed solve) whose sizes (rows, slots, padded
@@ -120,8 +129,8 @@ class CosyVocoder(Vocoder):
         """The flow's autocast, always without its cast cache: a cast cached by a graph's warm-up run
         would be read, not recomputed, by the captured graph (torch's rule for graphing under
         autocast), and one setting for every call keeps a compiled DiT at one compiled entry (the
-        cache flag is part of what its guards check). Costs an eager solve a recast of the weights
-        in each of its ten passes (~0.4 ms each at real size); a compiled DiT recasts them anyway."""
+        cache flag is part of what its guards check). The DiT's weights are stored cast
+        (`store_for_autocast`), so only the flow's few other weights are recast in each call."""
         return torch.autocast(self.model.codec_device.type, self.autocast or torch.float32,
                               enabled=self.autocast is not None, cache_enabled=False)
 
