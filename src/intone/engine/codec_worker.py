@@ -318,7 +318,7 @@ class CodecWorker:
                     hold = self._hold() if self._waiting else None
                     if hold == 0.0:
                         items, tokens = self._waiting.take()
-                        self._oldest = time.perf_counter() if self._waiting else None
+                        self._oldest = self._oldest if self._waiting else None  # a capped call's leftovers stay due
                         if items:
                             break
                     self._wake.wait(hold)

@@ -75,6 +75,6 @@ class LoopCodec:
         while self._waiting and (force or hold_seconds(self._waiting, self._oldest, self._gather_s, self._full,
                                                        self._lead_s) == 0):
             items, tokens = self._waiting.take()
-            self._oldest = time.perf_counter() if self._waiting else None
+            self._oldest = self._oldest if self._waiting else None  # a capped call's leftovers stay due
             with torch.inference_mode():
                 self._done.append(decode_timed(self.stage, items, tokens))
