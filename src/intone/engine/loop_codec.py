@@ -31,7 +31,8 @@ class LoopCodec:
         self.in_flight = 0  # chunks handed over and not yet collected
 
     def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
-        """deadlines: per item (perf_counter seconds), the order in which a capped call takes them."""
+        """deadlines: per item (perf_counter seconds): the order calls take them in, and with a lead
+        when a playing stream's chunk is due (None: as handed over)."""
         self.in_flight += len(items)
         now = time.perf_counter()
         for item, n, deadline in zip(items, tokens, deadlines or [now] * len(items)):
@@ -48,8 +49,8 @@ class LoopCodec:
         return self.stage.calls
 
     def collect(self) -> list[DecodedBatch]:
-        """Decode what is due (every waiting chunk, unless all are pieces still gathering), then hand
-        over every decoded batch."""
+        """Decode what is due (`hold_seconds`: then every waiting chunk, up to max_call a call), then
+        hand over every decoded batch."""
         self._decode_due(force=False)
         done, self._done = self._done, []
         self.in_flight -= sum(len(d.items) for d in done)
