@@ -25,7 +25,9 @@ pytestmark = pytest.mark.gpu
 # CosyVoice3 once with the
 # flow's solve and HiFT's calls replayed from graphs (the flex-attention DiT compiled, its block masks built inside
 # the graphs), once with the flex DiT compiled and eager, HiFT in fp16, the codec on a share of the SMs and first
-# chunks decoded at the backlog calls' Euler steps; and the full-response profile with the varlen DiT compiled under
+# chunks decoded at the backlog calls' Euler steps; streams continued from their flow caches, their new frames
+# packed for the varlen kernel (compiled, bf16 autocast), the worker on the loop's stream and playing streams'
+# chunks held for their listeners; and the full-response profile with the varlen DiT compiled under
 # bf16 autocast (FlashAttention needs half precision), whole responses packed and streams padded, HiFT from graphs,
 # the codec worker on the loop's stream.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
@@ -38,6 +40,8 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
           {"cuda_graphs": True}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},
           {"compile": True, "attention": "flex"}, {"dtype": "float16"}, {}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {"stream": "loop", "stream_lead_ms": 300},
+          {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cache": True}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-full-response", {"stream": "loop"},
           {"compile": True, "attention": "varlen", "autocast": "bfloat16"}, {"cuda_graphs": True, "graph_frames": 512},
           {})]

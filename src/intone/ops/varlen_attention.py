@@ -18,10 +18,20 @@ from torch import Tensor
 class RowSpans:
     """Packed rows: row i holds slots [starts[i], starts[i + 1]) (int32 [R + 1], from 0 to the slot
     count); longest: no row is longer (the kernel's bound; a shape of the caller's, so compiled code
-    sees no Python number that changes from call to call)."""
+    sees no Python number that changes from call to call). key_starts: where the rows' keys differ from
+    their queries (a row's queries over its earlier frames and its own), row i's keys are key slots
+    [key_starts[i], key_starts[i + 1]); longest_key bounds them; key_index [K]: each key slot's place in
+    (earlier frames' keys, then the call's own), from which the caller lays them out."""
 
     starts: Tensor
     longest: int | None = None
+    key_starts: Tensor | None = None
+    longest_key: int | None = None
+    key_index: Tensor | None = None
+
+    @property
+    def keys(self) -> Tensor:
+        return self.starts if self.key_starts is None else self.key_starts
 
 
 def flash_available(q: Tensor) -> bool:
@@ -29,14 +39,19 @@ def flash_available(q: Tensor) -> bool:
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, spans: RowSpans) -> Tensor:
-    """q, k, v [S, H, D] -> [S, H, D]: each row's queries over its own keys (softmax scale 1/sqrt(D))."""
+    """q [S, H, D], k, v [K, H, D] -> [S, H, D]: each row's queries over its own keys (softmax scale
+    1/sqrt(D)); K = S unless the spans give the keys' own starts."""
     if flash_available(q):
         longest = spans.longest if spans.longest is not None else q.shape[0]
-        return torch.ops.aten._flash_attention_forward(q, k, v, spans.starts, spans.starts, longest, longest,
+        longest_key = spans.longest_key if spans.longest_key is not None else k.shape[0]
+        if spans.key_starts is None:
+            longest_key = longest
+        return torch.ops.aten._flash_attention_forward(q, k, v, spans.starts, spans.keys, longest, longest_key,
                                                        0.0, False, False)[0]
     out = torch.zeros_like(q)
-    bounds = spans.starts.tolist()
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        rows = (y[lo:hi].transpose(0, 1)[None] for y in (q, k, v))
-        out[lo:hi] = F.scaled_dot_product_attention(*rows)[0].transpose(0, 1)
+    bounds, key_bounds = spans.starts.tolist(), spans.keys.tolist()
+    for lo, hi, k_lo, k_hi in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
+        if hi > lo:
+            rows = (y.transpose(0, 1)[None] for y in (q[lo:hi], k[k_lo:k_hi], v[k_lo:k_hi]))
+            out[lo:hi] = F.scaled_dot_product_attention(*rows)[0].transpose(0, 1)
     return out

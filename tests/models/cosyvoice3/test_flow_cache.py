@@ -14,16 +14,18 @@ from .test_flow import CHUNK, TINY, make_flow, request
 LOOKAHEAD = TINY.pre_lookahead_len
 
 
-@pytest.fixture(scope="module", params=["sdpa", "flex"])
+@pytest.fixture(scope="module", params=["sdpa", "flex", "varlen"])
 def flow(request):
     f = make_flow()
     f.decoder.estimator.attention_kernel = request.param
     return f
 
 
-@pytest.fixture(scope="module")
-def sdpa_flow():
-    return make_flow()  # the property test's many examples on the faster CPU kernel (flex: the tests below)
+@pytest.fixture(scope="module", params=["sdpa", "varlen"])
+def sdpa_flow(request):
+    f = make_flow()  # the property test's many examples on the faster CPU kernels (flex: the tests below)
+    f.decoder.estimator.attention_kernel = request.param
+    return f
 
 
 def hop_ends(prompt: int, total: int, hop: int) -> list[int]:
@@ -118,10 +120,12 @@ def test_a_cache_continues_only_a_streamed_row_from_a_chunk_boundary(flow):
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_compiled_flex_hops_in_bf16_stay_near_the_whole_prefix_solves(no_tf32):
-    """As the stage runs it (compiled DiT, flex attention, bf16 autocast without the cast cache): two
-    streams' three hops continued from their caches against the eager SDPA whole-prefix solves: the same mel
-    to bf16 rounding, and no compile after the first call of each kind (no cache, continued)."""
+@pytest.mark.parametrize("kernel", ["flex", "varlen"])
+def test_on_the_gpu_compiled_hops_in_bf16_stay_near_the_whole_prefix_solves(no_tf32, kernel):
+    """As the stage runs it (compiled DiT, flex attention or the varlen kernel's packed hops, bf16 autocast
+    without the cast cache): two streams' three hops continued from their caches against the eager SDPA
+    whole-prefix solves: the same mel to bf16 rounding, and no compile after the first call of each kind
+    (no cache, continued)."""
     from intone.models.cosyvoice3.vocoder import compile_dit
 
     flow = make_flow(torch.float32).cuda()
@@ -132,7 +136,7 @@ def test_on_the_gpu_compiled_flex_hops_in_bf16_stay_near_the_whole_prefix_solves
     hops = [[part(f, end, False) for end in hop_ends(len(f.prompt_tokens), len(f.tokens), CHUNK // 2)[:3]] for f in fulls]
     with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
         want = [[flow.inference([job])[0] for job in stream] for stream in hops]
-        flow.decoder.estimator.attention_kernel = "flex"
+        flow.decoder.estimator.attention_kernel = kernel
         compile_dit(flow.decoder.estimator, "dit")
         caches, got, graphs = [None, None], [[], []], []
         for h in range(3):

@@ -57,8 +57,9 @@ def alone_tokens(model, text, ref, params):
     return [int(t) for t in r.codes[0]], r.tokens, prompt
 
 
-@pytest.mark.parametrize("schedule, packed", [("first", False), ("preempt", False), ("preempt", True)])
-def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, packed):
+@pytest.mark.parametrize("schedule, packed, kernel", [("first", False, "sdpa"), ("preempt", False, "flex"),
+                                                      ("preempt", True, "flex"), ("first", False, "varlen")])
+def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, packed, kernel):
     """Interleaved requests with different references and modes: every chunk's span and samples
     equal the official loop run for that request alone (float64: to 1e-9), with first chunks decoded at the
     Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first,
@@ -75,10 +76,11 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, 
     # of several padded rows, some alone); the audio must not change.
     # the shipped profile's flex attention with its schedule (preempt); SDPA with the other (the order does not
     # depend on the kernel, and SDPA is the faster one uncompiled), and with each stream's flow continued from
-    # its earlier hops (cosyvoice3.flow.cache)
+    # its earlier hops (cosyvoice3.flow.cache; with the varlen kernel, each call's new frames packed over
+    # their rows' past)
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
         "ar.max_num_seqs": 4, "cosyvoice3.flow.call_cost": 64, "codec.schedule": schedule,
-        "cosyvoice3.flow.attention": "flex" if schedule == "preempt" else "sdpa", "cosyvoice3.flow.cache": schedule == "first",
+        "cosyvoice3.flow.attention": kernel, "cosyvoice3.flow.cache": schedule == "first",
         "cosyvoice3.flow.packed": packed})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()

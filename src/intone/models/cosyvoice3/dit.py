@@ -93,14 +93,20 @@ class CausalConvPositionEmbedding(nn.Module):
             y = conv(F.pad(y, (self.pad, 0)))
         return y.transpose(1, 2)
 
-    def packed(self, x: Tensor, gapped: Tensor, kept: Tensor) -> Tensor:
-        """`forward` over packed rows [1, S, dim]: each convolution runs on a layout with `pad` zeros
-        before every row (slot i at `gapped[i]`; `kept` [1, G, 1] marks the slots), as each row's own
-        zero padding; the gaps are zeroed again between the two."""
+    def packed(self, x: Tensor, gapped: Tensor, kept: Tensor, context: Tensor | None = None,
+               tails: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """`forward` over packed rows [1, S, dim]: each convolution runs on a layout with `pad` slots before
+        every row (slot i at `gapped[i]`; `kept` [1, G, 1] marks the slots) holding zeros, as each row's own
+        zero padding, or (`continued`) the row's earlier frames' inputs to that convolution: tails [R, pad,
+        dim] each, placed at `context` [R, pad]. -> (output, each convolution's input layout [1, G, dim])."""
         y = x.new_zeros(1, kept.shape[1], x.shape[2]).index_copy(1, gapped, x)
-        for conv in (self.conv1, self.conv2):
+        layouts = []
+        for conv, tail in zip((self.conv1, self.conv2), tails or (None, None)):
+            if tail is not None:
+                y = y.index_copy(1, context.reshape(-1), tail.reshape(1, -1, y.shape[2]).to(y.dtype))
+            layouts.append(y)
             y = conv(F.pad(y.transpose(1, 2), (self.pad, 0))).transpose(1, 2) * kept
-        return y[:, gapped]
+        return y[:, gapped], layouts
 
     def continued(self, x: Tensor, tails: tuple[Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """`forward` with each convolution's `pad` frames of context given (earlier frames' inputs to it,
@@ -124,9 +130,15 @@ class InputEmbedding(nn.Module):
 
     def packed(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, packing) -> Tensor:
         """`forward` of padded inputs [R, T, mel] over `packing`'s slots -> [1, S, dim]."""
-        h = self.proj(torch.cat((packing.pack(x), packing.pack(cond), packing.pack(mu), spks[packing.rows][None]),
-                                dim=-1))
-        return self.conv_pos_embed.packed(h, packing.gapped, packing.kept) + h
+        return self.continued_packed(packing.pack(x), packing.pack(cond), packing.pack(mu), spks, packing)[0]
+
+    def continued_packed(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, packing,
+                         tails: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """`forward` of packed inputs [1, S, mel] (spks: per row), after each row's earlier frames (tails:
+        `CausalConvPositionEmbedding.packed`; None: zeros) -> ([1, S, dim], the convolutions' input layouts)."""
+        h = self.proj(torch.cat((x, cond, mu, spks[packing.rows][None]), dim=-1))
+        y, layouts = self.conv_pos_embed.packed(h, packing.gapped, packing.kept, packing.context, tails)
+        return y + h, layouts
 
     def continued(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, tails) -> tuple[Tensor, tuple]:
         """`forward` after earlier frames (`CausalConvPositionEmbedding.continued`; tails None: none)."""
@@ -198,8 +210,16 @@ class Attention(nn.Module):
         q = apply_rope(self.to_q(x), rope)
         k = apply_rope(self.to_k(x), rope)
         v = self.to_v(x)
-        if isinstance(mask, RowSpans):  # packed rows [1, S, C], each attending to itself
-            out = varlen_attention(*(y.view(n, self.heads, -1) for y in (q, k, v)), mask)
+        if isinstance(mask, RowSpans):  # packed rows [1, S, C], each attending to itself (and its past [P, H, D])
+            q, k, v = (y.view(n, self.heads, -1) for y in (q, k, v))
+            keys, values, spans = k, v, mask
+            if mask.key_index is not None:
+                keys, values = ((y if p is None else torch.cat((p.to(y.dtype), y)))[mask.key_index]
+                                for y, p in zip((k, v), past or (None, None)))
+                # bounds from shapes, not the call's own longest rows: compiled code then sees no number
+                # that changes from call to call (the kernel's blocks past a row's end return at once)
+                spans = RowSpans(mask.starts, n, mask.key_starts, keys.shape[0])
+            out = varlen_attention(q, keys, values, spans)
             return self.to_out[0](out.reshape(b, n, -1)).masked_fill(~valid[..., None], 0.0), (k, v)
         q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, v))
         keys, values = (k, v) if past is None else (torch.cat((past[0], k), dim=2), torch.cat((past[1], v), dim=2))
@@ -361,6 +381,22 @@ class DiT(nn.Module):
         for block in self.transformer_blocks:
             h, _ = block(h, temb, mask, packing.valid, rope, rows=packing.rows)
         return packing.unpack(self._out(h, temb, packing.rows), x.shape[0], x.shape[1])
+
+    def forward_continued_packed(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing,
+                                 past: list | None, tails) -> tuple[Tensor, list, list]:
+        """`forward_continued` of packed new frames (`packing.ContinuedPacking`): x, mu, cond [1, S, mel];
+        spks [R, spk], t [R] per row; past: each layer's earlier (keys, values) [P, H, D] packed by row
+        (None: none); tails: the input embedding's context per row (None: zeros). -> (velocity [1, S, mel],
+        each layer's keys and values of these frames [S, H, D], the convolutions' input layouts)."""
+        temb = self.time_embed(t)
+        h, layouts = self.input_embed.continued_packed(x, cond, mu, spks, packing, tails)
+        rope = self.rotary_embed.at(packing.positions)
+        kvs = []
+        for i, block in enumerate(self.transformer_blocks):
+            h, kv = block(h, temb, packing.mask, packing.valid, rope, None if past is None else past[i],
+                          rows=packing.rows)
+            kvs.append(kv)
+        return self._out(h, temb, packing.rows), kvs, layouts
 
     def _out(self, h: Tensor, temb: Tensor, rows: Tensor | None = None) -> Tensor:
         scale, shift = (per_frame(v, rows) for v in self.norm_out(temb))

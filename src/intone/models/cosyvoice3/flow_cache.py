@@ -21,6 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT
 from intone.models.cosyvoice3.flow import cosine_euler_steps
+from intone.models.cosyvoice3.packing import continued_packing
 
 
 @dataclass
@@ -88,6 +89,8 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
         if c is not None and (not r.streaming or (chunk > 0 and c.frames % chunk)):
             raise ValueError("a flow cache continues only a streamed row from a chunk boundary")
     keep = [k and r.streaming and not (chunk > 0 and n % chunk) for k, r, n in zip(keep, requests, lengths)]
+    if dit.attention_kernel == "varlen":
+        return _solve_packed(flow, requests, caches, keep, lengths, starts, pause)
     mu, cond, spks, _, streaming = flow.solve_inputs(requests)
     new = [n - s for n, s in zip(lengths, starts)]
     rows = max(max(new), FLEX_BLOCK + 1 if dit.attention_kernel == "flex" else 1)  # flex: two blocks at least
@@ -159,3 +162,72 @@ def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], keep: list[boo
         segments[b][step] = both[:, :, [b, rows + b], :, :n]
         for part, seq in enumerate(seqs):  # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at n
             tails[b][step, part] = seq[[b, rows + b], n: n + pad]
+
+
+def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
+                  pause=None):
+    """`solve_continued` with the varlen kernel: the rows' new frames packed end to end, each attending to its
+    past keys and its new frames (`packing.continued_packing`): no padding computed, no mask read."""
+    cfm, dit = flow.decoder, flow.decoder.estimator
+    b, pad = len(requests), dit.input_embed.conv_pos_embed.pad
+    mu, cond, spks, _, _ = flow.solve_inputs(requests)
+    new = [n - s for n, s in zip(lengths, starts)]
+    dev, state = mu.device, torch.promote_types(mu.dtype, torch.float32)
+    if max(lengths) > cfm.noise.shape[-1]:
+        raise ValueError(f"{max(lengths)} mel frames exceed the {cfm.noise.shape[-1]}-frame noise buffer")
+    packing = continued_packing(starts * 2, new * 2, [r.streaming for r in requests] * 2, mu.shape[1],
+                                dit.config.static_chunk_size, pad, dev)
+    half = sum(new)  # the conditioned rows' slots come first, then the unconditioned rows' (the same frames)
+    mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
+    mu_p, cond_p = (y.reshape(-1, y.shape[-1])[packing.frames][None] for y in (mu2, cond2))
+    x = cfm.noise[0].T[packing.positions[:half]].to(state)
+    like = next((c.kv for c in caches if c is not None), None)
+    segments: list[Tensor | None] = [None] * b
+    tails: list[Tensor | None] = [None] * b
+    for step, (t, dt) in enumerate(cosine_euler_steps(cfm.n_timesteps, dev, state)):
+        past = _packed_past(caches, step) if like is not None else None
+        tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
+        xin = x.to(mu2.dtype)
+        v, kvs, layouts = dit.forward_continued_packed(torch.cat((xin, xin))[None], mu_p, cond_p, spks2,
+                                                       t.to(mu2.dtype).expand(2 * b), packing, past, tail_in)
+        _keep_packed_step(kvs, layouts, packing, step, new, keep, segments, tails, cfm.n_timesteps)
+        v_cond, v_uncond = v[0].to(state).split(half)
+        x = x + dt * ((1.0 + cfm.cfg_rate) * v_cond - cfm.cfg_rate * v_uncond)
+        if pause is not None:
+            pause()
+    mels, out, at = [], [], 0
+    for i, r in enumerate(requests):
+        first = max(r.prompt_mel.shape[0] - starts[i], 0)
+        mels.append(x[at + first: at + new[i]].float().T.contiguous())
+        at += new[i]
+        kv = segments[i] if caches[i] is None or not keep[i] else torch.cat((caches[i].kv, segments[i]), dim=5)
+        out.append(FlowCache(lengths[i], kv, tails[i]) if keep[i] else None)
+    return mels, out
+
+
+def _packed_past(caches: list[FlowCache | None], step: int) -> list[tuple[Tensor, Tensor]]:
+    """Per layer, the rows' past (keys, values) [P, heads, head size] at this step, packed in the doubled rows'
+    order (conditioned rows, then unconditioned; a row without a cache has none)."""
+    parts = [c.kv[step][:, :, cfg].transpose(2, 3) for cfg in (0, 1) for c in caches if c is not None]
+    both = torch.cat(parts, dim=2)  # [layers, 2, P, heads, size]
+    return [(layer[0], layer[1]) for layer in both]
+
+
+def _keep_packed_step(kvs: list, layouts: list, packing, step: int, new: list[int], keep: list[bool],
+                      segments: list, tails: list, steps: int) -> None:
+    """`_keep_step` from packed keys and values [S, heads, size] and the convolutions' input layouts."""
+    kept = [i for i, k in enumerate(keep) if k]
+    if not kept:
+        return
+    rows, half = len(new), sum(new)
+    both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, S, H, d]
+    starts = torch.tensor([0, *new]).cumsum(0).tolist()
+    for b in kept:
+        n = new[b]
+        rows_kv = [both[:, :, at + starts[b]: at + starts[b] + n].transpose(2, 3) for at in (0, half)]
+        if segments[b] is None:
+            segments[b] = both.new_empty(steps, both.shape[0], 2, 2, both.shape[3], n, both.shape[4])
+            tails[b] = layouts[0].new_empty(steps, 2, 2, packing.ends.shape[1], layouts[0].shape[2])
+        segments[b][step] = torch.stack(rows_kv, dim=2)
+        for part, layout in enumerate(layouts):
+            tails[b][step, part] = layout[0, packing.ends[[b, rows + b]]]

@@ -31,7 +31,8 @@ class FlowOptions(_Strict):
                             "or varlen: a call of whole responses (no chunk mask) runs on its rows' frames packed "
                             "end to end, each row attending to itself through FlashAttention's variable-length "
                             "kernel (GPU, half precision: autocast or dtype), no work on padding; calls with "
-                            "streamed hops as sdpa")
+                            "streamed hops as sdpa, unless the flow cache continues them (then packed too, each "
+                            "new frame over its row's past and its chunk)")
     cuda_graphs: bool = Field(False, description="replay each Euler step of the flow's ODE solve (a DiT pass with CFG) "
                                                  "from CUDA graphs captured at start-up, one per (rows, frames) bucket "
                                                  "(GPU); a solve keeps its pause points between steps")
@@ -50,16 +51,16 @@ class FlowOptions(_Strict):
                                            "and layer) and its input embedding's last frames across its non-final "
                                            "hops, and a hop solves only its new frames: the official whole-prefix "
                                            "solve's mel, with less work; ~1.8 MB a mel frame in bf16 at real size "
-                                           "(not with cuda_graphs)")
+                                           "(not with cuda_graphs; with the varlen kernel, packed)")
 
     @model_validator(mode="after")
     def _not_with_graphs(self):
         if self.cuda_graphs and self.cache:
             raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
                              "(the graphs replay the whole-prefix solve)")
-        if self.attention == "varlen" and (self.cuda_graphs or self.cache):
-            raise ValueError("cosyvoice3.flow.attention varlen needs cosyvoice3.flow.cuda_graphs and "
-                             "cosyvoice3.flow.cache off (their solves are padded)")
+        if self.attention == "varlen" and self.cuda_graphs:
+            raise ValueError("cosyvoice3.flow.attention varlen needs cosyvoice3.flow.cuda_graphs off "
+                             "(the graphs replay padded solves)")
         if self.packed and (self.cuda_graphs or self.cache):
             raise ValueError("cosyvoice3.flow.packed needs cosyvoice3.flow.cuda_graphs and cosyvoice3.flow.cache off "
                              "(their solves are padded)")

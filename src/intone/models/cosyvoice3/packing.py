@@ -29,7 +29,10 @@ class Packing:
     `gapped` [S] its place in the convolutions' layout, `kept` [1, G, 1] 1 where a frame lies there
     (zeros before each row; unused slots all go to its last place, never kept); `mask` the attention
     pattern (flex BlockMask, RowSpans for the varlen kernel, or boolean [1, 1, S, S] for SDPA). No Python
-    numbers: compiled code sees tensors only, so one compile serves every packing."""
+    numbers: compiled code sees tensors only, so one compile serves every packing. Continued rows
+    (`continued_packing`): `context` [R, pad] the places of the `pad` slots before each row, which hold its
+    earlier frames' inputs to each convolution, and `ends` [R, pad] those of the last `pad` of [context | row]
+    (the next hop's context)."""
 
     rows: Tensor
     frames: Tensor
@@ -38,6 +41,8 @@ class Packing:
     gapped: Tensor
     kept: Tensor
     mask: Tensor | BlockMask | RowSpans
+    context: Tensor | None = None
+    ends: Tensor | None = None
 
     def pack(self, y: Tensor) -> Tensor:
         """Padded [rows, total, C] -> packed [1, S, C] (unused slots: zeros)."""
@@ -113,3 +118,47 @@ def _block_mask(lo: Tensor, hi: Tensor, size: int) -> BlockMask:
     every = used.all(1)[:, None] & (lo_b.amax(1)[:, None] <= k0) & (hi_b.amin(1)[:, None] >= k0 + FLEX_BLOCK)
     return BlockMask.from_kv_blocks(*block_lists((some & ~every)[None]), *block_lists(every[None]),
                                     BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(size, size))
+
+
+def continued_packing(past: list[int], new: list[int], streaming: list[bool], width: int, chunk: int, pad: int,
+                      device: torch.device) -> Packing:
+    """The new frames of rows that continue `past` solved frames (a streamed row's from a chunk boundary),
+    packed end to end (host lists; `frames` indexes the solve's inputs padded to `width` frames a row, from
+    frame 0). Attention by query segments (`RowSpans` with keys apart): a streamed row's new frames chunk by
+    chunk, each over the row's past and its new frames to the chunk's end; any other row's all at once over
+    all of them. Keys are laid out per segment from (the rows' past keys packed in row order, the new
+    frames' keys): `key_index`."""
+    rows_n = len(new)
+    starts = torch.tensor([0, *new]).cumsum(0).tolist()
+    past_starts = torch.tensor([0, *past]).cumsum(0).tolist()
+    used, past_total = starts[-1], past_starts[-1]
+    rows = torch.repeat_interleave(torch.arange(rows_n), torch.tensor(new))
+    offsets = torch.arange(used) - torch.tensor(starts[:-1])[rows]
+    positions = torch.tensor(past)[rows] + offsets
+    q_starts, k_starts, key_index = [0], [0], []
+    for r in range(rows_n):
+        ends = range(chunk, new[r] + chunk, chunk) if streaming[r] and chunk > 0 else [new[r]]
+        lo = 0
+        for end in ends:
+            end = min(end, new[r])
+            if end <= lo:
+                continue
+            key_index += [*range(past_starts[r], past_starts[r + 1]),
+                          *range(past_total + starts[r], past_total + starts[r] + end)]
+            q_starts.append(starts[r] + end)
+            k_starts.append(len(key_index))
+            lo = end
+    gapped = offsets + torch.tensor(starts[:-1])[rows] + pad * (rows + 1)
+    kept = torch.zeros(used + pad * rows_n, dtype=torch.bool)
+    kept[gapped] = True
+    first = torch.tensor(starts[:-1]) + pad * torch.arange(rows_n)  # each row's first context slot
+    context = first[:, None] + torch.arange(pad)[None]
+    ends = (first + torch.tensor(new))[:, None] + torch.arange(pad)[None]
+    frames = rows * width + positions
+    host = (rows, frames, positions, gapped, kept.long(), context.flatten(), ends.flatten(),
+            torch.tensor(key_index, dtype=torch.long), torch.tensor(q_starts), torch.tensor(k_starts))
+    rows, frames, positions, gapped, kept, context, ends, key_index, q_starts, k_starts = \
+        torch.cat(host).to(device).split([len(t) for t in host])
+    spans = RowSpans(q_starts.int(), key_starts=k_starts.int(), key_index=key_index)
+    return Packing(rows, frames, positions, torch.ones(1, used, dtype=torch.bool, device=device), gapped,
+                   kept.bool()[None, :, None], spans, context.view(rows_n, pad), ends.view(rows_n, pad))

@@ -69,6 +69,7 @@ def compile_dit(estimator, unit: str) -> None:
         estimator.forward = torch.compile(estimator.forward, dynamic=True)
         estimator.forward_packed = torch.compile(estimator.forward_packed, dynamic=True)
         estimator.forward_continued = torch.compile(estimator.forward_continued, dynamic=True)
+        estimator.forward_continued_packed = torch.compile(estimator.forward_continued_packed, dynamic=True)
         return
     for block in estimator.transformer_blocks:
         block.forward = torch.compile(block.forward, dynamic=True)
@@ -282,7 +283,9 @@ class CosyVocoder(Vocoder):
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
-            packed = model.flow.runs_packed([jobs[i] for i in idx])  # no padding computed (not with cache or graphs)
+            # no padding computed (not with graphs; with the cache, only by the varlen kernel)
+            packed = model.flow.runs_packed([jobs[i] for i in idx]) if not self.flow_cache else \
+                model.flow.decoder.estimator.attention_kernel == "varlen"
             with self._autocast():
                 if self.flow_cache:
                     mels, kept = solve_continued(model.flow, [jobs[i] for i in idx], [given[i] for i in idx],
