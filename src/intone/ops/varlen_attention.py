@@ -21,13 +21,15 @@ class RowSpans:
     sees no Python number that changes from call to call). key_starts: where the rows' keys differ from
     their queries (a row's queries over its earlier frames and its own), row i's keys are key slots
     [key_starts[i], key_starts[i + 1]); longest_key bounds them; key_index [K]: each key slot's place in
-    (earlier frames' keys, then the call's own), from which the caller lays them out."""
+    (earlier frames' keys, then the call's own), from which the caller lays them out; bound: an empty
+    tensor as long as the longest row (for compiled callers, a shape rather than a number)."""
 
     starts: Tensor
     longest: int | None = None
     key_starts: Tensor | None = None
     longest_key: int | None = None
     key_index: Tensor | None = None
+    bound: Tensor | None = None
 
     @property
     def keys(self) -> Tensor:

@@ -1,6 +1,8 @@
 """`cosyvoice3.flow.cache`: a stream's hops solved against the keys, values and embedding context its earlier
 hops kept give the official whole-prefix solve's new frames (float64, tiny flow)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,10 +30,10 @@ def sdpa_flow(request):
     return f
 
 
-def hop_ends(prompt: int, total: int, hop: int) -> list[int]:
+def hop_ends(prompt: int, total: int, hop: int, chunk: int = CHUNK) -> list[int]:
     """Token ends of a stream's hops: the first padded so that prompt + end fills whole chunks, then `hop`
     tokens each (a chunk boundary again), the last at `total` (final)."""
-    per_chunk = CHUNK // TINY.token_mel_ratio
+    per_chunk = chunk // TINY.token_mel_ratio
     end = -(-(prompt + 1) // per_chunk) * per_chunk - prompt
     ends = []
     while end + LOOKAHEAD < total:
@@ -103,6 +105,30 @@ def test_rows_of_every_kind_share_one_continued_solve(flow):
         assert (out is None) == (not k)
         if k:
             torch.testing.assert_close(out.kv, alone[1][0].kv, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, 20])
+def test_packed_continued_hops_keep_the_padded_solves_caches(chunk):
+    """The varlen kernel's packed continued solve keeps the caches the padded one keeps (keys, values and the
+    convolutions' context, float64), for rows with and without caches in one call, hops of one chunk and of
+    two, and (chunks of 20 frames) hops shorter than the convolutions' 30 frames of context."""
+    padded, packed = make_flow(), make_flow()
+    for flow in (padded, packed):
+        flow.decoder.estimator.config = replace(flow.decoder.estimator.config, static_chunk_size=chunk)
+    packed.decoder.estimator.attention_kernel = "varlen"
+    g = torch.Generator().manual_seed(9)
+    fulls = [request(g, prompt=p, tokens=n, finalize=True) for p, n in ((6, 90), (17, 100), (2, 70))]
+    hops = [hop_ends(len(f.prompt_tokens), len(f.tokens), h * chunk // CHUNK, chunk)
+            for f, h in zip(fulls, (CHUNK // 2, CHUNK, CHUNK // 2))]
+    caches = {"padded": [None] * 3, "packed": [None] * 3}
+    for h in range(2):
+        jobs = [part(f, ends[h], False) for f, ends in zip(fulls, hops)]
+        for name, flow in (("padded", padded), ("packed", packed)):
+            caches[name] = solve_continued(flow, jobs, caches[name], [True] * 3)[1]
+        for a, b in zip(caches["padded"], caches["packed"]):
+            assert a.frames == b.frames
+            torch.testing.assert_close(b.kv, a.kv, rtol=0, atol=1e-12)
+            torch.testing.assert_close(b.tails, a.tails, rtol=0, atol=1e-12)
 
 
 def test_a_cache_continues_only_a_streamed_row_from_a_chunk_boundary(flow):

@@ -216,9 +216,9 @@ class Attention(nn.Module):
             if mask.key_index is not None:
                 keys, values = ((y if p is None else torch.cat((p.to(y.dtype), y)))[mask.key_index]
                                 for y, p in zip((k, v), past or (None, None)))
-                # bounds from shapes, not the call's own longest rows: compiled code then sees no number
-                # that changes from call to call (the kernel's blocks past a row's end return at once)
-                spans = RowSpans(mask.starts, n, mask.key_starts, keys.shape[0])
+                # bounds from shapes (the longest segment's as an empty tensor's length): compiled code then
+                # sees no number that changes from call to call
+                spans = RowSpans(mask.starts, mask.bound.shape[0], mask.key_starts, keys.shape[0])
             out = varlen_attention(q, keys, values, spans)
             return self.to_out[0](out.reshape(b, n, -1)).masked_fill(~valid[..., None], 0.0), (k, v)
         q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, v))
@@ -295,7 +295,7 @@ class DiT(nn.Module):
         # "sdpa": a dense boolean mask; "flex": a block mask for flex attention, whose kernel skips
         # the key blocks that a row's padding or its chunk mask hides (fast only compiled); "varlen":
         # calls without chunk masks packed, each row attending to itself (`ops.varlen_attention`),
-        # others as "sdpa".
+        # others as "sdpa", unless continued from their flow caches (`forward_continued_packed`).
         self.attention_kernel = "sdpa"
         self.time_embed = TimestepEmbedding(cfg.dim, cfg.time_freq_dim)
         self.input_embed = InputEmbedding(cfg)
@@ -384,7 +384,7 @@ class DiT(nn.Module):
 
     def forward_continued_packed(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing,
                                  past: list | None, tails) -> tuple[Tensor, list, list]:
-        """`forward_continued` of packed new frames (`packing.ContinuedPacking`): x, mu, cond [1, S, mel];
+        """`forward_continued` of packed new frames (a `Packing` by `continued_packing`): x, mu, cond [1, S, mel];
         spks [R, spk], t [R] per row; past: each layer's earlier (keys, values) [P, H, D] packed by row
         (None: none); tails: the input embedding's context per row (None: zeros). -> (velocity [1, S, mel],
         each layer's keys and values of these frames [S, H, D], the convolutions' input layouts)."""

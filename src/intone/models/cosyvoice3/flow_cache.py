@@ -159,9 +159,9 @@ def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], keep: list[boo
         if segments[b] is None:
             segments[b] = both.new_empty(steps, both.shape[0], 2, 2, both.shape[3], n, both.shape[5])
             tails[b] = seqs[0].new_empty(steps, 2, 2, pad, seqs[0].shape[2])
-        segments[b][step] = both[:, :, [b, rows + b], :, :n]
+        segments[b][step] = both[:, :, b::rows, :, :n]
         for part, seq in enumerate(seqs):  # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at n
-            tails[b][step, part] = seq[[b, rows + b], n: n + pad]
+            tails[b][step, part] = seq[b::rows, n: n + pad]  # a slice: an index list would copy it to the device
 
 
 def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
@@ -230,4 +230,4 @@ def _keep_packed_step(kvs: list, layouts: list, packing, step: int, new: list[in
             tails[b] = layouts[0].new_empty(steps, 2, 2, packing.ends.shape[1], layouts[0].shape[2])
         segments[b][step] = torch.stack(rows_kv, dim=2)
         for part, layout in enumerate(layouts):
-            tails[b][step, part] = layout[0, packing.ends[[b, rows + b]]]
+            tails[b][step, part] = layout[0, packing.ends[b::rows]]

@@ -46,7 +46,8 @@ class FlowOptions(_Strict):
     packed: bool = Field(False, description="the DiT runs on the rows' valid frames packed end to end instead of "
                                             "right-padded to the call's longest (each frame's attention limited "
                                             "to its own row): the same mel, no work on padding (not with "
-                                            "cuda_graphs or cache, whose solves stay padded)")
+                                            "cuda_graphs or cache, whose solves it leaves padded; the varlen "
+                                            "kernel packs the cache's)")
     cache: bool = Field(False, description="streaming: each stream keeps its flow's keys and values (per Euler step "
                                            "and layer) and its input embedding's last frames across its non-final "
                                            "hops, and a hop solves only its new frames: the official whole-prefix "

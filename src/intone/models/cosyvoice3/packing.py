@@ -6,7 +6,9 @@ per-frame piece of the DiT (projections, norms, feed-forward) then computes only
 frame attends to an interval of that sequence: its own row, up to the end of its chunk for a
 streamed row (`DiT.attention_mask`'s pattern); the input embedding's causal convolutions run on a
 layout with `pad` zeros before each row, as the padded solve's own zero padding gives them. A call of
-whole rows only (no chunk mask) with the `varlen` kernel attends row by row (`ops.varlen_attention`).
+whole rows only (no chunk mask) with the `varlen` kernel attends row by row (`ops.varlen_attention`);
+with the flow cache, that kernel's calls hold rows' new frames after their cached past
+(`continued_packing`: the past's keys and the convolutions' context come from the cache).
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def continued_packing(past: list[int], new: list[int], streaming: list[bool], wi
     rows = torch.repeat_interleave(torch.arange(rows_n), torch.tensor(new))
     offsets = torch.arange(used) - torch.tensor(starts[:-1])[rows]
     positions = torch.tensor(past)[rows] + offsets
-    q_starts, k_starts, key_index = [0], [0], []
+    q_starts, k_starts, key_index, longest = [0], [0], [], 1
     for r in range(rows_n):
         ends = range(chunk, new[r] + chunk, chunk) if streaming[r] and chunk > 0 else [new[r]]
         lo = 0
@@ -147,7 +149,7 @@ def continued_packing(past: list[int], new: list[int], streaming: list[bool], wi
                           *range(past_total + starts[r], past_total + starts[r] + end)]
             q_starts.append(starts[r] + end)
             k_starts.append(len(key_index))
-            lo = end
+            longest, lo = max(longest, end - lo), end
     gapped = offsets + torch.tensor(starts[:-1])[rows] + pad * (rows + 1)
     kept = torch.zeros(used + pad * rows_n, dtype=torch.bool)
     kept[gapped] = True
@@ -159,6 +161,8 @@ def continued_packing(past: list[int], new: list[int], streaming: list[bool], wi
             torch.tensor(key_index, dtype=torch.long), torch.tensor(q_starts), torch.tensor(k_starts))
     rows, frames, positions, gapped, kept, context, ends, key_index, q_starts, k_starts = \
         torch.cat(host).to(device).split([len(t) for t in host])
-    spans = RowSpans(q_starts.int(), key_starts=k_starts.int(), key_index=key_index)
+    # the kernel's query bound, rounded up to its block: few distinct lengths (the compiled code's symbols)
+    bound = torch.empty(-(-longest // FLEX_BLOCK) * FLEX_BLOCK, 0, device=device)
+    spans = RowSpans(q_starts.int(), key_starts=k_starts.int(), key_index=key_index, bound=bound)
     return Packing(rows, frames, positions, torch.ones(1, used, dtype=torch.bool, device=device), gapped,
                    kept.bool()[None, :, None], spans, context.view(rows_n, pad), ends.view(rows_n, pad))

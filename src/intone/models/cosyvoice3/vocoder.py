@@ -176,7 +176,8 @@ class CosyVocoder(Vocoder):
         dev = self.model.codec_device
         dummy = compile_batches(self.model.flow, dev)
         with self._autocast():
-            for batch in dummy:
+            # with the cache every call is a continued solve: the plain ones would compile for nothing
+            for batch in dummy if not self.flow_cache else []:
                 self.model.flow.inference(batch)
             if self.flow_cache:
                 # Three streams' first hops (no cache; 200 mel frames), then their next (200 solved + 50 new).
