@@ -98,9 +98,11 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
         # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores).
         return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody")
     if name == "strict_server":
-        # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue.
+        # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue; its codec in the engine
+        # loop, pieces gathered and playing streams' chunks held for their listeners (engine/loop_codec.py).
         profile = tmp / "tight.yaml"
-        profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n")
+        profile.write_text("ar: {max_num_seqs: 1, max_waiting: 1}\nchunking: {initial_chunk_frames: 4}\n"
+                           "codec: {overlap: false, gather_ms: 50, stream_lead_ms: 300}\n")
         return ("--api-key", "sekret", "--sse-dialect", "sglang", "--profile", str(profile))
     if name == "cosy_server":
         # The raw-audio dialect: what older vLLM-Omni `--stream` clients expect of a bare `stream: true`;
