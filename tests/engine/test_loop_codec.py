@@ -152,8 +152,7 @@ def test_the_profile_puts_the_codec_in_the_loop(tiny_fish):
 def test_every_request_is_its_one_pass_decode_however_its_chunks_wait(tiny_fish_dir, overlap, gather_ms, lead_ms):
     """Streams and non-streamed requests in pieces, the codec in the loop or on its worker, pieces gathered
     or not, streams' chunks held for their deadlines or not: joined, each request's chunks are its one-pass
-    decode (float64); in the loop, gathering makes fewer calls (each call empties the queue, so a run never
-    makes more calls than steps that handed chunks over)."""
+    decode (float64)."""
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "codec.carry_state": True, "chunking.whole_chunk_frames": 30,
@@ -161,20 +160,39 @@ def test_every_request_is_its_one_pass_decode_however_its_chunks_wait(tiny_fish_
     requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=75, min_new_tokens=35 + 10 * i))
                 for i in range(5)]
-    core = EngineCore(model, profile)
-    handed = []
-    submit = core.codec_worker.submit
-
-    def counted(items, tokens, deadlines=None):
-        handed.append(len(items))
-        submit(items, tokens, deadlines)
-    core.codec_worker.submit = counted
-    chunks, codes = run_keeping_codes(core, requests)
+    chunks, codes = run_keeping_codes(EngineCore(model, profile), requests)
     for rid, cs in chunks.items():
         joined = np.concatenate([c.audio for c in cs])
         one_pass = model.codec.decode(codes[rid][None])[0].numpy()
         assert cs[-1].stop_reason in ("stop", "length") and joined.shape == one_pass.shape
         assert np.abs(joined - one_pass).max() < 1e-6
-    calls = core.snapshot()["codec_calls"]
-    if not overlap:
-        assert calls < len(handed) if gather_ms else calls == len(handed)
+
+
+@pytest.mark.parametrize("gather_ms", [0, 1000])
+def test_in_the_loop_gathered_pieces_go_in_fewer_calls(tiny_fish, gather_ms):
+    """Non-streamed requests in pieces (no listener, so nothing is due before its company): without
+    gathering the loop decodes each step's pieces as they come, one call a step that handed some over;
+    gathered, fewer calls (each empties the queue, so never more)."""
+    profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
+        "ar.max_num_seqs": 4, "codec.max_batch": 8, "codec.carry_state": True, "chunking.whole_chunk_frames": 10,
+        "codec.overlap": False, "codec.gather_ms": gather_ms})
+    core = EngineCore(tiny_fish, profile)
+    handed, decode = [], core.codec_worker.stage.run
+    calls = []
+    submit = core.codec_worker.submit
+
+    def counted(items, tokens, deadlines=None):
+        handed.append(len(items))
+        submit(items, tokens, deadlines)
+
+    def decoded(items, pause=None):
+        calls.append(len(items))
+        return decode(items)
+    core.codec_worker.submit, core.codec_worker.stage.run = counted, decoded
+    requests = [SynthesisRequest(f"r{i}", "Pieces.", stream=False,
+                                 params=SamplingParams(seed=i, max_new_tokens=45, min_new_tokens=25 + 5 * i))
+                for i in range(4)]
+    chunks, _ = run_keeping_codes(core, requests)
+    assert all(cs[-1].stop_reason in ("stop", "length") for cs in chunks.values()) and len(chunks) == 4
+    assert sum(calls) == sum(handed)
+    assert len(calls) < len(handed) if gather_ms else len(calls) == len(handed)
