@@ -58,10 +58,8 @@ def _gated_worker(tiny_fish, max_call, first_alone=False, **options):
     """A worker whose decode calls wait for `gate`; calls records the request ids of each call."""
     import threading
 
-    from intone.engine.chunk_planner import Chunk
     from intone.engine.codec_stage import CodecStage
     from intone.engine.codec_worker import CodecWorker
-    from intone.engine.request import EngineRequest
     from intone.models.vocoder import WindowVocoder
 
     stage = CodecStage(WindowVocoder(tiny_fish, max_batch=64, max_padded_frames=4096))
@@ -72,14 +70,25 @@ def _gated_worker(tiny_fish, max_call, first_alone=False, **options):
         gate.wait(10)
         return decode(items)
     stage.run = gated
+    items = whole_responses(tiny_fish)
+    worker = CodecWorker(stage, tiny_fish.device, max_call=max_call, first_alone=first_alone, **options)
+    return worker, gate, calls, items, decode
+
+
+def whole_responses(model, frontier=None) -> dict:
+    """Four requests' one whole chunk each (r0-r3, 12-15 frames of random codes), to hand to a codec;
+    frontier: each request's (None: none)."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.request import EngineRequest
+
     g = torch.Generator().manual_seed(0)
     items = {}
     for b in range(4):
         req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
-        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
+        req.codes = torch.randint(0, 8, (model.num_codebooks, 12 + b), generator=g)
+        req.frontier = frontier
         items[req.request_id] = (req, Chunk(req.request_id, 0, 12 + b, 0, True))
-    worker = CodecWorker(stage, tiny_fish.device, max_call=max_call, first_alone=first_alone, **options)
-    return worker, gate, calls, items, decode
+    return items
 
 
 def _drain(worker, count):

@@ -16,7 +16,7 @@ from intone.engine.request import EngineRequest
 from intone.models.registry import load_model
 from intone.models.vocoder import WindowVocoder
 from intone.protocol import SamplingParams, SynthesisRequest
-from tests.engine.test_codec_worker import run_keeping_codes
+from tests.engine.test_codec_worker import run_keeping_codes, whole_responses
 
 
 def _loop_codec(tiny_fish, **options):
@@ -29,13 +29,7 @@ def _loop_codec(tiny_fish, **options):
         calls.append([req.request_id for req, _ in items])
         return decode(items)
     stage.run = recorded
-    g = torch.Generator().manual_seed(0)
-    items = {}
-    for b in range(4):
-        req = EngineRequest(f"r{b}", prompt=None, params=SamplingParams())
-        req.codes = torch.randint(0, 8, (tiny_fish.num_codebooks, 12 + b), generator=g)
-        req.frontier = Frontier(0, whole=True)
-        items[req.request_id] = (req, Chunk(req.request_id, 0, 12 + b, 0, True))
+    items = whole_responses(tiny_fish, Frontier(0, whole=True))  # non-streamed
     return LoopCodec(stage, **options), calls, items, decode
 
 
