@@ -124,13 +124,7 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
         x = x + dt * ((1.0 + cfm.cfg_rate) * v_cond - cfm.cfg_rate * v_uncond)
         if pause is not None:
             pause()
-    mels, out = [], []
-    for i, r in enumerate(requests):
-        first = max(r.prompt_mel.shape[0] - starts[i], 0)
-        mels.append(x[i, first: new[i]].float().T.contiguous())
-        kv = segments[i] if caches[i] is None or not keep[i] else torch.cat((caches[i].kv, segments[i]), dim=5)
-        out.append(FlowCache(lengths[i], kv, tails[i]) if keep[i] else None)
-    return mels, out
+    return _results(requests, caches, keep, lengths, starts, [x[i, : new[i]] for i in range(b)], segments, tails)
 
 
 def _gather_tails(caches: list[FlowCache | None], step: int, rows: int, pad: int, dim: int, like: Tensor) -> tuple:
@@ -156,12 +150,30 @@ def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], keep: list[boo
     both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, 2 * rows, H, T, d]
     for b in kept:
         n = new[b]
-        if segments[b] is None:
-            segments[b] = both.new_empty(steps, both.shape[0], 2, 2, both.shape[3], n, both.shape[5])
-            tails[b] = seqs[0].new_empty(steps, 2, 2, pad, seqs[0].shape[2])
-        segments[b][step] = both[:, :, b::rows, :, :n]
-        for part, seq in enumerate(seqs):  # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at n
-            tails[b][step, part] = seq[b::rows, n: n + pad]  # a slice: an index list would copy it to the device
+        # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at n (slices: an index list would
+        # be copied to the device)
+        _store(segments, tails, b, step, steps, both[:, :, b::rows, :, :n],
+               torch.stack([seq[b::rows, n: n + pad] for seq in seqs]))
+
+
+def _store(segments: list, tails: list, b: int, step: int, steps: int, kv: Tensor, tail: Tensor) -> None:
+    """Row b's keys and values [layers, 2, 2 (rows), H, n, d] and embedding tails [2, 2 (rows), pad, dim] at
+    this step, into its new cache's (made at its first step)."""
+    if segments[b] is None:
+        segments[b], tails[b] = kv.new_empty(steps, *kv.shape), tail.new_empty(steps, *tail.shape)
+    segments[b][step], tails[b][step] = kv, tail
+
+
+def _results(requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
+             new_mels: list[Tensor], segments: list, tails: list) -> tuple[list, list]:
+    """Each request's mel from frame max(prompt mel, its cache's frames) (new_mels: its solved frames [n, mel],
+    from its cache's end), and its new cache (None where not kept)."""
+    mels, out = [], []
+    for i, r in enumerate(requests):
+        mels.append(new_mels[i][max(r.prompt_mel.shape[0] - starts[i], 0):].float().T.contiguous())
+        kv = segments[i] if caches[i] is None or not keep[i] else torch.cat((caches[i].kv, segments[i]), dim=5)
+        out.append(FlowCache(lengths[i], kv, tails[i]) if keep[i] else None)
+    return mels, out
 
 
 def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
@@ -195,14 +207,7 @@ def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths:
         x = x + dt * ((1.0 + cfm.cfg_rate) * v_cond - cfm.cfg_rate * v_uncond)
         if pause is not None:
             pause()
-    mels, out, at = [], [], 0
-    for i, r in enumerate(requests):
-        first = max(r.prompt_mel.shape[0] - starts[i], 0)
-        mels.append(x[at + first: at + new[i]].float().T.contiguous())
-        at += new[i]
-        kv = segments[i] if caches[i] is None or not keep[i] else torch.cat((caches[i].kv, segments[i]), dim=5)
-        out.append(FlowCache(lengths[i], kv, tails[i]) if keep[i] else None)
-    return mels, out
+    return _results(requests, caches, keep, lengths, starts, list(x.split(new)), segments, tails)
 
 
 def _packed_past(caches: list[FlowCache | None], step: int) -> list[tuple[Tensor, Tensor]]:
@@ -223,11 +228,6 @@ def _keep_packed_step(kvs: list, layouts: list, packing, step: int, new: list[in
     both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, S, H, d]
     starts = torch.tensor([0, *new]).cumsum(0).tolist()
     for b in kept:
-        n = new[b]
-        rows_kv = [both[:, :, at + starts[b]: at + starts[b] + n].transpose(2, 3) for at in (0, half)]
-        if segments[b] is None:
-            segments[b] = both.new_empty(steps, both.shape[0], 2, 2, both.shape[3], n, both.shape[4])
-            tails[b] = layouts[0].new_empty(steps, 2, 2, packing.ends.shape[1], layouts[0].shape[2])
-        segments[b][step] = torch.stack(rows_kv, dim=2)
-        for part, layout in enumerate(layouts):
-            tails[b][step, part] = layout[0, packing.ends[b::rows]]
+        kv = [both[:, :, at + starts[b]: at + starts[b] + new[b]].transpose(2, 3) for at in (0, half)]
+        _store(segments, tails, b, step, steps, torch.stack(kv, dim=2),
+               torch.stack([layout[0, packing.ends[b::rows]] for layout in layouts]))

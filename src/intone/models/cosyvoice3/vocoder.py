@@ -176,10 +176,10 @@ class CosyVocoder(Vocoder):
         dev = self.model.codec_device
         dummy = compile_batches(self.model.flow, dev)
         with self._autocast():
-            # with the cache every call is a continued solve: the plain ones would compile for nothing
-            for batch in dummy if not self.flow_cache else []:
-                self.model.flow.inference(batch)
-            if self.flow_cache:
+            if not self.flow_cache:  # with the cache every call is a continued solve
+                for batch in dummy:
+                    self.model.flow.inference(batch)
+            else:
                 # Three streams' first hops (no cache; 200 mel frames), then their next (200 solved + 50 new).
                 # Sizes that differ from each other (rows, frames, past frames, flex blocks), so the compiled
                 # code ties none of them (dynamic shapes equate the sizes equal at their first compile, and
