@@ -20,14 +20,13 @@ class RowSpans:
     count); longest: no row is longer (the kernel's bound; a shape of the caller's, so compiled code
     sees no Python number that changes from call to call). key_starts: where the rows' keys differ from
     their queries (a row's queries over its earlier frames and its own), row i's keys are key slots
-    [key_starts[i], key_starts[i + 1]); longest_key bounds them; key_index [K]: each key slot's place in
+    [key_starts[i], key_starts[i + 1]) (bounded by the key count); key_index [K]: each key slot's place in
     (earlier frames' keys, then the call's own), from which the caller lays them out; bound: an empty
     tensor as long as the longest row (for compiled callers, a shape rather than a number)."""
 
     starts: Tensor
     longest: int | None = None
     key_starts: Tensor | None = None
-    longest_key: int | None = None
     key_index: Tensor | None = None
     bound: Tensor | None = None
 
@@ -45,9 +44,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, spans: RowSpans) -> Tensor
     1/sqrt(D)); K = S unless the spans give the keys' own starts."""
     if flash_available(q):
         longest = spans.longest if spans.longest is not None else q.shape[0]
-        longest_key = spans.longest_key if spans.longest_key is not None else k.shape[0]
-        if spans.key_starts is None:
-            longest_key = longest
+        longest_key = longest if spans.key_starts is None else k.shape[0]
         return torch.ops.aten._flash_attention_forward(q, k, v, spans.starts, spans.keys, longest, longest_key,
                                                        0.0, False, False)[0]
     out = torch.zeros_like(q)

@@ -187,7 +187,10 @@ class CausalCFM(nn.Module):
             v = self.estimator.forward_packed(torch.cat((xin, xin)), mu, cond, spks, t, mask)
         else:
             v = self.estimator(torch.cat((xin, xin)), mu, cond, spks, t, *mask)
-        v_cond, v_uncond = v.to(x.dtype).chunk(2)
+        return self.guided(x, *v.to(x.dtype).chunk(2), dt)
+
+    def guided(self, x: Tensor, v_cond: Tensor, v_uncond: Tensor, dt: Tensor) -> Tensor:
+        """One Euler step along the classifier-free-guided velocity."""
         return x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
 
 

@@ -113,18 +113,26 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
     pad = dit.input_embed.conv_pos_embed.pad
     segments: list[Tensor | None] = [None] * b  # the kept rows' new frames' keys and values, per step
     tails: list[Tensor | None] = [None] * b
-    for step, (t, dt) in enumerate(cosine_euler_steps(cfm.n_timesteps, dev, state)):
+    def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
         past = _gather(caches, step, width, like) if like is not None else None
         tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
         xin = x.to(mu2.dtype)
         v, kvs, seqs = dit.forward_continued(torch.cat((xin, xin)), mu2, cond2, spks2, t.to(mu2.dtype).expand(2 * b),
                                              mask, valid, rope, past, tail_in)
         _keep_step(kvs, seqs, step, new, keep, segments, tails, pad, cfm.n_timesteps)
-        v_cond, v_uncond = v.to(state).chunk(2)
-        x = x + dt * ((1.0 + cfm.cfg_rate) * v_cond - cfm.cfg_rate * v_uncond)
+        return v.to(state).chunk(2)
+    x = _euler(cfm, x, velocity, pause)
+    return _results(requests, caches, keep, lengths, starts, [x[i, : new[i]] for i in range(b)], segments, tails)
+
+
+def _euler(cfm, x: Tensor, velocity, pause=None) -> Tensor:
+    """The solve's Euler steps from x (the official schedule, in x's dtype); velocity(step, t, x) -> the
+    conditioned and unconditioned velocities; pause: called after each step."""
+    for step, (t, dt) in enumerate(cosine_euler_steps(cfm.n_timesteps, x.device, x.dtype)):
+        x = cfm.guided(x, *velocity(step, t, x), dt)
         if pause is not None:
             pause()
-    return _results(requests, caches, keep, lengths, starts, [x[i, : new[i]] for i in range(b)], segments, tails)
+    return x
 
 
 def _gather_tails(caches: list[FlowCache | None], step: int, rows: int, pad: int, dim: int, like: Tensor) -> tuple:
@@ -196,17 +204,15 @@ def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths:
     like = next((c.kv for c in caches if c is not None), None)
     segments: list[Tensor | None] = [None] * b
     tails: list[Tensor | None] = [None] * b
-    for step, (t, dt) in enumerate(cosine_euler_steps(cfm.n_timesteps, dev, state)):
+    def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
         past = _packed_past(caches, step) if like is not None else None
         tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
         xin = x.to(mu2.dtype)
         v, kvs, layouts = dit.forward_continued_packed(torch.cat((xin, xin))[None], mu_p, cond_p, spks2,
                                                        t.to(mu2.dtype).expand(2 * b), packing, past, tail_in)
         _keep_packed_step(kvs, layouts, packing, step, new, keep, segments, tails, cfm.n_timesteps)
-        v_cond, v_uncond = v[0].to(state).split(half)
-        x = x + dt * ((1.0 + cfm.cfg_rate) * v_cond - cfm.cfg_rate * v_uncond)
-        if pause is not None:
-            pause()
+        return v[0].to(state).split(half)
+    x = _euler(cfm, x, velocity, pause)
     return _results(requests, caches, keep, lengths, starts, list(x.split(new)), segments, tails)
 
 
