@@ -21,9 +21,12 @@ summary=()
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
-    tests) timeout ${TT:-420} python3 -m pytest -q -m gpu tests --ignore=tests/api/test_openai_sdk.py -p no:cacheprovider 2>&1 | tail -25 ;;
+    # the tests' whole output is kept in $OUT (the device tool returns only the last 12,000 characters printed)
+    tests) timeout ${TT:-420} python3 -m pytest -q -m gpu tests --ignore=tests/api/test_openai_sdk.py -p no:cacheprovider 2>&1 \
+        | tee "$OUT/tests$TAG.txt" | tail -25 ;;
     # eval: PYTEST_ARGS may quote a -k expression ("a or b")
-    pytest) eval "timeout ${TT:-300} python3 -m pytest -q -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 | tail -25 ;;
+    pytest) eval "timeout ${TT:-300} python3 -m pytest -q -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 \
+        | tee "$OUT/pytest$TAG.txt" | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     gpu-new) timeout 400 python3 -m pytest -q -m gpu tests/engine/test_cuda_graphs.py tests/api/test_gpu_server.py tests/models/cosyvoice3/test_frontend_torch.py tests/models/fish_s2/test_codec_stream.py -p no:cacheprovider 2>&1 | tail -15 ;;
     # codec-convs: the Fish codec's stateful decode and each of its convolutions (CONVS_ARGS='--whole': the decode only;
