@@ -4,9 +4,11 @@ modules (`tools/parity_fixtures.py`, commit in the fixture's json), in float32; 
 
 Tolerances: float32 on both sides, with different but equivalent kernels (paged vs dense attention,
 packed vs separate projections), so sums are taken in other orders: logits (|x| <= 1.2) were seen to
-agree to 4.2e-7 and decoded audio (peak 0.43) to 3.7e-7, with 1 or 2 threads; both are held to 5e-6,
-a few dozen float32 ulps and far below what a real difference moves (skipping the official bf16 rounding
-of the RoPE table alone moves logits by ~3e-2). Token ids, greedy frames and codes are compared exactly:
+agree to 4.2e-7 and decoded audio (peak 0.43) to 3.7e-7, with 1 or 2 threads, on the machine that made the
+fixtures; logits are held to 5e-6, a few dozen float32 ulps and far below what a real difference moves (skipping
+the official bf16 rounding of the RoPE table alone moves logits by ~3e-2). The codec's deep stack of float32
+convolutions and sines rounds differently on other CPUs: on an AVX-512 machine our decode is 5.9e-6 from the
+fixture's, as far as either float32 decode is from the float64 one (5.4e-6 and 4.8e-6), so audio is held to 2e-5. Token ids, greedy frames and codes are compared exactly:
 the smallest top-2 gaps of the official greedy steps (in the json: 4.8e-3 slow, 1.6e-4 fast) are far
 above those tolerances.
 """
@@ -22,7 +24,7 @@ from intone.protocol import SamplingParams, VoiceReference
 from tests import parity
 
 LOGIT_ATOL = 5e-6
-AUDIO_ATOL = 5e-6
+AUDIO_ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
