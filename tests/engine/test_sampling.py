@@ -1,10 +1,11 @@
 """Sampling: official filter order, and draws that belong to the request, not the batch."""
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, request_uniforms, sample
+from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, best_tokens, request_uniforms, sample
 
 
 def batch(n, temperature=0.8, top_p=0.8, top_k=30, seeds=None, steps=None, penalty=1.0):
@@ -75,3 +76,34 @@ def test_repetition_penalty_pushes_recent_tokens_down():
     out = apply_repetition_penalty(logits, window, batch(1, penalty=2.0))
     assert out.tolist() == [[1.0, -2.0, 0.5, 0.0]]
     assert torch.equal(apply_repetition_penalty(logits, window, batch(1)), logits)
+
+
+def tied_logits(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    """bf16-rounded logits (as the GPU's heads give them: many exact ties), with -inf, 0.0 and -0.0."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, vocab, generator=g) * 3).to(torch.bfloat16).float()
+    x[:, 0], x[:, 1], x[:, 2] = float("-inf"), 0.0, -0.0
+    return x[:, torch.randperm(vocab, generator=g)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 300))
+def test_best_tokens_are_the_stable_descending_order_for_any_k(seed, k):
+    x = tied_logits(seed, 3, 300)
+    want = np.argsort(-x.numpy(), axis=-1, kind="stable")[:, :k]  # equal logits: the lower id first
+    assert np.array_equal(best_tokens(x, k).numpy(), want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10**6), st.lists(st.integers(1, 64), min_size=1, max_size=6), st.integers(0, 10**4))
+def test_a_row_draws_the_same_token_whatever_number_of_candidates_is_sorted(seed, top_ks, step):
+    """What lets a batch sort only as many candidates as its largest top_k asks for (a captured head: one
+    of its fixed bounds): rows with small top_k draw the same, beside any other row."""
+    n = len(top_ks)
+    g = torch.Generator().manual_seed(seed)
+    logits = tied_logits(seed, n, 4097)
+    params = SamplingBatch(torch.rand(n, generator=g) * 1.5, 0.3 + 0.7 * torch.rand(n, generator=g),
+                           torch.tensor(top_ks), torch.ones(n), torch.arange(n) + seed, torch.full((n,), step),
+                           max_top_k=max(top_ks))
+    draws = [sample(logits, params, 2, k) for k in (max(top_ks), 64, 100, 4097)]
+    assert all(torch.equal(d, draws[0]) for d in draws)

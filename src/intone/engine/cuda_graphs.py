@@ -7,8 +7,10 @@ their rows are padded to a bucket:
 - the decode forward (`TTSModel.forward_decode`, one token per row: a decode's new token, or
   one token of a prompt), keyed by (rows, KV length): attention reads each row's blocks up to the KV bucket and masks beyond the row's
   length; padding rows write their keys to the cache's scratch slot and their outputs are dropped;
-- the head (`TTSModel.head`: sampling, and Fish's fast AR), keyed by rows, for models whose head
-  has static shapes; padding rows are copies of row 0 (valid values) and are dropped.
+- the head (`TTSModel.head`: sampling, and Fish's fast AR), keyed by rows and by the bound on the
+  rows' top_k its draws sort to (`ar.sample_candidates` or every token: the smallest that holds the
+  batch's largest top_k; every bound draws the same tokens), for models whose head has static shapes;
+  padding rows are copies of row 0 (valid values) and are dropped.
 
 Every key the engine can meet is captured by `capture_all()` before the engine serves, with
 nothing else on the GPU; afterwards graphs are only replayed. A key without a graph (its capture
@@ -39,6 +41,11 @@ KV_BUCKETS = (256, 512, 1024, 2048, 4096, 8192)
 
 def bucket(value: int, buckets=ROW_BUCKETS) -> int | None:
     return next((b for b in buckets if b >= value), None)
+
+
+def head_bound(bounds: tuple, max_top_k: int) -> int | None:
+    """The smallest of a head's candidate bounds (None: every token, the last) that holds max_top_k."""
+    return next(b for b in bounds if b is None or b >= max_top_k)
 
 
 def pad_rows(t: Tensor, rows: int) -> Tensor:
@@ -118,8 +125,8 @@ _SAMPLING_TENSORS = [f.name for f in fields(SamplingBatch) if f.name not in (
 
 
 class _HeadBuffers(_Capturable):
-    def __init__(self, fn, rows: int, out_shape, out_dtype, history_width: int, device):
-        self.fn = fn
+    def __init__(self, fn, rows: int, candidates: int | None, out_shape, out_dtype, history_width: int, device):
+        self.fn, self.candidates = fn, candidates
         self.hidden = torch.zeros(rows, *out_shape, dtype=out_dtype, device=device)
         self.history = torch.full((rows, history_width), -1, dtype=torch.int64, device=device)
         kinds = dict(temperature=torch.float32, top_p=torch.float32, top_k=torch.int64,
@@ -131,7 +138,7 @@ class _HeadBuffers(_Capturable):
         self.sampling = SamplingBatch(max_top_k=1, has_penalty=True, **values)
 
     def run(self):
-        return self.fn(self.hidden, self.sampling, self.history)
+        return self.fn(self.hidden, self.sampling, self.history, self.candidates)
 
     def load(self, hidden: Tensor, sampling: SamplingBatch, history: Tensor) -> None:
         rows = self.hidden.shape[0]
@@ -155,12 +162,13 @@ class StepGraphs:
     """The decode and head graphs of one model runner (CUDA only)."""
 
     def __init__(self, decode_fn: Callable, head_fn: Callable | None, kv: KVCache, width: int, dtype,
-                 out_shape, out_dtype, history_width: int):
+                 out_shape, out_dtype, history_width: int, head_bounds: tuple = (None,)):
         self.decode_fn, self.head_fn, self.kv = decode_fn, head_fn, kv
+        self.head_bounds = head_bounds
         self.width, self.dtype = width, dtype
         self.out_shape, self.out_dtype, self.history_width = out_shape, out_dtype, history_width
         self._decode: dict[tuple[int, int], _DecodeBuffers] = {}
-        self._head: dict[int, _HeadBuffers] = {}
+        self._head: dict[tuple[int, int | None], _HeadBuffers] = {}
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
         self.replays = 0  # steps whose decode ran from a graph
@@ -181,11 +189,12 @@ class StepGraphs:
             self._decode[key] = _DecodeBuffers(self.decode_fn, self.kv, rows, self.width, self.dtype, kv_tokens)
         return self._decode[key]
 
-    def _head_buffers(self, rows: int) -> _HeadBuffers:
-        if rows not in self._head:
-            self._head[rows] = _HeadBuffers(self.head_fn, rows, self.out_shape, self.out_dtype, self.history_width,
-                                            self.kv.k.device)
-        return self._head[rows]
+    def _head_buffers(self, rows: int, candidates: int | None) -> _HeadBuffers:
+        key = rows, candidates
+        if key not in self._head:
+            self._head[key] = _HeadBuffers(self.head_fn, rows, candidates, self.out_shape, self.out_dtype,
+                                           self.history_width, self.kv.k.device)
+        return self._head[key]
 
     # ---- serving ------------------------------------------------------------------------------
 
@@ -207,7 +216,7 @@ class StepGraphs:
         rows = bucket(hidden.shape[0])
         if self.head_fn is None or rows is None:
             return None
-        buffers = self._head_buffers(rows)
+        buffers = self._head_buffers(rows, head_bound(self.head_bounds, sampling.max_top_k))
         buffers.load(hidden, sampling, history)
         n = hidden.shape[0]
         return tuple(t[:n].clone() for t in buffers.execute())
@@ -228,7 +237,8 @@ class StepGraphs:
                 self._capture(self._decode_buffers(key), key)
             if self.head_fn is not None:
                 for rows in sorted(row_keys, reverse=True):
-                    self._capture(self._head_buffers(rows), ("head", rows))
+                    for candidates in self.head_bounds:
+                        self._capture(self._head_buffers(rows, candidates), ("head", rows, candidates))
         torch.cuda.synchronize()
         self.report.seconds = time.perf_counter() - start
         return self.report
@@ -249,7 +259,8 @@ class StepGraphs:
     @property
     def captured(self) -> list:
         decode = sorted(k for k, b in self._decode.items() if b.graph is not None)
-        head = sorted(("head", r) for r, b in self._head.items() if b.graph is not None)
+        head = sorted((("head", r, c) for (r, c), b in self._head.items() if b.graph is not None),
+                      key=lambda k: (k[1], k[2] is None, k[2] or 0))
         return decode + head
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from intone.engine.cuda_graphs import CaptureReport, StepGraphs
+from intone.engine.cuda_graphs import CaptureReport, StepGraphs, head_bound
 from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel
 from intone.ops import paged_decode
 from intone.ops.attention import AttentionMetadata
@@ -56,9 +56,13 @@ MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 
 class ModelRunner:
-    def __init__(self, model: TTSModel, kv: KVCache, cuda_graphs: bool = False, max_seats: int = 64):
-        """max_seats: requests per step expected (the token history grows beyond it if need be)."""
+    def __init__(self, model: TTSModel, kv: KVCache, cuda_graphs: bool = False, max_seats: int = 64,
+                 sample_candidates: int = 64):
+        """max_seats: requests per step expected (the token history grows beyond it if need be);
+        sample_candidates: `ar.sample_candidates`."""
         self.model, self.kv = model, kv
+        # the bounds the head sorts to (`cuda_graphs.head_bound`), each captured; None: every token
+        self.head_bounds = (sample_candidates, None) if model.head_takes_candidates and sample_candidates else (None,)
         self.history = TokenHistory(model.device, max_seats)
         self.staging = HostStaging(model.device)
         self.max_graph_tokens = 0
@@ -79,7 +83,7 @@ class ModelRunner:
             out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,
                                        torch.full((1, 1), self.kv.num_blocks, device=dev), one, self.kv)
         return StepGraphs(model.forward_decode, head, self.kv, width, model.dtype, tuple(out.shape[1:]), out.dtype,
-                          CAPACITY)
+                          CAPACITY, self.head_bounds)
 
     def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
         """Size the static step and, with cuda_graphs, capture every graph this runner may replay
@@ -171,8 +175,9 @@ class ModelRunner:
         if out is None:
             out = self._split(x, batch, n)
         result = self.graphs.head(out, batch.sampling, batch.history) if self.graphs is not None else None
-        if result is None:
-            result = model.head(out, batch.sampling, batch.history)
+        if result is None:  # eagerly, at the bound a graph would take (the same shapes: the same bits)
+            result = model.head(out, batch.sampling, batch.history,
+                                head_bound(self.head_bounds, batch.sampling.max_top_k))
         tokens, codes, stopped = result
         if batch.seats is not None:
             self.history.record(batch.seats, batch.sampling.steps, tokens)

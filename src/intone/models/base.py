@@ -204,14 +204,19 @@ class TTSModel(abc.ABC):
         the same output as `forward`. Rows attend to their first seq_lens keys in blocks `tables`."""
 
     @abc.abstractmethod
-    def head(self, out: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def head(self, out: Tensor, sampling: SamplingBatch, history: Tensor,
+             candidates: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """forward's output [R, ...] -> (main token [R], codes [R, K], stopped [R] bool) of the new frame.
 
-        history [R, C]: each row's generated main tokens so far (sampling.steps of them), -1 beyond."""
+        history [R, C]: each row's generated main tokens so far (sampling.steps of them), -1 beyond.
+        candidates: at least every row's top_k; a head may then sort only that many tokens per draw, and
+        must draw the same tokens for any such bound (None: every token)."""
 
     # head() has static shapes for a given row count (no host sync, no shape from the values),
     # so the runner may capture it per row bucket; padding rows are copies of row 0.
     head_is_static: bool = False
+    # head() sorts only `candidates` tokens per draw when given a bound (else it ignores it)
+    head_takes_candidates: bool = False
 
     def check_speed(self, speed: float) -> None:
         """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""

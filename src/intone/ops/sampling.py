@@ -3,11 +3,17 @@
 Order of operations for each row (the official Fish order, plus an optional penalty):
   1. repetition penalty (only if != 1): for tokens in the row's penalty window, a positive
      logit is divided by the penalty and a negative one multiplied by it;
-  2. top-k and top-p are decided on the *unscaled* logits: sort descending, keep rank < k
-     and tokens whose cumulative probability (including themselves) is <= top_p; the best
-     token is always kept;
+  2. top-k and top-p are decided on the *unscaled* logits: sort descending (equal logits: the
+     lower token id first), keep rank < k and tokens whose cumulative probability (including
+     themselves) is <= top_p; the best token is always kept;
   3. the kept logits are divided by max(temperature, 1e-5);
-  4. softmax, then an exponential race: argmax(p_i / E_i) with E_i = -log(U_i).
+  4. softmax, then an exponential race: argmax(p_i / E_i) with E_i = -log(U_i). The race needs
+     no normalisation, so it runs on softmax's numerators exp(z_i - z_max).
+
+Only the best `candidates` tokens are sorted; a row whose top_k is within them gets the same token
+whatever their number (the order is total, and no step sums over the candidates but the cumulative
+probability, which reads the ranks before a token only), so a batch may sort as few as its largest
+top_k needs.
 
 U_i is a counter-based hash of (request seed, step, draw index, token index), so a
 request's draws never depend on which other requests share the batch (invariant 3).
@@ -104,18 +110,30 @@ def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBat
 
 
 def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | None = None) -> Tensor:
-    """logits [R, V] -> token index [R] (int64).
+    """logits [R, V] float32 -> token index [R] (int64).
 
-    Only the `candidates` best tokens (default: max_top_k) can survive, so the filter works on
-    torch.topk's sorted candidates; the cumulative probabilities still use the softmax over all V.
-    A graph-captured caller passes a bound that does not depend on the batch's parameters.
+    Only the `candidates` best tokens (default: max_top_k) can survive, so the filter works on those,
+    sorted; the cumulative probabilities still use the softmax over all V. Rows whose top_k is at most
+    `candidates` draw the same token for any such bound (module docstring), so a graph-captured caller
+    may pass a fixed bound at least the batch's max_top_k.
     """
     k = min(candidates or params.max_top_k, logits.shape[-1])
-    top, idx = torch.topk(logits, k, dim=-1)  # sorted, descending
+    idx = best_tokens(logits, k)
+    top = logits.gather(1, idx)
     cum = torch.cumsum(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), dim=-1)
     rank = torch.arange(k, device=logits.device)
     remove = (cum > params.top_p.to(cum.dtype).unsqueeze(1)) | (rank >= params.top_k.unsqueeze(1))
     remove[:, 0] = False
-    kept = torch.where(remove, float("-inf"), top)
-    probs = torch.softmax(kept / torch.clamp(params.temperature.to(top.dtype), min=1e-5).unsqueeze(1), dim=-1)
-    return race(probs, idx, params, draw)
+    scaled = torch.where(remove, float("-inf"), top) / torch.clamp(params.temperature.to(top.dtype), min=1e-5).unsqueeze(1)
+    return race(torch.exp(scaled - scaled[:, :1]), idx, params, draw)
+
+
+def best_tokens(logits: Tensor, k: int) -> Tensor:
+    """The ids of each row's k largest float32 logits [R, k], in descending order, equal logits by
+    ascending id: one int64 key per logit (its bits made to order as signed integers, above its
+    reversed id) makes every key distinct, so the first k do not depend on k or on topk's ties."""
+    bits = (logits + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 is 0.0, whose bits differ
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
+    ids = torch.arange(logits.shape[-1] - 1, -1, -1, device=logits.device)
+    keys = torch.topk(order * (1 << 32) + ids, k, dim=-1).values
+    return (logits.shape[-1] - 1) - (keys & _M32)

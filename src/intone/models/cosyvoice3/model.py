@@ -144,8 +144,9 @@ class CosyVoice3(TTSModel):
 
     head_is_static = True  # no host sync or value-dependent shape: the runner captures it per row bucket
 
-    def head(self, logits: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        ids = sample_speech_tokens(logits, sampling, history)
+    def head(self, logits: Tensor, sampling: SamplingBatch, history: Tensor,
+             candidates: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        ids = sample_speech_tokens(logits, sampling, history)  # its candidates: the top-k bound's (sampling.py)
         return ids, ids.clamp(max=SPEECH_TOKENS - 1).unsqueeze(1), ids >= SPEECH_TOKENS
 
     # ---- codec ------------------------------------------------------------------------------

@@ -173,11 +173,13 @@ class FishS2(TTSModel):
         return self.lm.decode_slow(x, positions, slots, tables, seq_lens, kv)
 
     head_is_static = True
+    head_takes_candidates = True
 
-    def head(self, hidden: Tensor, sampling: SamplingBatch, history: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def head(self, hidden: Tensor, sampling: SamplingBatch, history: Tensor,
+             candidates: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         logits = self.lm.semantic_logits(hidden, self.tokenizer.im_end_id).float()
-        tokens = self._sample_semantic(logits, sampling, self.sampler_windows(history, sampling.steps))
-        codes = self._fast_codes(hidden, tokens, sampling)
+        tokens = self._sample_semantic(logits, sampling, self.sampler_windows(history, sampling.steps), candidates)
+        codes = self._fast_codes(hidden, tokens, sampling, candidates)
         return tokens, codes, tokens == self.tokenizer.im_end_id
 
     def _to_token_ids(self, index: Tensor) -> Tensor:
@@ -185,7 +187,8 @@ class FishS2(TTSModel):
         stop = torch.full_like(index, self.tokenizer.im_end_id)
         return torch.where(index == self.cfg.codebook_size, stop, index + self.tokenizer.semantic_begin)
 
-    def _sample_semantic(self, logits: Tensor, params: SamplingBatch, history: Tensor) -> Tensor:
+    def _sample_semantic(self, logits: Tensor, params: SamplingBatch, history: Tensor,
+                         candidates: int | None = None) -> Tensor:
         ras_window, pen_window = history[:, :RAS_WINDOW], history[:, RAS_WINDOW:]
         begin = self.tokenizer.semantic_begin
         pen_idx = torch.where(
@@ -197,12 +200,11 @@ class FishS2(TTSModel):
             ban = bans[0] if len(bans) == 1 else bans[0] | bans[1]
             stop_col = logits[:, self.cfg.codebook_size]
             logits[:, self.cfg.codebook_size] = torch.where(ban, float("-inf"), stop_col)
-        # Every candidate is sorted (not just max_top_k): the head's shapes must not depend on
-        # the requests' top_k, or a client's value could call for a new graph.
-        vocab = logits.shape[-1]
-        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, vocab))
+        # candidates: the caller's bound on every row's top_k (a captured head's is fixed; None: all)
+        candidates = candidates or logits.shape[-1]
+        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, candidates))
         fallback = self._to_token_ids(
-            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, vocab)
+            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, candidates)
         )
         repeated = (ras_window == normal.unsqueeze(1)).any(dim=1)
         if params.ras is not None:
@@ -210,7 +212,8 @@ class FishS2(TTSModel):
         is_semantic = normal != self.tokenizer.im_end_id
         return torch.where(repeated & is_semantic, fallback, normal)
 
-    def _fast_codes(self, hidden: Tensor, tokens: Tensor, params: SamplingBatch) -> Tensor:
+    def _fast_codes(self, hidden: Tensor, tokens: Tensor, params: SamplingBatch,
+                    candidates: int | None = None) -> Tensor:
         """Codebooks 1..K-1 for each row, conditioned on the slow AR's normed hidden state.
 
         Position 0 sees the hidden state (its logits are unused); position k sees the
@@ -224,7 +227,7 @@ class FishS2(TTSModel):
         for k in range(1, self.num_codebooks):
             h = lm.fast_step(lm.audio_decoder.embeddings(code), k, cache)
             logits = lm.fast_logits(h).float()
-            code = sample(logits, params, DRAW_FIRST_CODEBOOK + k - 1, logits.shape[-1])
+            code = sample(logits, params, DRAW_FIRST_CODEBOOK + k - 1, candidates or logits.shape[-1])
             codes.append(code)
         return torch.stack(codes, dim=1)
 
