@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, ar-timing, flow-calls (FLOW_ARGS='--sms 96'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -35,6 +35,9 @@ for stage in "$@"; do
       grep -A3 "==" "$OUT/codec-convs$TAG.txt" | cut -c1-400 ;;
     codec-timing) timeout 300 python3 tools/codec_timing.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec-timing.txt" | grep -v Warning | tail -40 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
+    # step-time: Fish's whole step (decode + head) at real size, per ar.sample_candidates (STEP_ARGS)
+    step-time) timeout 300 python3 -m intone.bench.step_time --batch 16,64 --context 1024 --codec-dtype float16 \
+        ${STEP_ARGS:---sample-candidates 64,0} --out "$OUT/step-time.json" 2>&1 | grep -v Warn | tail -20 ;;
     ar-timing) timeout 400 python3 tools/ar_step_timing.py ${AR_ARGS:-} 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
     probe) timeout 300 python3 tools/engine_probe.py ${PROBE:---model random:cosyvoice3 --set frontend.cuda_graphs=true} 2>&1 \
         | tee "$OUT/probe-${PROBE_TAG:-0}.txt" | grep -v Warning | tail -${PROBE_TAIL:-60} ;;

@@ -60,8 +60,9 @@ def decode_batch(model: FishS2, batch: int, context: int) -> tuple[StepBatch, KV
     return step, kv
 
 
-def step_runner(model: FishS2, kv: KVCache, graphs: bool, max_rows: int, max_kv: int) -> ModelRunner:
-    runner = ModelRunner(model, kv, cuda_graphs=graphs)
+def step_runner(model: FishS2, kv: KVCache, graphs: bool, max_rows: int, max_kv: int,
+                sample_candidates: int = 64) -> ModelRunner:
+    runner = ModelRunner(model, kv, cuda_graphs=graphs, sample_candidates=sample_candidates)
     runner.capture(max_rows, max_kv)
     return runner
 
@@ -70,6 +71,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--context", default="256,1024")
+    ap.add_argument("--sample-candidates", default="64", help="ar.sample_candidates values to time (0: every token)")
     ap.add_argument("--codec-frames", default="50")
     ap.add_argument("--codec-dtype", default="float32,float16,bfloat16")
     ap.add_argument("--out", default=None)
@@ -77,12 +79,14 @@ def main(argv=None) -> None:
 
     model = random_s2_pro(device="cuda", dtype=torch.bfloat16)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": []}
-    for graphs, context in [(g, c) for g in (False, True) for c in map(int, args.context.split(","))]:
+    bounds = [int(c) for c in args.sample_candidates.split(",")]
+    for graphs, context, bound in [(g, c, b) for g in (False, True) for c in map(int, args.context.split(","))
+                                   for b in bounds]:
         for batch in map(int, args.batch.split(",")):
             step, kv = decode_batch(model, batch, context)
-            runner = step_runner(model, kv, graphs, batch, context + 1)
+            runner = step_runner(model, kv, graphs, batch, context + 1, bound)
             ms = timed(lambda step=step, runner=runner: runner.execute(step))
-            row = dict(cuda_graphs=graphs, batch=batch, context=context, step_ms=round(ms, 3),
+            row = dict(cuda_graphs=graphs, batch=batch, context=context, sample_candidates=bound, step_ms=round(ms, 3),
                        frames_per_s=round(batch * 1000 / ms, 1),
                        audio_s_per_s=round(batch * 1000 / ms / (model.sample_rate / model.samples_per_frame), 2))
             results["decode"].append(row)
