@@ -56,6 +56,10 @@ def test_sweep_writes_results_report_and_plots(benches):
         rows = k["engine_frames"] / k["engine_steps"]
         assert 0.9 < rows <= 1.0 if lvl["concurrency"] == 1 else 1.2 < rows <= 3.0, (lvl["concurrency"], rows)
     assert "| rows per step |" in report
+    for lvl in results["levels"]:  # every stream that stalled is counted at the chunk it first waited for
+        s = lvl["summary"]
+        assert sum(s["first_stall_chunk"].values()) == s["streams_with_underrun"]
+        assert (f"- C{lvl['concurrency']}: streams first stalled at chunk" in report) == (s["streams_with_underrun"] > 0)
     for plot in ("completion_cdf.png", "first_audio_cdf.png", "throughput.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
     assert len(list((tmp_path / "wavs" / "c3").glob("*.wav"))) == 6

@@ -8,7 +8,9 @@ Per request (times are seconds from the request's send):
 - inter-chunk gaps: arrival time differences of consecutive non-empty chunks;
 - underrun: a simulated player starts playing at the first chunk's arrival and plays every chunk
   as soon as both it has arrived and the previous one has finished; underrun is the total time
-  it waits with nothing to play after starting (0 for a stream that always stays ahead).
+  it waits with nothing to play after starting (0 for a stream that always stays ahead); a stream's
+  first stall is the (1-based) chunk the player first waited for, which tells a schedule whose first
+  chunk is too short (2) from a codec that falls behind later.
 Per run (the measured phase only, warm-up excluded): requests/s = completed requests / wall time;
 audio-s/s = sum of audio seconds / wall time. Failed requests are counted, never dropped.
 """
@@ -57,16 +59,26 @@ class RequestRecord:
         return d
 
 
+def stalls(chunks: list[tuple[float, float]]) -> list[tuple[int, float]]:
+    """(1-based chunk index, seconds waited for it) for every chunk a player that starts at the first
+    arrival (see the module docstring) had to wait for."""
+    out, play_end = [], chunks[0][0] if chunks else 0.0
+    for i, (arrival, duration) in enumerate(chunks, 1):
+        if arrival > play_end:
+            out.append((i, arrival - play_end))
+        play_end = max(arrival, play_end) + duration
+    return out
+
+
 def underrun(chunks: list[tuple[float, float]]) -> float:
-    """Total stall of a player that starts at the first arrival (see the module docstring)."""
-    if not chunks:
-        return 0.0
-    stalled, play_end = 0.0, chunks[0][0]
-    for arrival, duration in chunks:
-        start = max(arrival, play_end)
-        stalled += start - play_end
-        play_end = start + duration
-    return stalled
+    """Total stall of a player that starts at the first arrival."""
+    return sum(s for _, s in stalls(chunks))
+
+
+def first_stalls(records: list[RequestRecord]) -> dict[str, int]:
+    """How many streams first stalled at chunk 2, 3, 4 and later."""
+    firsts = [s[0][0] for s in (stalls(r.chunks) for r in records) if s]
+    return {"2": firsts.count(2), "3": firsts.count(3), "4": firsts.count(4), "5+": sum(i >= 5 for i in firsts)}
 
 
 def _stats(values: list[float]) -> dict:
@@ -92,4 +104,5 @@ def summarize(records: list[RequestRecord], wall_s: float, stream: bool) -> dict
         inter_chunk_gap_s=_stats(gaps) if stream else None,
         underrun_s=_stats([r.underrun_s for r in ok]) if stream else None,
         streams_with_underrun=sum(1 for r in ok if r.underrun_s > 0) if stream else None,
+        first_stall_chunk=first_stalls(ok) if stream else None,
     )

@@ -159,6 +159,20 @@ def after_run_line(after: dict) -> str:
     return f"{'clean' if after['clean'] else '**NOT CLEAN**'}: {frames}; after the load: {tables}"
 
 
+def stall_lines(results: dict) -> list[str]:
+    """Streamed levels: which chunk the streams that stalled first waited for, and for how long in all."""
+    lines = []
+    for level in results["levels"]:
+        s = level["summary"]
+        firsts, stalled = s.get("first_stall_chunk"), s.get("underrun_s") or {}
+        if firsts and s.get("streams_with_underrun"):
+            lines.append(f"- C{level['concurrency']}: streams first stalled at chunk 2 / 3 / 4 / 5+: "
+                         f"{firsts['2']} / {firsts['3']} / {firsts['4']} / {firsts['5+']}; stalled seconds per "
+                         f"stream mean {_fmt(stalled.get('mean'))}, p90 {_fmt(stalled.get('p90'))}, "
+                         f"p99 {_fmt(stalled.get('p99'))}")
+    return ["", *lines] if lines else []
+
+
 def write_report(results: dict, out_dir: Path) -> Path:
     lines = [f"# intone bench: {results['title']}", ""]
     if reference_line(results):
@@ -177,6 +191,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         lines.append(f"| {level['concurrency']} | {_fmt(c['p50'])} | {_fmt(c['p90'])} | {_fmt(c['p99'])} | "
                      f"{_fmt(f.get('p50'))} | {_fmt(f.get('p90'))} | {_fmt(f.get('p99'))} | "
                      f"{_fmt(s['rtf']['p50'])} | {_fmt(s.get('streams_with_underrun'))} |")
+    lines += stall_lines(results)
     if results.get("after_run"):
         lines += ["", "After the run: " + after_run_line(results["after_run"])]
     lines += [""] + stage_tables(results) + memory_table(results)
