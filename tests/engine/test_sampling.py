@@ -1,6 +1,7 @@
 """Sampling: official filter order, and draws that belong to the request, not the batch."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -107,3 +108,18 @@ def test_a_row_draws_the_same_token_whatever_number_of_candidates_is_sorted(seed
                            max_top_k=max(top_ks))
     draws = [sample(logits, params, 2, k) for k in (max(top_ks), 64, 100, 4097)]
     assert all(torch.equal(d, draws[0]) for d in draws)
+
+
+@pytest.mark.gpu
+def test_compiled_sort_keys_are_the_eager_ones_on_the_gpu():
+    """ar.fuse_elementwise compiles the sampler's sort keys with the rest (one kernel inside the head's graph)."""
+    from intone.ops import fused
+
+    x = tied_logits(0, 64, 4097).cuda()
+    eager = fused.order_keys_eager(x)
+    fused.use_compiled(True)
+    try:
+        compiled = fused.order_keys(x)
+    finally:
+        fused.use_compiled(False)
+    assert torch.equal(compiled, eager)

@@ -1,4 +1,5 @@
-"""The AR models' per-layer elementwise pieces (RMSNorm, RoPE, SwiGLU's gate) behind one switch.
+"""The AR models' per-layer elementwise pieces (RMSNorm, RoPE, SwiGLU's gate, the sampler's sort keys)
+behind one switch.
 
 By default they run as plain PyTorch in the official op order (several kernels each). With
 `use_compiled(True)` (the profile's `ar.fuse_elementwise`, GPU only) the same functions run through
@@ -49,8 +50,18 @@ def silu_mul_eager(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def order_keys_eager(logits: Tensor) -> Tensor:
+    """float32 [..., V] -> int64 keys in the logits' order, equal logits by ascending id (`sampling.best_tokens`):
+    the float's bits made to order as a signed integer (negative floats: larger magnitude, smaller key) above
+    the reversed id. Exact integer work, so compiled and eager give the same keys."""
+    bits = (logits + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 is 0.0, whose bits differ
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ids = torch.arange(logits.shape[-1] - 1, -1, -1, device=logits.device)
+    return order * (1 << 32) + ids
+
+
 _EAGER = {"rms_norm": rms_norm_eager, "rope_pairs": rope_pairs_eager, "rope_halves": rope_halves_eager,
-          "silu_mul": silu_mul_eager}
+          "silu_mul": silu_mul_eager, "order_keys": order_keys_eager}
 _active = dict(_EAGER)
 
 
@@ -81,3 +92,7 @@ def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return _active["silu_mul"](gate, up)
+
+
+def order_keys(logits: Tensor) -> Tensor:
+    return _active["order_keys"](logits)

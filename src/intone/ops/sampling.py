@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from intone.ops import fused
 from intone.ops import race as race_kernel
 
 _M32 = 0xFFFFFFFF
@@ -131,9 +132,7 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
 def best_tokens(logits: Tensor, k: int) -> Tensor:
     """The ids of each row's k largest float32 logits [R, k], in descending order, equal logits by
     ascending id: one int64 key per logit (its bits made to order as signed integers, above its
-    reversed id) makes every key distinct, so the first k do not depend on k or on topk's ties."""
-    bits = (logits + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 is 0.0, whose bits differ
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
-    ids = torch.arange(logits.shape[-1] - 1, -1, -1, device=logits.device)
-    keys = torch.topk(order * (1 << 32) + ids, k, dim=-1).values
+    reversed id: `fused.order_keys`) makes every key distinct, so the first k do not depend on k or on
+    topk's ties."""
+    keys = torch.topk(fused.order_keys(logits), k, dim=-1).values
     return (logits.shape[-1] - 1) - (keys & _M32)
