@@ -31,7 +31,7 @@ def fill(graphs: StepGraphs, kv: KVCache, rows: int, kv_tokens: int, width: int,
     buf.seq_lens.copy_(lens)
     buf.tables.copy_(torch.arange(rows * per_row, device="cuda").view(rows, per_row))
     buf.slots.copy_(buf.tables[:, 0] * kv.block_size + (lens - 1) % kv.block_size)
-    head = graphs._head_buffers(rows) if graphs.head_fn is not None else None
+    head = graphs._head_buffers(rows, graphs.head_bounds[0]) if graphs.head_fn is not None else None
     if head is not None:
         s = head.sampling
         s.temperature.fill_(0.8), s.top_p.fill_(0.8), s.top_k.fill_(30), s.repetition_penalty.fill_(1.0)

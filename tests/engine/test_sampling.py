@@ -123,3 +123,17 @@ def test_compiled_sort_keys_are_the_eager_ones_on_the_gpu():
     finally:
         fused.use_compiled(False)
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 33, 64])
+def test_running_totals_of_the_first_64_ranks_do_not_depend_on_the_shape_on_the_gpu(rows):
+    """CUDA's innermost-axis scan tiles by both axes; the sampler's first 64 running totals may not."""
+    from intone.ops.sampling import running_total
+
+    x = torch.rand(64, 4097, generator=torch.Generator().manual_seed(rows)).cuda()
+    full = running_total(x)[:rows, :64]
+    assert torch.equal(running_total(x[:rows, :64]), full)
+    assert torch.equal(running_total(x[:rows]), full)
+    assert torch.equal(running_total(x[:1, :64]), full[:1])  # a row alone: the same sums
+    assert torch.allclose(full, torch.cumsum(x[:rows, :64], dim=-1))

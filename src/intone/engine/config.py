@@ -146,9 +146,6 @@ class FrontendConfig(_Strict):
     hand_back: Literal["each", "batch"] = Field(
         "each", description="a request goes back to the engine as soon as its own clips are encoded, or with its "
                             "whole batch (the behaviour before session 10; kept to measure the difference)")
-    sample_candidates: int = Field(64, ge=0, le=4096, description="a step whose requests' top_k are all at most "
-                                   "this sorts only this many tokens per draw (models whose head allows it: Fish); "
-                                   "the same tokens (ops.sampling); 0: every token, always")
     high_priority: bool = Field(False, description="experimental: the frontend's CUDA stream, and the stream its graphs "
                                                    "are captured on, at the highest priority (GPU)")
 

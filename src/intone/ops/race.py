@@ -61,9 +61,12 @@ if triton is not None:
 
 
 def race_argmax(probs: Tensor, idx: Tensor, keys: Tensor) -> Tensor:
-    """probs [R, N] (float32), idx [R, N] token ids (int64), keys [R] (int64, 32-bit values) -> [R] ids."""
+    """probs [R, N] (float32: probabilities, or any non-negative weights proportional to them), idx [R, N]
+    token ids (int64), keys [R] (int64, 32-bit values) -> [R] ids."""
     rows, n = probs.shape
     probs, idx = probs.contiguous(), idx.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=probs.device)
-    _race[(rows,)](probs, idx, keys.contiguous(), out, n, probs.stride(0), idx.stride(0), BLOCK_N=BLOCK)
+    # no wider than the candidates (64 for Fish's usual draws): masked lanes would hash and log for nothing
+    block = min(BLOCK, triton.next_power_of_2(n))
+    _race[(rows,)](probs, idx, keys.contiguous(), out, n, probs.stride(0), idx.stride(0), BLOCK_N=block)
     return out

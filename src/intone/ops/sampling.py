@@ -60,7 +60,8 @@ def request_uniforms(seeds: Tensor, steps: Tensor, draw: int, token_ids: Tensor)
 
 
 def race(probs: Tensor, idx: Tensor, params: "SamplingBatch", draw: int) -> Tensor:
-    """The exponential race over candidates: idx [R, N] token ids with probabilities probs -> [R]."""
+    """The exponential race over candidates: idx [R, N] token ids with probabilities probs (or weights
+    proportional to them) -> [R]."""
     if race_kernel.available(probs):
         return race_kernel.race_argmax(probs, idx, row_keys(params.seeds, params.steps, draw))
     u = request_uniforms(params.seeds, params.steps, draw, idx)
@@ -110,18 +111,20 @@ def apply_repetition_penalty(logits: Tensor, window: Tensor, params: SamplingBat
     return torch.where(hits[:, :vocab] > 0, penalised, logits)
 
 
-def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | None = None) -> Tensor:
+def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | None = None,
+           idx: Tensor | None = None) -> Tensor:
     """logits [R, V] float32 -> token index [R] (int64).
 
     Only the `candidates` best tokens (default: max_top_k) can survive, so the filter works on those,
     sorted; the cumulative probabilities still use the softmax over all V. Rows whose top_k is at most
     `candidates` draw the same token for any such bound (module docstring), so a graph-captured caller
-    may pass a fixed bound at least the batch's max_top_k.
+    may pass a fixed bound at least the batch's max_top_k. idx: `best_tokens(logits, candidates)`, when
+    the caller has them (another draw on the same logits).
     """
     k = min(candidates or params.max_top_k, logits.shape[-1])
-    idx = best_tokens(logits, k)
+    idx = best_tokens(logits, k) if idx is None else idx
     top = logits.gather(1, idx)
-    cum = torch.cumsum(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)), dim=-1)
+    cum = running_total(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)))
     rank = torch.arange(k, device=logits.device)
     remove = (cum > params.top_p.to(cum.dtype).unsqueeze(1)) | (rank >= params.top_k.unsqueeze(1))
     remove[:, 0] = False
@@ -129,10 +132,27 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
     return race(torch.exp(scaled - scaled[:, :1]), idx, params, draw)
 
 
+def running_total(p: Tensor, exact: int = 64) -> Tensor:
+    """Cumulative sums along the last axis of p [R, K]. On CUDA the first `exact` are each a plain
+    left-to-right sum, whatever R and K: the innermost-axis scan sums in tiles whose width depends on
+    both, so a prefix's last bits would depend on how many candidates are sorted and on the batch's rows
+    (a column scan runs each row in order; one row alone would take CUB's scan, so it goes as two). The
+    rest (ranks that only a top_k above `exact` keeps) carry on from them."""
+    if not p.is_cuda:
+        return torch.cumsum(p, dim=-1)  # one row at a time, in order
+    rows, head = p.shape[0], p[:, :exact]
+    front = (head if rows > 1 else torch.cat([head, head])).t().contiguous().cumsum(0).t()[:rows]
+    if p.shape[1] <= exact:
+        return front
+    return torch.cat([front, front[:, -1:] + torch.cumsum(p[:, exact:], dim=-1)], dim=-1)
+
+
 def best_tokens(logits: Tensor, k: int) -> Tensor:
     """The ids of each row's k largest float32 logits [R, k], in descending order, equal logits by
     ascending id: one int64 key per logit (its bits made to order as signed integers, above its
     reversed id: `fused.order_keys`) makes every key distinct, so the first k do not depend on k or on
     topk's ties."""
+    if logits.dtype != torch.float32:
+        raise TypeError(f"best_tokens needs float32 logits, got {logits.dtype}")
     keys = torch.topk(fused.order_keys(logits), k, dim=-1).values
     return (logits.shape[-1] - 1) - (keys & _M32)

@@ -22,7 +22,7 @@ from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.resample import resample
-from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, sample
+from intone.ops.sampling import SamplingBatch, apply_repetition_penalty, best_tokens, sample
 from intone.ops.token_history import last_tokens
 from intone.protocol import VoiceReference
 
@@ -200,11 +200,13 @@ class FishS2(TTSModel):
             ban = bans[0] if len(bans) == 1 else bans[0] | bans[1]
             stop_col = logits[:, self.cfg.codebook_size]
             logits[:, self.cfg.codebook_size] = torch.where(ban, float("-inf"), stop_col)
-        # candidates: the caller's bound on every row's top_k (a captured head's is fixed; None: all)
-        candidates = candidates or logits.shape[-1]
-        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, candidates))
+        # candidates: the caller's bound on every row's top_k (a captured head's is fixed; None: all);
+        # both draws filter the same logits with the same top_k, so they share one sort
+        candidates = min(candidates or logits.shape[-1], logits.shape[-1])
+        order = best_tokens(logits, candidates)
+        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, candidates, order))
         fallback = self._to_token_ids(
-            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, candidates)
+            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, candidates, order)
         )
         repeated = (ras_window == normal.unsqueeze(1)).any(dim=1)
         if params.ras is not None:
