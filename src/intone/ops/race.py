@@ -67,6 +67,6 @@ def race_argmax(probs: Tensor, idx: Tensor, keys: Tensor) -> Tensor:
     probs, idx = probs.contiguous(), idx.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=probs.device)
     # no wider than the candidates (64 for Fish's usual draws): masked lanes would hash and log for nothing
-    block = min(BLOCK, triton.next_power_of_2(n))
+    block = min(BLOCK, max(16, triton.next_power_of_2(n)))
     _race[(rows,)](probs, idx, keys.contiguous(), out, n, probs.stride(0), idx.stride(0), BLOCK_N=block)
     return out
