@@ -14,6 +14,11 @@ SAMPLING_BOUNDS: dict[str, dict] = {
     "seed": dict(ge=0, lt=2**63),
 }
 
+# The most candidates a draw may sort short of every token (`ar.sample_candidates`): the running totals of
+# that many ranks are summed in order on every device (`ops.sampling.running_total`), so any bound up to it
+# draws what sorting every token draws.
+MAX_SAMPLE_CANDIDATES = 64
+
 SPEED_BOUNDS: dict = dict(ge=0.25, le=4.0)  # the OpenAI speech API's tempo range
 _BOUNDS = {**SAMPLING_BOUNDS, "speed": SPEED_BOUNDS}
 

@@ -12,7 +12,7 @@ from intone.engine.chunk_planner import ChunkPolicy
 from intone.errors import IntoneError
 from intone.models.cosyvoice3.options import CosyVoice3Options
 from intone.protocol import SamplingParams
-from intone.sampling_bounds import SAMPLING_BOUNDS
+from intone.sampling_bounds import MAX_SAMPLE_CANDIDATES, SAMPLING_BOUNDS
 
 PROFILE_DIR = Path(__file__).resolve().parents[3] / "profiles"
 # Keys that left the shared sections for their family's own (a profile that still has one is told where).
@@ -57,7 +57,7 @@ class ARConfig(_Strict):
                                                  "tokens still on the device while the host reads the step before "
                                                  "(its host work then overlaps the GPU's); a request that samples "
                                                  "its stop token runs one more row, discarded. The same tokens")
-    sample_candidates: int = Field(64, ge=0, le=4096, description="a step whose requests' top_k are all at most "
+    sample_candidates: int = Field(MAX_SAMPLE_CANDIDATES, ge=0, le=MAX_SAMPLE_CANDIDATES, description="a step whose requests' top_k are all at most "
                                    "this sorts only this many tokens per draw (models whose head allows it: Fish); "
                                    "the same tokens (ops.sampling); 0: every token, always")
     high_priority: bool = Field(False, description="experimental: the engine loop's CUDA stream (the AR steps and their "

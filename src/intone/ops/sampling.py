@@ -29,6 +29,7 @@ from torch import Tensor
 
 from intone.ops import fused
 from intone.ops import race as race_kernel
+from intone.sampling_bounds import MAX_SAMPLE_CANDIDATES
 
 _M32 = 0xFFFFFFFF
 
@@ -118,11 +119,12 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
     Only the `candidates` best tokens (default: max_top_k) can survive, so the filter works on those,
     sorted; the cumulative probabilities still use the softmax over all V. Rows whose top_k is at most
     `candidates` draw the same token for any such bound (module docstring), so a graph-captured caller
-    may pass a fixed bound at least the batch's max_top_k. idx: `best_tokens(logits, candidates)`, when
-    the caller has them (another draw on the same logits).
+    may pass a fixed bound at least the batch's max_top_k. idx: `best_tokens(logits, k)` when the caller has
+    them (another draw on the same logits; k is then theirs).
     """
-    k = min(candidates or params.max_top_k, logits.shape[-1])
-    idx = best_tokens(logits, k) if idx is None else idx
+    if idx is None:
+        idx = best_tokens(logits, min(candidates or params.max_top_k, logits.shape[-1]))
+    k = idx.shape[-1]
     top = logits.gather(1, idx)
     cum = running_total(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)))
     rank = torch.arange(k, device=logits.device)
@@ -132,8 +134,9 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
     return race(torch.exp(scaled - scaled[:, :1]), idx, params, draw)
 
 
-def running_total(p: Tensor, exact: int = 64) -> Tensor:
-    """Cumulative sums along the last axis of p [R, K]. On CUDA the first `exact` are each a plain
+def running_total(p: Tensor, exact: int = MAX_SAMPLE_CANDIDATES) -> Tensor:
+    """Cumulative sums along the last axis of p [R, K]. On CUDA the first `exact` (the most candidates
+    `ar.sample_candidates` may ask for) are each a plain
     left-to-right sum, whatever R and K: the innermost-axis scan sums in tiles whose width depends on
     both, so a prefix's last bits would depend on how many candidates are sorted and on the batch's rows
     (a column scan runs each row in order; one row alone would take CUB's scan, so it goes as two). The

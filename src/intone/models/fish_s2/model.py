@@ -202,11 +202,10 @@ class FishS2(TTSModel):
             logits[:, self.cfg.codebook_size] = torch.where(ban, float("-inf"), stop_col)
         # candidates: the caller's bound on every row's top_k (a captured head's is fixed; None: all);
         # both draws filter the same logits with the same top_k, so they share one sort
-        candidates = min(candidates or logits.shape[-1], logits.shape[-1])
-        order = best_tokens(logits, candidates)
-        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, candidates, order))
+        order = best_tokens(logits, min(candidates or logits.shape[-1], logits.shape[-1]))
+        normal = self._to_token_ids(sample(logits, params, DRAW_SEMANTIC, idx=order))
         fallback = self._to_token_ids(
-            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, candidates, order)
+            sample(logits, params.with_overrides(RAS_TEMPERATURE, RAS_TOP_P), DRAW_RAS, idx=order)
         )
         repeated = (ras_window == normal.unsqueeze(1)).any(dim=1)
         if params.ras is not None:
