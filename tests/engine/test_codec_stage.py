@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from intone.models.vocoder import CodecJob, WindowVocoder
-from intone.ops.batching import bucket_rows, group_jobs, row_buckets
+from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs, row_buckets, with_buckets
 
 
 def split_cost(groups, lengths, call_cost, padded=lambda rows, longest: rows * longest):
@@ -66,20 +66,61 @@ def test_a_spread_of_lengths_splits_into_calls_of_similar_lengths():
     assert waste[None] > 0.25 and waste[512] < 0.12
 
 
-@given(rows=st.integers(1, 300), granule=st.sampled_from([0, 4, 8, 16]))
-def test_a_call_is_padded_to_its_rows_bucket_and_warm_up_reaches_every_bucket(rows, granule):
+@given(rows=st.integers(1, 300), granule=st.sampled_from([0, 4, 8, 16]), exact=st.sampled_from([0, 1, 5, 16]))
+def test_a_call_is_padded_to_its_rows_bucket_and_warm_up_reaches_every_bucket(rows, granule, exact):
     """codec.row_granule: at most one granule of blank rows above it (a power of two below), never fewer
-    rows than the call's; `row_buckets` lists each bucket a call of up to max_rows can reach, with the
-    fewest rows that reach it (what the warm-up bounds by max_padded_frames)."""
-    b = bucket_rows(rows, granule)
+    rows than the call's; codec.exact_rows: none up to it; `row_buckets` lists each bucket a call of up
+    to max_rows can reach, with the fewest rows that reach it (what the warm-up bounds by max_padded_frames)."""
+    b = bucket_rows(rows, granule, exact)
     assert b >= rows
-    if granule and b > granule:
+    if rows <= exact:
+        assert b == rows
+    elif granule and b > granule:
         assert b % granule == 0 and b - rows < granule
     else:
         assert b & (b - 1) == 0 and b < 2 * rows
-    buckets = row_buckets(rows, granule)
-    assert [x for x, _ in buckets] == sorted({bucket_rows(n, granule) for n in range(1, rows + 1)})
-    assert all(bucket_rows(n, granule) == x and (n == 1 or bucket_rows(n - 1, granule) < x) for x, n in buckets)
+    buckets = row_buckets(rows, granule, exact)
+    assert [x for x, _ in buckets] == sorted({bucket_rows(n, granule, exact) for n in range(1, rows + 1)})
+    assert all(bucket_rows(n, granule, exact) == x and (n == 1 or bucket_rows(n - 1, granule, exact) < x)
+               for x, n in buckets)
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=st.integers(1, 900), extra=st.lists(st.integers(1, 600), max_size=6))
+def test_frames_pad_to_the_smallest_bucket_that_holds_them(frames, extra):
+    """codec.frame_buckets join the built-in lengths; a call pads to the smallest that holds it (beyond the
+    largest, to a multiple of 256), never less than with the built-in ones alone."""
+    buckets = with_buckets(extra)
+    padded = bucket_frames(frames, buckets)
+    assert padded >= frames and padded <= bucket_frames(frames)
+    assert padded in buckets or (padded % 256 == 0 and frames > buckets[-1])
+    assert not any(frames <= b < padded for b in buckets)
+    assert set(FRAME_BUCKETS) <= set(buckets)
+
+
+class _ShapesOnly:
+    """What the vocoder reads of a model to plan its calls (no decode runs here)."""
+
+    num_codebooks = 10
+    device = torch.device("cpu")
+
+    def stream_decoder(self):
+        return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 80), min_size=1, max_size=70), st.sampled_from([8, 16, 64]),
+       st.sampled_from([256, 1024, 4096]), st.sampled_from([0, 8]), st.sampled_from([0, 3, 16]),
+       st.sampled_from([(), (25, 29), (6, 12, 40, 75)]), st.sampled_from([None, 64]))
+def test_every_call_shape_is_one_the_warm_up_decodes(lengths, max_batch, max_padded, granule, exact, buckets, cost):
+    """A shape first met while serving costs the codec its kernels' plans (milliseconds a convolution):
+    whatever chunks wait, each call is padded to a (rows, frames) shape that start-up decoded."""
+    vocoder = WindowVocoder(_ShapesOnly(), max_batch, max_padded, row_granule=granule, split_cost=cost,
+                            exact_rows=exact, frame_buckets=buckets)
+    warmed = set(vocoder.warm_shapes(80))
+    for group in vocoder._groups(lengths):
+        longest = max(lengths[i] for i in group)
+        assert (vocoder._rows(len(group)), vocoder._frames(longest)) in warmed
 
 
 def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny_fish_dir):
@@ -105,6 +146,34 @@ def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny
         assert vocoder.padded_tokens == rows * 8  # 6 frames: bucket 8
         for (req, chunk), audio in zip(items, out):
             assert abs(audio - model.decode(req.codes[None], 0)[0].numpy()[: 6 * spf]).max() < 1e-6
+
+
+def test_exact_rows_and_frame_buckets_pad_nothing_and_give_the_same_audio(tiny_fish_dir):
+    """Five streams' 25-frame chunks and a new stream's 4-frame first chunk joined with its next 25 (one
+    span of 29) in one carried call: 8 rows x 32 frames by default, 6 x 29 with codec.exact_rows and
+    codec.frame_buckets [25, 29]; each chunk its one-pass decode either way (float64)."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    g = torch.Generator().manual_seed(7)
+    spf = model.samples_per_frame
+    for exact, buckets, cells in ((0, (), 8 * 32), (8, (25, 29), 6 * 29)):
+        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True,
+                                exact_rows=exact, frame_buckets=buckets)
+        reqs = [EngineRequest(f"r{i}", prompt=None, params=SamplingParams()) for i in range(6)]
+        for req in reqs:
+            req.codes = torch.randint(0, 8, (model.num_codebooks, 29), generator=g)
+        items = [(req, Chunk(req.request_id, 0, 25, 0, False)) for req in reqs[:5]]
+        items += [(reqs[5], Chunk("r5", 0, 4, 0, False)), (reqs[5], Chunk("r5", 4, 29, 0, False))]
+        out = CodecStage(vocoder).run(items)
+        assert (vocoder.calls, vocoder.padded_tokens, vocoder.useful_tokens) == (1, cells, 5 * 25 + 29)
+        for (req, chunk), audio in zip(items, out):
+            whole = model.decode(req.codes[None, :, : chunk.end], 0)[0].numpy()
+            assert abs(audio - whole[chunk.start * spf: chunk.end * spf]).max() < 1e-9
 
 
 def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -77,6 +77,14 @@ class CodecStageConfig(_Strict):
     row_granule: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) padded to a multiple "
                              "of this many rows above it (0: to a power of two: 33 rows compute 64); more shapes "
                              "to warm at start-up, fewer blank rows computed")
+    exact_rows: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) of at most this many "
+                            "chunks run at their own row count, no blank rows (each count a shape of its own, "
+                            "warmed at start-up; above it, rows pad as row_granule says)")
+    frame_buckets: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
+        default_factory=list, max_length=32, description="the windowed vocoder's (Fish) padded call lengths in "
+        "frames beside the built-in ones (4, 8, 16, 32, 50, 64, ...): a call pads to the smallest that holds its "
+        "longest chunk, so the chunk sizes a schedule makes (e.g. 25, and 29 for a first 4 joined with its next "
+        "25) pad nothing; each one more shape to warm at start-up")
     split_cost: int | None = Field(None, ge=0, description="the windowed vocoder (Fish) splits a call's chunks into "
                                    "calls of similar lengths where that saves more padded frame-rows than this per "
                                    "extra call (None: one call as full as max_batch and max_padded_frames allow)")

@@ -185,7 +185,8 @@ class TTSModel(abc.ABC):
         family's own section (`Profile.options_for`). Default: windows through `decode`, or (with
         `codec.carry_state`) streamed chunks through `stream_decoder`."""
         return WindowVocoder(self, config.max_batch, config.max_padded_frames, config.carry_state,
-                             config.stream_graph_frames or None, config.row_granule, config.split_cost)
+                             config.stream_graph_frames or None, config.row_granule, config.split_cost,
+                             config.exact_rows, config.frame_buckets)
 
     # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
 

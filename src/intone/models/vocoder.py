@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs, row_buckets
+from intone.ops.batching import bucket_frames, bucket_rows, group_jobs, row_buckets, with_buckets
 
 
 @dataclass
@@ -87,7 +87,10 @@ class WindowVocoder(Vocoder):
     samples, and each row is decoded at its own absolute frame positions. Each call's shape is padded
     further, frames to a bucket and rows to a power of two (above `row_granule`, when set, to a
     multiple of it; padding rows are zeros and dropped), so the codec meets few distinct shapes: its
-    kernels choose their plans once per shape, and a new shape costs more than the decode.
+    kernels choose their plans once per shape, and a new shape costs more than the decode. exact_rows:
+    calls of at most this many windows keep their own row count (no blank rows); frame_buckets: more
+    lengths a call's frames may be padded to (the chunk sizes a schedule makes, e.g. 25 and 4 + 25).
+    Every shape a call can reach is decoded once at start-up (`warm_up`).
 
     split_cost: a call's windows split into calls of similar lengths where that saves more padded
     frame-rows than this per extra call (None: every call as full as the bounds allow).
@@ -99,9 +102,11 @@ class WindowVocoder(Vocoder):
     """
 
     def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False,
-                 graph_frames: int | None = None, row_granule: int = 0, split_cost: int | None = None):
+                 graph_frames: int | None = None, row_granule: int = 0, split_cost: int | None = None,
+                 exact_rows: int = 0, frame_buckets=()):
         self.model = model
-        self.row_granule, self.split_cost = row_granule, split_cost
+        self.row_granule, self.split_cost, self.exact_rows = row_granule, split_cost, exact_rows
+        self.frame_buckets = with_buckets(frame_buckets)
         self.device = model.device
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
@@ -113,35 +118,50 @@ class WindowVocoder(Vocoder):
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
 
     def warm_up(self, max_window_frames: int) -> int:
-        k, shapes = self.model.num_codebooks, 0
-        frames = [b for b in FRAME_BUCKETS if b < max_window_frames] + [bucket_frames(max_window_frames)]
-        for t in frames:
-            # a group of n windows is padded to _rows(n) rows: warm every bucket a group can reach
-            for rows, fewest in row_buckets(self.max_batch, self.row_granule):
-                if fewest * t > max(self.max_padded_frames, t):
+        k = self.model.num_codebooks
+        shapes = self.warm_shapes(max_window_frames)
+        for rows, t in shapes:
+            codes = torch.zeros(rows, k, t, dtype=torch.long)
+            if self.stream is not None:  # streamed chunks; whole utterances take the plain decode
+                self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
+            self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
+        return len(shapes)
+
+    def warm_shapes(self, max_window_frames: int) -> list[tuple[int, int]]:
+        """(rows, frames) of every call of windows up to max_window_frames long: what `warm_up` decodes."""
+        top = bucket_frames(max_window_frames)  # a carried call's span may reach its longest chunk's built-in bucket
+        frames = sorted({b for b in self.frame_buckets if b <= top} | {top})
+        shapes = []
+        for t, shortest in zip(frames, [1] + [b + 1 for b in frames[:-1]]):
+            # a group of n windows (n x its longest within max_padded_frames, or alone) is padded to
+            # _rows(n) rows and its longest's bucket: every pair a group can reach
+            for rows, fewest in self._row_buckets():
+                if fewest > 1 and fewest * shortest > self.max_padded_frames:
                     break
-                codes = torch.zeros(rows, k, t, dtype=torch.long)
-                if self.stream is not None:  # streamed chunks; whole utterances take the plain decode
-                    self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
-                self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
-                shapes += 1
+                shapes.append((rows, t))
         return shapes
 
     def _rows(self, n: int) -> int:
-        return bucket_rows(n, self.row_granule)
+        return bucket_rows(n, self.row_granule, self.exact_rows)
+
+    def _row_buckets(self) -> list[tuple[int, int]]:
+        return row_buckets(self.max_batch, self.row_granule, self.exact_rows)
+
+    def _frames(self, n: int) -> int:
+        return bucket_frames(n, self.frame_buckets)
 
     def _groups(self, lengths: list[int]) -> list[list[int]]:
         """The calls a round's windows go in: as full as the bounds allow, or with `split_cost` the
         cheapest split, a call costing that many frame-rows plus its padded shape's (so a few long
         rows do not pad many short ones to their length)."""
         return group_jobs(lengths, self.max_batch, self.max_padded_frames, self.split_cost,
-                          lambda rows, longest: self._rows(rows) * bucket_frames(longest))
+                          lambda rows, longest: self._rows(rows) * self._frames(longest))
 
     def capture_graphs(self, graphs) -> None:
         """The carried decode at every (rows, frames) bucket a call reaches, up to `graph_frames`; largest
         first (the graphs share one memory pool, sized once)."""
-        frames = [b for b in FRAME_BUCKETS if b <= bucket_frames(self.graph_frames)]
-        rows = [r for r, _ in row_buckets(self.max_batch, self.row_granule)]
+        frames = [b for b in self.frame_buckets if b <= self._frames(self.graph_frames)]
+        rows = [r for r, _ in self._row_buckets()]
         for r, t in sorted(((r, t) for r in rows for t in frames), key=lambda s: s[0] * s[1], reverse=True):
             self.stream.capture(graphs, r, t, self.device)
         self.graphs = graphs
@@ -177,7 +197,7 @@ class WindowVocoder(Vocoder):
         lengths = [jobs[i].length for i in live]
         for group in self._groups(lengths):
             idx = [live[g] for g in group]
-            longest = bucket_frames(max(jobs[i].length for i in idx))
+            longest = self._frames(max(jobs[i].length for i in idx))
             codes = torch.zeros(self._rows(len(idx)), jobs[idx[0]].codes.shape[0], longest, dtype=torch.long)
             offsets = torch.zeros(codes.shape[0], dtype=torch.long)
             for row, i in enumerate(idx):
@@ -201,6 +221,8 @@ class WindowVocoder(Vocoder):
         order = [i for i, w in enumerate(windows) if w.end > w.start]
         # A longer span would pad every row of its round to it: session 23 measured uncapped spans
         # of a backlog's pieces at 55% padding and -20% throughput (Fish, non-streamed pieces of 50).
+        # The cap is the built-in bucket (extra buckets pad a round less, but merge the same spans: a
+        # stream's 4-frame first chunk and its next 25 stay one row of 29, not two rounds).
         fits = bucket_frames(max((windows[i].end - windows[i].start for i in order), default=1))
         spans = _contiguous_spans(windows, order, fits)
         spf = self.model.samples_per_frame
@@ -235,7 +257,7 @@ class WindowVocoder(Vocoder):
             if at != w.start:
                 raise RuntimeError(f"{w.request_id}: chunk from frame {w.start}, but the codec state is at {at}")
         rows = self._rows(len(windows))
-        codes = torch.zeros(rows, windows[0].codes.shape[0], bucket_frames(max(lengths)), dtype=torch.long)
+        codes = torch.zeros(rows, windows[0].codes.shape[0], self._frames(max(lengths)), dtype=torch.long)
         for row, w in enumerate(windows):
             codes[row, :, : w.end - w.start] = w.codes[:, w.start : w.end]
         pad = rows - len(windows)

@@ -12,22 +12,30 @@ from torch import Tensor
 FRAME_BUCKETS = (4, 8, 16, 32, 50, 64, 80, 100, 128, 160, 192, 256, 320, 384, 512)
 
 
-def bucket_frames(frames: int) -> int:
-    return next((b for b in FRAME_BUCKETS if b >= frames), -(-frames // 256) * 256)
+def bucket_frames(frames: int, buckets: tuple[int, ...] = FRAME_BUCKETS) -> int:
+    """The smallest of `buckets` (ascending) that holds `frames`; beyond the last, a multiple of 256."""
+    return next((b for b in buckets if b >= frames), -(-frames // 256) * 256)
 
 
-def bucket_rows(rows: int, granule: int = 0) -> int:
+def with_buckets(extra) -> tuple[int, ...]:
+    """FRAME_BUCKETS and the extra lengths, ascending."""
+    return tuple(sorted(set(FRAME_BUCKETS) | set(extra)))
+
+
+def bucket_rows(rows: int, granule: int = 0, exact: int = 0) -> int:
     """rows padded to a power of two; with a granule, above it to a multiple of it instead (33 rows:
-    64, or 40 with a granule of 8)."""
+    64, or 40 with a granule of 8); up to `exact` rows, not padded at all."""
+    if rows <= exact:
+        return rows
     power = 1 << max(0, rows - 1).bit_length()
     return -(-rows // granule) * granule if granule and power > granule else power
 
 
-def row_buckets(max_rows: int, granule: int = 0) -> list[tuple[int, int]]:
+def row_buckets(max_rows: int, granule: int = 0, exact: int = 0) -> list[tuple[int, int]]:
     """(bucket, fewest rows that reach it) for every bucket of 1..max_rows rows, ascending."""
     found: dict[int, int] = {}
     for rows in range(1, max_rows + 1):
-        found.setdefault(bucket_rows(rows, granule), rows)
+        found.setdefault(bucket_rows(rows, granule, exact), rows)
     return sorted(found.items())
 
 
