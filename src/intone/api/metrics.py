@@ -72,6 +72,10 @@ ENGINE_COUNTERS = {
                               "CosyVoice3: HiFT's spans on the codec's CUDA stream (waits for SMs and host gaps included)"),
     "codec_useful_tokens": ("intone_codec_useful_tokens",
                             "The real part of intone_codec_padded_tokens (the rest is padding)"),
+    "codec_hift_padded_frames": ("intone_codec_hift_padded_frames",
+                                 "CosyVoice3: rows x mel frames HiFT's calls computed, padding included"),
+    "codec_hift_useful_frames": ("intone_codec_hift_useful_frames",
+                                 "CosyVoice3: the real part of intone_codec_hift_padded_frames"),
 }
 ENGINE_GAUGES = {
     "reference_cache_entries": ("intone_reference_cache_entries", "Reference features held in the cache"),

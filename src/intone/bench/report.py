@@ -65,10 +65,10 @@ def stage_tables(results: dict) -> list[str]:
                      + f" | {st['total']['requests'] or st['api_in']['requests']} |")
     lines += ["", "| concurrency | reference cache hits | misses | frontend clips | frontend batches | "
               "frontend busy s | queued s per job | graph replays | eager decode steps | codec graph replays / "
-              "eager | engine steps | mean step ms | rows per step | codec calls | codec busy s | flow s | HiFT s | codec padding % | "
+              "eager | engine steps | mean step ms | rows per step | codec calls | codec busy s | flow s | HiFT s | codec padding % | HiFT padding % | "
               "first-chunk calls | s per first-chunk call | GPU s per first-chunk call | flow s of it | chunks per first-chunk call "
               "| preempted calls | prefix-cache blocks | compiles |",
-              "|" + "---|" * 26]
+              "|" + "---|" * 27]
     for lvl in levels:
         srv = lvl.get("server") or {}
         k = srv.get("counters") or {}
@@ -80,7 +80,7 @@ def stage_tables(results: dict) -> list[str]:
             + _count(k.get("engine_steps"))
             + f" | {_fmt(srv.get('mean_step_ms'), 2)} | {_fmt(_rows_per_step(k), 1)} | {_count(k.get('codec_calls'))}"
             + f" | {_fmt(k.get('codec_busy_seconds'), 2)} | {_fmt(k.get('codec_flow_seconds'), 2)}"
-            + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)}"
+            + f" | {_fmt(k.get('codec_vocoder_seconds'), 2)} | {_fmt(_padding(k), 1)} | {_fmt(_padding(k, 'hift'), 1)}"
             + f" | {_count(k.get('codec_first_calls'))} | {_fmt(_per_call(k, 'codec_first_call_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_gpu_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_flow_seconds'), 3)}"
@@ -90,7 +90,7 @@ def stage_tables(results: dict) -> list[str]:
                     "frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
                     "batch began. codec busy s: the codec's time in decode calls over the level (near the level's wall time: the "
-                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; codec padding: the share of the codec's computed rows x length that was padding (CosyVoice3: the flow's token rows; Fish: the decoder's frames). "
+                    "codec is saturated); flow s, HiFT s: CosyVoice3's two pieces on the codec's stream; codec padding: the share of the codec's computed rows x length that was padding (CosyVoice3: the flow's token rows; Fish: the decoder's frames); HiFT padding: CosyVoice3's HiFT calls' share (rows x mel frames, their graphs' shapes when replayed). "
                     "first-chunk calls: codec calls made only of streams' first chunks (`schedule: first` or "
                     "`preempt`, the latter's made at a backlog call's pause points too); their length against first_codec is how long a first chunk waited for "
                     "its call to start; their GPU span (CosyVoice3) against their length, how much of a call was "
@@ -134,8 +134,11 @@ def _rows_per_step(k: dict) -> float | None:
     return frames / steps if frames is not None and steps else None
 
 
-def _padding(counters: dict) -> float | None:
-    padded, useful = counters.get("codec_padded_tokens"), counters.get("codec_useful_tokens")
+def _padding(counters: dict, piece: str = "") -> float | None:
+    """The share of the codec's computed rows x length that was padding: the flow's (CosyVoice3) or
+    decoder's (Fish) token rows, or (piece "hift") HiFT's mel frames."""
+    unit = "hift_{}_frames" if piece == "hift" else "{}_tokens"
+    padded, useful = (counters.get("codec_" + unit.format(kind)) for kind in ("padded", "useful"))
     return 100 * (1 - useful / padded) if padded and useful is not None else None
 
 

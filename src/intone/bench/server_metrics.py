@@ -45,6 +45,8 @@ COUNTERS = {
     "codec_vocoder_seconds": "intone_codec_vocoder_seconds_total",
     "codec_padded_tokens": "intone_codec_padded_tokens_total",
     "codec_useful_tokens": "intone_codec_useful_tokens_total",
+    "codec_hift_padded_frames": "intone_codec_hift_padded_frames_total",
+    "codec_hift_useful_frames": "intone_codec_hift_useful_frames_total",
 }
 GAUGES = {
     "reference_cache_entries": "intone_reference_cache_entries",

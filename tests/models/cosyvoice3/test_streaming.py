@@ -119,6 +119,34 @@ def test_full_response_is_one_chunk_equal_to_the_request_vocoded_alone(cosy64):
         assert_same_audio(got[0].audio, alone)
 
 
+@pytest.mark.parametrize("hift_cost", [None, 0])
+def test_hift_calls_split_by_length_give_each_request_its_official_audio(cosy64, hift_cost):
+    """cosyvoice3.hift.call_cost: three full responses of 30, 45 and 60 tokens decoded in one codec call (in
+    the loop, gathered); HiFT takes them as one padded batch (None: 3 rows x 120 mel frames computed, 270
+    of them real) or, at no cost per call, one call per length (no padding). Each request's audio is its
+    official full response either way (float64), and the counters say what HiFT computed."""
+    refs = voices(3)
+    params = [SamplingParams(seed=60 + i, min_new_tokens=n, max_new_tokens=n, temperature=0.7, top_k=20,
+                             repetition_penalty=1.21, mode="standard") for i, n in enumerate((30, 45, 60))]
+    reqs = [SynthesisRequest(f"h{i}", TEXTS[i], [refs[i]], params[i], stream=False) for i in range(3)]
+    profile = load_profile("cosyvoice3-full-response", device="cpu", **{
+        "ar.max_num_seqs": 3, "codec.overlap": False, "codec.gather_ms": 1000, "cosyvoice3.hift.call_cost": hift_cost})
+    core = EngineCore(cosy64, profile)
+    for r in reqs:
+        core.add_request(r)
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks[c.request_id] = c
+    snap = core.snapshot()
+    assert snap["codec_calls"] == 1  # the three responses shared one codec call
+    padded = 3 * 120 if hift_cost is None else 60 + 90 + 120
+    assert (snap["codec_hift_padded_frames"], snap["codec_hift_useful_frames"]) == (padded, 270)
+    for i in range(3):
+        frames, _, prompt = alone_tokens(cosy64, TEXTS[i], refs[i], params[i])
+        assert_same_audio(chunks[f"h{i}"].audio, official_full(cosy64, frames, prompt.conditioning))
+
+
 def test_same_seed_same_audio_different_seed_different_tokens(tiny_cosy):
     ref = voices(1)[0]
     profile = load_profile("cosyvoice3-streaming", device="cpu")

@@ -78,6 +78,11 @@ class HiFTOptions(_Strict):
     graph_frames: int = Field(256, ge=32, le=1024, description="with cuda_graphs: the longest HiFT window with a graph "
                                                                 "(mel frames; a streamed window is at most ~250); "
                                                                 "longer ones run eagerly")
+    call_cost: int | None = Field(None, ge=0, description="split HiFT's waiting windows into calls of similar "
+                                  "lengths, a call worth this many tokens of computed rows x frames (its graph's "
+                                  "shape with cuda_graphs); None: each call as full as codec.max_batch and "
+                                  "codec.max_padded_frames allow (a full-response call of ~12 windows of 90-420 "
+                                  "mel frames then computes ~35% padding)")
 
 
 class CosyVoice3Options(_Strict):

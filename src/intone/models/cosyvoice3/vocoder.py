@@ -33,6 +33,7 @@ from intone.models.cosyvoice3.dit import FLEX_BLOCK
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows, graph_shape
 from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
 from intone.models.cosyvoice3.hift import HIFT_FRAME_BUCKET
+from intone.models.cosyvoice3.hift import graph_shape as hift_graph_shape
 from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.models.vocoder import CodecWindow, Vocoder
 from intone.ops.batching import group_jobs
@@ -103,9 +104,10 @@ def compile_batches(flow, device) -> list[list[FlowRequest]]:
 class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
-                 hift_graph_frames: int | None = None):
-        """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (HiFT's stay as
-        full as the bounds allow: its windows are of similar lengths and its calls launch-bound).
+                 hift_graph_frames: int | None = None, hift_call_cost: int | None = None):
+        """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (in tokens).
+        hift_call_cost: the same for HiFT's calls (None: each as full as the bounds allow; a call's cost
+        is its graph's shape when HiFT has graphs, as with the flow's).
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
         frames against it (`flow_cache.solve_continued`). graph_frames: the longest flow call that
         `capture_graphs` gives a graph (None: no graphs). hift_graph_frames: the longest HiFT window that
@@ -113,7 +115,7 @@ class CosyVocoder(Vocoder):
         self.graph_frames, self.hift_graph_frames = graph_frames, hift_graph_frames
         self.model = model
         self.device = model.codec_device
-        self.call_cost = call_cost
+        self.call_cost, self.hift_call_cost = call_cost, hift_call_cost
         self.flow_cache = flow_cache
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
@@ -122,6 +124,7 @@ class CosyVocoder(Vocoder):
         self.autocast = getattr(torch, autocast) if autocast != "none" and gpu else None
         self.calls = 0  # batched flow calls (each followed by HiFT work), for tests and metrics
         self.padded_tokens = self.useful_tokens = 0  # the flow calls' rows x longest, and their real part
+        self.hift_padded_frames = self.hift_useful_frames = 0  # HiFT's calls' computed rows x mel frames, and theirs
         self.flow_seconds = self.vocoder_seconds = 0.0  # the pieces' spans on the codec's stream (`_span`)
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
         self.graphs = None  # the flow solve's and HiFT's CUDA graphs (`capture_graphs`)
@@ -315,6 +318,15 @@ class CosyVocoder(Vocoder):
         padded_rows, frames = graph_shape(rows, tokens * ratio)
         return padded_rows * frames // ratio
 
+    def _hift_cost(self, rows: int, tokens: int) -> int:
+        """A HiFT call's computed work in tokens (`group_jobs` with `hift_call_cost`): its graph's shape
+        when HiFT has graphs (every call is then padded to one: `hift.graph_shape`), else rows x longest."""
+        ratio = self.model.flow.config.token_mel_ratio
+        if self.graphs is None or not self.hift_graph_frames:
+            return rows * tokens
+        padded_rows, frames = hift_graph_shape(rows, tokens * ratio)
+        return padded_rows * frames // ratio
+
     def _hift(self, mels: list[Tensor], finalize: list[bool], spans: list[tuple]) -> tuple[list, list]:
         """HiFT over each chunk's window: (first frame, phase_at, phase or None, record_at) ->
         the window's audio and the phase to carry, per chunk."""
@@ -323,8 +335,14 @@ class CosyVocoder(Vocoder):
         live = [i for i, m in enumerate(mels) if m.shape[1] > 0]
         lengths = [mels[i].shape[1] // self.model.flow.config.token_mel_ratio for i in live]
         harmonics = self.model.hift.cfg.nb_harmonics + 1
-        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames):
+        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.hift_call_cost, self._hift_cost):
             idx = [live[g] for g in group]
+            frames = [mels[i].shape[1] for i in idx]
+            rows, longest = hift_graph_shape(len(idx), max(frames)) if self.graphs is not None and \
+                self.hift_graph_frames else (len(idx), max(frames))
+            with self._counting:
+                self.hift_padded_frames += rows * longest
+                self.hift_useful_frames += sum(frames)
             zero = mels[idx[0]].new_zeros(harmonics, dtype=torch.float64)
             window = SourceWindow([spans[i][0] for i in idx], [spans[i][1] for i in idx],
                                   torch.stack([zero if spans[i][2] is None else spans[i][2].to(zero) for i in idx]),
