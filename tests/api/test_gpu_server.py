@@ -20,20 +20,23 @@ pytestmark = pytest.mark.gpu
 # (model, profile, codec overrides, cosyvoice3.flow overrides, cosyvoice3.hift overrides, other sections' overrides):
 # Fish as shipped (one AR step in flight, pieces' calls gathered), and with its steps in order, non-streamed audio
 # decoded in pieces as the frames come, streams paced by their listeners with ramped hops, the carried decode
-# replayed from graphs on cuDNN's deterministic plans with rows padded to multiples of 8 and calls split by length,
-# in the engine loop between its steps (pieces gathered there, streams' chunks held for their listeners' deadlines);
+# replayed from graphs on cuDNN's deterministic plans with rows padded to multiples of 8 above 8 exact rows, the
+# ramp's chunk sizes as frame buckets and calls split by length, on the lean decoder path, in the engine loop
+# between its steps (pieces gathered there, streams' chunks held for their listeners' deadlines);
 # CosyVoice3 once with the
 # flow's solve and HiFT's calls replayed from graphs (the flex-attention DiT compiled, its block masks built inside
 # the graphs), once with the flex DiT compiled and eager, HiFT in fp16, the codec on a share of the SMs and first
 # chunks decoded at the backlog calls' Euler steps; streams continued from their flow caches, their new frames
 # packed for the varlen kernel (compiled, bf16 autocast), the worker on the loop's stream and playing streams'
 # chunks held for their listeners; and the full-response profile with the varlen DiT compiled under
-# bf16 autocast (FlashAttention needs half precision), whole responses packed and streams padded, HiFT from graphs,
-# the codec worker on the loop's stream.
+# bf16 autocast (FlashAttention needs half precision), whole responses packed and streams padded, HiFT from graphs
+# in calls split by length, the codec worker on the loop's stream.
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:fish-s2", "fish-s2-high-concurrency", {"stream_graph_frames": 64, "row_granule": 8,
                                                        "deterministic": True, "split_cost": 256, "overlap": False,
-                                                       "gather_ms": 50, "stream_lead_ms": 300}, {}, {},
+                                                       "gather_ms": 50, "stream_lead_ms": 300, "lean_decode": True,
+                                                       "exact_rows": 8, "frame_buckets": [6, 9, 14, 21, 25, 29]},
+          {}, {},
           {"ar": {"async_steps": False},
            "chunking": {"whole_chunk_frames": 20, "listener_margin_s": 0.5, "ramp_factor": 1.5}}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},
@@ -43,7 +46,8 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"stream": "loop", "stream_lead_ms": 300},
           {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cache": True}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-full-response", {"stream": "loop"},
-          {"compile": True, "attention": "varlen", "autocast": "bfloat16"}, {"cuda_graphs": True, "graph_frames": 512},
+          {"compile": True, "attention": "varlen", "autocast": "bfloat16"},
+          {"cuda_graphs": True, "graph_frames": 512, "call_cost": 50},
           {})]
 
 

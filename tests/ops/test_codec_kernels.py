@@ -44,6 +44,31 @@ def test_triton_snake_with_a_bias_and_the_biased_residual_return_the_torch_expre
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_the_kernels_read_strided_slices_and_write_into_a_buffer_bit_for_bit(dtype):
+    """What the lean carried decode (codec.lean_decode) asks of the kernels: Snake reading a slice of a
+    longer output (no contiguous copy) with that output's bias, writing after a history in a larger
+    buffer; the biased residual reading the slice and adding its bias first. The same bits as the
+    kernels on contiguous copies with the bias added as torch adds it."""
+    from intone.ops.snake import bias_residual, snake
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    full = (torch.randn(2, 48, 3 + 3000 + 5, device="cuda", generator=g) * 3).to(dtype)
+    x = full[..., 3: 3003]  # a slice: rows 3008 apart
+    y = (torch.randn(2, 48, 3000, device="cuda", generator=g) * 3).to(dtype)
+    alpha = (torch.rand(1, 48, 1, device="cuda", generator=g) * 2 + 0.05).to(dtype)
+    bias, x_bias = (torch.randn(48, device="cuda", generator=g).to(dtype) for _ in range(2))
+    with_bias = x + x_bias.view(1, -1, 1)  # torch's add, as cuDNN's bias pass rounds it
+    buffer = torch.full((2, 48, 7 + 3000), float("nan"), device="cuda", dtype=dtype)
+    buffer[..., :7] = 1.5
+    out = snake(x, alpha, x_bias, out=buffer[..., 7:])
+    assert out.data_ptr() == buffer[..., 7:].data_ptr() and (buffer[..., :7] == 1.5).all()
+    assert torch.equal(buffer[..., 7:], snake(with_bias.contiguous(), alpha))
+    assert torch.equal(snake(x, alpha), snake(x.contiguous(), alpha))
+    assert torch.equal(bias_residual(x, y, bias, x_bias), bias_residual(with_bias.contiguous(), y, bias))
+
+
+@pytest.mark.gpu
 def test_the_codec_on_the_gpu_decodes_what_the_stock_layers_decode_on_the_cpu(tiny_cache):
     """float64 on both sides (the Triton kernels stand aside): the folded dilated convolutions and the
     biases moved out of the convolutions change no sum."""

@@ -77,6 +77,11 @@ class CodecStageConfig(_Strict):
     row_granule: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) padded to a multiple "
                              "of this many rows above it (0: to a power of two: 33 rows compute 64); more shapes "
                              "to warm at start-up, fewer blank rows computed")
+    lean_decode: bool = Field(False, description="with carry_state: the carried decode's Snakes write straight into "
+                              "the next convolution's input buffer after its history, and a transposed convolution's "
+                              "bias is added by the kernels after it as they read its output in place (no "
+                              "concatenations, bias passes or contiguous copies of the decoder's largest tensors; "
+                              "the same audio, bit for bit on a GPU)")
     exact_rows: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) of at most this many "
                             "chunks run at their own row count, no blank rows (each count a shape of its own, "
                             "warmed at start-up; above it, rows pad as row_granule says)")
@@ -236,6 +241,7 @@ class Profile(_Strict):
                              "and no codec.sms (its SM share is a stream of its own)")
         # each works on the carried decode, whose audio does not depend on where its chunks begin
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
+                            ("codec.lean_decode", self.codec.lean_decode),
                             ("chunking.listener_margin_s", c.listener_margin_s),
                             ("chunking.whole_chunk_frames", c.whole_chunk_frames)):
             if value and not self.codec.carry_state:

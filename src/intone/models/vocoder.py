@@ -98,19 +98,19 @@ class WindowVocoder(Vocoder):
     carry_state: a streamed chunk's new frames are decoded against its request's state (the model's
     `stream_decoder`, which it must have) instead of a window that re-decodes its left context.
     graph_frames: with carry_state, those calls are replayed from CUDA graphs (`capture_graphs`) up
-    to this many frames a chunk.
+    to this many frames a chunk. lean_decode: the stream decoder's fewer-copies path (`codec.lean_decode`).
     """
 
     def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False,
                  graph_frames: int | None = None, row_granule: int = 0, split_cost: int | None = None,
-                 exact_rows: int = 0, frame_buckets=()):
+                 exact_rows: int = 0, frame_buckets=(), lean_decode: bool = False):
         self.model = model
         self.row_granule, self.split_cost, self.exact_rows = row_granule, split_cost, exact_rows
         self.frame_buckets = with_buckets(frame_buckets)
         self.device = model.device
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
-        self.stream = model.stream_decoder() if carry_state else None
+        self.stream = model.stream_decoder(lean_decode) if carry_state else None
         self.graph_frames = graph_frames if self.stream is not None else None
         self.graphs = None
         self.calls = 0

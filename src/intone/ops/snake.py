@@ -39,12 +39,13 @@ def available(x: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _snake(x_ptr, alpha_ptr, bias_ptr, out_ptr, length, channels, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr):
+    def _snake(x_ptr, alpha_ptr, bias_ptr, out_ptr, length, channels, x_batch, x_row, out_batch, out_row,
+               HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr):
         row = tl.program_id(0)  # one (batch, channel) row of T samples per program column
-        channel = row % channels
+        batch, channel = (row // channels).to(tl.int64), row % channels
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         ok = t < length
-        x = tl.load(x_ptr + row * length + t, mask=ok, other=0.0)
+        x = tl.load(x_ptr + batch * x_batch + channel * x_row + t, mask=ok, other=0.0)
         dt = x.dtype
         if HAS_BIAS:  # rounded as torch rounds the bias add before the activation
             x = (x.to(tl.float32) + tl.load(bias_ptr + channel).to(tl.float32)).to(dt)
@@ -54,41 +55,65 @@ if triton is not None:
         sq = (s.to(tl.float32) * s.to(tl.float32)).to(dt)
         inv = libdevice.div_rn(1.0, (a.to(tl.float32) + 1e-9).to(dt).to(tl.float32)).to(dt)  # IEEE, as torch
         y = (x.to(tl.float32) + (inv.to(tl.float32) * sq.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
-        tl.store(out_ptr + row * length + t, y, mask=ok)
+        tl.store(out_ptr + batch * out_batch + channel * out_row + t, y, mask=ok)
 
 
     @triton.jit
-    def _bias_residual(x_ptr, y_ptr, bias_ptr, out_ptr, length, channels, BLOCK_T: tl.constexpr):
+    def _bias_residual(x_ptr, y_ptr, bias_ptr, x_bias_ptr, out_ptr, length, channels, x_batch, x_row,
+                       HAS_X_BIAS: tl.constexpr, BLOCK_T: tl.constexpr):
         row = tl.program_id(0)
+        batch, channel = (row // channels).to(tl.int64), row % channels
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         ok = t < length
-        x = tl.load(x_ptr + row * length + t, mask=ok, other=0.0)
-        y = tl.load(y_ptr + row * length + t, mask=ok, other=0.0)
+        x = tl.load(x_ptr + batch * x_batch + channel * x_row + t, mask=ok, other=0.0)
+        y = tl.load(y_ptr + row.to(tl.int64) * length + t, mask=ok, other=0.0)
         dt = x.dtype
-        y = (y.to(tl.float32) + tl.load(bias_ptr + row % channels).to(tl.float32)).to(dt)
-        tl.store(out_ptr + row * length + t, (x.to(tl.float32) + y.to(tl.float32)).to(dt), mask=ok)
+        if HAS_X_BIAS:  # x's own bias first, rounded as torch rounds that add
+            x = (x.to(tl.float32) + tl.load(x_bias_ptr + channel).to(tl.float32)).to(dt)
+        y = (y.to(tl.float32) + tl.load(bias_ptr + channel).to(tl.float32)).to(dt)
+        tl.store(out_ptr + row.to(tl.int64) * length + t, (x.to(tl.float32) + y.to(tl.float32)).to(dt), mask=ok)
 
 
-def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Snake of x [B, C, T] (plus bias [C] first, when given) with alpha [1, C, 1]."""
-    if not available(x) or alpha.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return snake_reference(x if bias is None else x + bias.view(1, -1, 1), alpha)
-    x = x.contiguous()
+def _unit_time_stride(x: Tensor) -> Tensor:
+    """x itself when its samples are adjacent (any batch and channel strides: a slice of a longer
+    tensor), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def snake(x: Tensor, alpha: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """Snake of x [B, C, T] (plus bias [C] first, when given) with alpha [1, C, 1]. x may be a view with
+    adjacent samples (e.g. a slice of a longer output: read in place, no copy). out: a [B, C, T] view to
+    write into (e.g. a convolution's input buffer after its history), returned; None: a new tensor."""
+    if out is not None and out.shape != x.shape:
+        raise ValueError(f"out {tuple(out.shape)} for x {tuple(x.shape)}")
+    if not available(x) or alpha.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype) or \
+            (out is not None and (out.stride(-1) != 1 or out.dtype != x.dtype or out.device != x.device)):
+        y = snake_reference(x if bias is None else x + bias.view(1, -1, 1), alpha)
+        return y if out is None else out.copy_(y)
+    x = _unit_time_stride(x)
     batch, channels, length = x.shape
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     b = alpha if bias is None else bias.contiguous()  # any pointer when there is no bias
-    _snake[(batch * channels, triton.cdiv(length, BLOCK))](x, alpha.contiguous(), b, out, length, channels,
-                                                           HAS_BIAS=bias is not None, BLOCK_T=BLOCK)
+    _snake[(batch * channels, triton.cdiv(length, BLOCK))](
+        x, alpha.contiguous(), b, out, length, channels, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_T=BLOCK)
     return out
 
 
-def bias_residual(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
-    """x + (y + bias) for x, y [B, C, T] and bias [C], rounded as torch rounds the two adds."""
-    if not available(x) or not (x.dtype == y.dtype == bias.dtype) or x.shape != y.shape:
+def bias_residual(x: Tensor, y: Tensor, bias: Tensor, x_bias: Tensor | None = None) -> Tensor:
+    """x + (y + bias) for x, y [B, C, T] and bias [C] (with x_bias [C]: (x + x_bias) + (y + bias)),
+    rounded as torch rounds each add. x may be a view with adjacent samples (read in place)."""
+    if not available(x) or not (x.dtype == y.dtype == bias.dtype) or x.shape != y.shape or \
+            (x_bias is not None and x_bias.dtype != x.dtype):
+        if x_bias is not None:
+            x = x + x_bias.view(1, -1, 1)
         return x + (y + bias.view(1, -1, 1))
-    x, y = x.contiguous(), y.contiguous()
+    x, y = _unit_time_stride(x), y.contiguous()
     batch, channels, length = x.shape
-    out = torch.empty_like(x)
-    _bias_residual[(batch * channels, triton.cdiv(length, BLOCK))](x, y, bias.contiguous(), out, length, channels,
-                                                                   BLOCK_T=BLOCK)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    xb = bias if x_bias is None else x_bias.contiguous()  # any pointer when there is none
+    _bias_residual[(batch * channels, triton.cdiv(length, BLOCK))](
+        x, y, bias.contiguous(), xb, out, length, channels, x.stride(0), x.stride(1),
+        HAS_X_BIAS=x_bias is not None, BLOCK_T=BLOCK)
     return out

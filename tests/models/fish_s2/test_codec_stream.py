@@ -36,17 +36,20 @@ def cut(total: int, sizes: list[int]) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("lean", [False, True], ids=["layer-by-layer", "lean"])
 @settings(max_examples=3, deadline=None)
 @given(long=st.integers(130, 150), short=st.integers(5, 60),
        long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
        short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
-def test_chunks_of_any_sizes_batched_join_into_the_one_pass_decode(codec64, long, short, long_sizes, short_sizes,
-                                                                   seed):
+def test_chunks_of_any_sizes_batched_join_into_the_one_pass_decode(codec64, lean, long, short, long_sizes,
+                                                                   short_sizes, seed):
+    """Either decoder path (codec.lean_decode: Snakes into the convolutions' history buffers, the
+    transposed convolutions' biases added after them)."""
     # The long request passes the attention window (128 frames), so its kept keys roll over.
     g = torch.Generator().manual_seed(seed)
     codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short)]  # residuals >= 1024 clamp
     plans = [cut(long, long_sizes), cut(short, short_sizes)]
-    decoder = StreamingDecoder(codec64)
+    decoder = StreamingDecoder(codec64, fused=lean)
     states, done, audio = [None, None], [0, 0], [[], []]
     for step in range(max(len(p) for p in plans)):
         live = [r for r in (0, 1) if step < len(plans[r])]
@@ -85,6 +88,46 @@ def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pa
     floor, error = (one_pass - exact).abs().max().item(), (stream - exact).abs().max().item()
     print(f"{name}: max |fp16 - fp32|: one pass {floor:.3g}, stream {error:.3g}; peak {exact.abs().max().item():.3g}")
     assert stream.shape == one_pass.shape and error <= 2 * floor
+
+
+def test_the_lean_decode_takes_every_decoder_block_of_the_tiny_and_real_codecs(codec64):
+    """codec.lean_decode's path covers each decoder block (Snake, transposed convolution of kernel 2 x stride,
+    residual units), so the stream tests above run it, not a fallback."""
+    from intone.models.fish_s2.codec import CodecConfig, FishCodec
+    from intone.models.fish_s2.codec_stream import _doubled_trans_conv
+
+    with torch.device("meta"):  # the real-size layers, no weights
+        real = FishCodec(CodecConfig())
+    for decoder in (codec64.decoder.model, real.decoder.model):
+        blocks = [layer for layer in decoder if hasattr(layer, "block")]
+        assert len(blocks) == 4 and all(_doubled_trans_conv(b) for b in blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny:fish-s2", "random:fish-s2"])
+def test_the_lean_decode_gives_the_layer_by_layer_decodes_bits(name, tiny_cache):
+    """codec.lean_decode on the GPU (fp16, cuDNN's deterministic plans, as codec.deterministic sets them):
+    chunk after chunk of rows of different lengths and histories, with a blank padding row, the audio and
+    the carried states equal the layer-by-layer decode's bit for bit (the same kernels on the same values;
+    only the copies between them are gone)."""
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        codec = load_model(name, device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16).codec
+        g = torch.Generator().manual_seed(9)
+        plain, lean = StreamingDecoder(codec), StreamingDecoder(codec, fused=True)
+        states = {False: [None] * 3, True: [None] * 3}
+        for sizes in ([4, 25, 13], [25, 50, 7], [29, 4, 50]):
+            codes = torch.randint(0, 1024, (4, 10, max(sizes)), generator=g).cuda()
+            outs = {}
+            for fused, decoder in ((False, plain), (True, lean)):
+                outs[fused] = decoder.decode(codes, sizes + [0], states[fused] + [None])
+                states[fused] = outs[fused][1][:3]
+            assert torch.equal(outs[False][0], outs[True][0])
+            for a, b in zip(outs[False][1], outs[True][1]):
+                assert a.frames == b.frames and all(torch.equal(x, y) for x, y in zip(a.rows, b.rows))
+    finally:
+        torch.backends.cudnn.deterministic = before
 
 
 DEFAULT_PLANS_DIFFER = pytest.mark.xfail(

@@ -19,14 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intone.models.fish_s2.codec import FishCodec
 from intone.models.fish_s2.codec_modules import (
-    CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, WindowTransformer,
+    CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, Snake, WindowTransformer,
     masked_attention,
 )
 from intone.models.fish_s2.layers import apply_rope, rope_table
+from intone.ops.snake import bias_residual, snake
 
 NO_POSITION = -(2**40)  # the position of a history slot not yet filled: outside every window
 
@@ -58,10 +60,12 @@ class StateLayout:
 
 
 class StreamingDecoder:
-    """graphs: CUDA graphs of the decode (`capture`); calls at other shapes run eagerly."""
+    """graphs: CUDA graphs of the decode (`capture`); calls at other shapes run eagerly. fused: the
+    decoder's layers through `_run_decoder` (fewer copies, the same values) instead of one by one."""
 
-    def __init__(self, codec: FishCodec):
+    def __init__(self, codec: FishCodec, fused: bool = False):
         self.codec = codec
+        self.fused = fused
         self.graphs = None
         self._layout: StateLayout | None = None
 
@@ -119,7 +123,8 @@ class StreamingDecoder:
         z = _transformer(q.post_module, z, start, ctx, "post")
         z = _run(q.upsample, z, ctx, "up")
         z = z.to(self.codec.dtype)
-        return _run(self.codec.decoder.model, z, ctx, "dec").squeeze(1)
+        run = _run_decoder if self.fused else _run
+        return run(self.codec.decoder.model, z, ctx, "dec").squeeze(1)
 
 
 class _Context:
@@ -249,3 +254,70 @@ def _block(layer, h: Tensor, rope: Tensor, mask: Tensor, ctx: _Context, key: str
     y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
     h = h + layer.attention_layer_scale(attn.wo(y.transpose(1, 2).flatten(-2)))
     return h + layer.ffn_layer_scale(layer.feed_forward(layer.ffn_norm(h)))
+
+
+# ---- the decoder with fewer copies ------------------------------------------------------------------
+# What `_run` computes, with the copies its layers make one by one left out (on a GPU, where cuDNN adds a
+# convolution's bias as a pass of its own and the Triton kernels take strided views):
+# - a Snake that feeds a convolution with a history writes straight into that convolution's input buffer,
+#   after the rows' histories, instead of into a tensor that is then concatenated to them;
+# - a transposed convolution runs without its bias; the kernels after it (the first residual unit's
+#   Snake and its residual add) add it as they read its output's slice in place, rounded as the bias
+#   pass rounds it, where `_run` copies that slice twice to make it contiguous.
+# The same sums in the same order: the same bits on a GPU (the tests check), float rounding apart on a CPU,
+# whose convolutions add their biases inside.
+
+
+def _run_decoder(decoder: nn.Sequential, z: Tensor, ctx: _Context, key: str) -> Tensor:
+    """`_run` over the decoder (in convolution, decoder blocks, Snake, out convolution, Tanh)."""
+    layers = list(decoder)
+    x, i = _conv(layers[0], z, ctx, f"{key}.0"), 1
+    while i < len(layers):
+        layer, after = layers[i], layers[i + 1] if i + 1 < len(layers) else None
+        if _doubled_trans_conv(layer):
+            x = _decoder_block(layer.block, x, ctx, f"{key}.{i}")
+        elif isinstance(layer, Snake) and isinstance(after, CausalConv) and after.span > 1 and after.stride == 1:
+            x = after.valid(_snake_into(layer, x, after.span - 1, ctx, f"{key}.{i + 1}"))
+            i += 1
+        else:
+            x = _run(layer, x, ctx, f"{key}.{i}")
+        i += 1
+    return x
+
+
+def _doubled_trans_conv(layer: nn.Module) -> bool:
+    """A decoder block (Snake, transposed convolution of kernel 2 x stride, residual units)."""
+    parts = list(getattr(layer, "block", ()))
+    return (len(parts) > 2 and isinstance(parts[0], Snake) and isinstance(parts[1], CausalTransConv)
+            and parts[1].trim == parts[1].conv.stride[0] and all(isinstance(p, ResidualUnit) for p in parts[2:]))
+
+
+def _snake_into(act: Snake, x: Tensor, h: int, ctx: _Context, key: str, bias: Tensor | None = None) -> Tensor:
+    """The input of the convolution at `key` that follows `act`: its rows' histories of h samples, then
+    act(x + bias) written after them (no concatenation); its new histories kept."""
+    history = ctx.history(key, x.new_zeros(1, x.shape[1], h))
+    buffer = torch.empty(x.shape[0], x.shape[1], h + x.shape[2], dtype=x.dtype, device=x.device)
+    buffer[..., :h] = history
+    snake(x, act.alpha, bias, out=buffer[..., h:])
+    ctx.keep(key, _tail(buffer, ctx.lengths + h, h))
+    return buffer
+
+
+def _decoder_block(layers: nn.Sequential, x: Tensor, ctx: _Context, key: str) -> Tensor:
+    act, up, *units = layers
+    stride = up.conv.stride[0]
+    xh = _snake_into(act, x, 1, ctx, f"{key}.1")  # the last input's second half-kernel reaches this chunk
+    y = F.conv_transpose1d(xh, up.conv.weight, None, stride)[..., stride: stride * (x.shape[2] + 1)]
+    ctx.lengths = ctx.lengths * stride
+    pending = up.conv.bias  # added by the first residual unit's kernels
+    for j, unit in enumerate(units, start=2):
+        y, pending = _residual_unit(unit, y, ctx, f"{key}.{j}", pending), None
+    return y
+
+
+def _residual_unit(unit: ResidualUnit, x: Tensor, ctx: _Context, key: str, x_bias: Tensor | None) -> Tensor:
+    """(x + x_bias) + unit's block of it: `ResidualUnit.residual`'s CUDA order, x read in place."""
+    act_in, conv_in, act_mid, conv_out = unit.block
+    y = conv_in.valid(_snake_into(act_in, x, conv_in.span - 1, ctx, f"{key}.1", x_bias), False)
+    y = snake(y, act_mid.alpha, conv_in.conv.bias)
+    return bias_residual(x, conv_out.valid(y, False), conv_out.conv.bias, x_bias)

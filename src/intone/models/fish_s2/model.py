@@ -237,8 +237,8 @@ class FishS2(TTSModel):
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         return self.codec.decode(codes.to(self.device), position_offset).float()
 
-    def stream_decoder(self) -> StreamingDecoder:
-        return StreamingDecoder(self.codec)
+    def stream_decoder(self, lean: bool = False) -> StreamingDecoder:
+        return StreamingDecoder(self.codec, fused=lean)
 
 
 def _codec_state(path: Path):
