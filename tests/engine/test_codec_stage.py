@@ -108,16 +108,20 @@ class _ShapesOnly:
         return None
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 80), min_size=1, max_size=70), st.sampled_from([8, 16, 64]),
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 1024), min_size=1, max_size=70), st.sampled_from([8, 16, 64]),
        st.sampled_from([256, 1024, 4096]), st.sampled_from([0, 8]), st.sampled_from([0, 3, 16]),
-       st.sampled_from([(), (25, 29), (6, 12, 40, 75)]), st.sampled_from([None, 64]))
-def test_every_call_shape_is_one_the_warm_up_decodes(lengths, max_batch, max_padded, granule, exact, buckets, cost):
+       st.sampled_from([(), (25, 29), (6, 12, 40, 75), (600, 1000)]), st.sampled_from([None, 64]),
+       st.sampled_from([80, 600, 1024]))
+def test_every_call_shape_is_one_the_warm_up_decodes(lengths, max_batch, max_padded, granule, exact, buckets, cost,
+                                                     window):
     """A shape first met while serving costs the codec its kernels' plans (milliseconds a convolution):
-    whatever chunks wait, each call is padded to a (rows, frames) shape that start-up decoded."""
+    whatever chunks wait (windows up to `window` frames; a carried call's spans up to its longest chunk's
+    built-in bucket), each call is padded to a (rows, frames) shape that start-up decoded."""
     vocoder = WindowVocoder(_ShapesOnly(), max_batch, max_padded, row_granule=granule, split_cost=cost,
                             exact_rows=exact, frame_buckets=buckets)
-    warmed = set(vocoder.warm_shapes(80))
+    warmed = set(vocoder.warm_shapes(window))
+    lengths = [min(n, bucket_frames(window)) for n in lengths]
     for group in vocoder._groups(lengths):
         longest = max(lengths[i] for i in group)
         assert (vocoder._rows(len(group)), vocoder._frames(longest)) in warmed

@@ -81,7 +81,8 @@ class CodecStageConfig(_Strict):
                               "the next convolution's input buffer after its history, and a transposed convolution's "
                               "bias is added by the kernels after it as they read its output in place (no "
                               "concatenations, bias passes or contiguous copies of the decoder's largest tensors; "
-                              "the same audio, bit for bit on a GPU)")
+                              "the same kernels on the same values: expected bit-equal with codec.deterministic, "
+                              "GPU test pending)")
     exact_rows: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) of at most this many "
                             "chunks run at their own row count, no blank rows (each count a shape of its own, "
                             "warmed at start-up; above it, rows pad as row_granule says)")

@@ -66,7 +66,8 @@ def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
     """Decode every bucketed window shape the profile's chunks can reach, and capture the codec's
     graphs where the profile asks for them (start-up, GPU: nothing else may use it meanwhile)."""
     vocoder, c = stage.vocoder, profile.chunking
-    chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames) + c.left_context_frames
+    chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames, c.whole_chunk_frames, c.max_chunk_frames) \
+        + c.left_context_frames
     vocoder.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
     if vocoder.wants_graphs and vocoder.device.type == "cuda":
         graphs = FunctionGraphs()

@@ -129,14 +129,16 @@ class WindowVocoder(Vocoder):
 
     def warm_shapes(self, max_window_frames: int) -> list[tuple[int, int]]:
         """(rows, frames) of every call of windows up to max_window_frames long: what `warm_up` decodes."""
-        top = bucket_frames(max_window_frames)  # a carried call's span may reach its longest chunk's built-in bucket
-        frames = sorted({b for b in self.frame_buckets if b <= top} | {top})
+        # a carried call's span may reach its longest chunk's built-in bucket; each length pads to _frames(n)
+        shortest: dict[int, int] = {}  # each padded length -> the shortest length that pads to it
+        for n in range(1, bucket_frames(max_window_frames) + 1):
+            shortest.setdefault(self._frames(n), n)
         shapes = []
-        for t, shortest in zip(frames, [1] + [b + 1 for b in frames[:-1]]):
+        for t, least in sorted(shortest.items()):
             # a group of n windows (n x its longest within max_padded_frames, or alone) is padded to
             # _rows(n) rows and its longest's bucket: every pair a group can reach
             for rows, fewest in self._row_buckets():
-                if fewest > 1 and fewest * shortest > self.max_padded_frames:
+                if fewest > 1 and fewest * least > self.max_padded_frames:
                     break
                 shapes.append((rows, t))
         return shapes
@@ -158,11 +160,11 @@ class WindowVocoder(Vocoder):
                           lambda rows, longest: self._rows(rows) * self._frames(longest))
 
     def capture_graphs(self, graphs) -> None:
-        """The carried decode at every (rows, frames) bucket a call reaches, up to `graph_frames`; largest
-        first (the graphs share one memory pool, sized once)."""
-        frames = [b for b in self.frame_buckets if b <= self._frames(self.graph_frames)]
-        rows = [r for r, _ in self._row_buckets()]
-        for r, t in sorted(((r, t) for r in rows for t in frames), key=lambda s: s[0] * s[1], reverse=True):
+        """The carried decode at every (rows, frames) shape a call reaches (`warm_shapes`), up to
+        `graph_frames`; largest first (the graphs share one memory pool, sized once)."""
+        limit = self._frames(self.graph_frames)
+        shapes = [(r, t) for r, t in self.warm_shapes(self.graph_frames) if t <= limit]
+        for r, t in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
             self.stream.capture(graphs, r, t, self.device)
         self.graphs = graphs
 

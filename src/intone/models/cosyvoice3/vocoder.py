@@ -327,6 +327,19 @@ class CosyVocoder(Vocoder):
         padded_rows, frames = hift_graph_shape(rows, tokens * ratio)
         return padded_rows * frames // ratio
 
+    def _count_hift(self, frames: list[int], finalize: list[bool]) -> None:
+        """A HiFT call's computed rows x mel frames (its graph's shape when graphed) and their real part, over
+        the rows `vocode_batch` computes (a non-final window within the held-back frames gives no samples)."""
+        held = self.model.hift.cfg.held_back_frames
+        computed = [n for n, fin in zip(frames, finalize) if n > 0 and (fin or n > held)]
+        if not computed:
+            return
+        graphed = self.graphs is not None and self.hift_graph_frames
+        rows, longest = hift_graph_shape(len(computed), max(computed)) if graphed else (len(computed), max(computed))
+        with self._counting:
+            self.hift_padded_frames += rows * longest
+            self.hift_useful_frames += sum(computed)
+
     def _hift(self, mels: list[Tensor], finalize: list[bool], spans: list[tuple]) -> tuple[list, list]:
         """HiFT over each chunk's window: (first frame, phase_at, phase or None, record_at) ->
         the window's audio and the phase to carry, per chunk."""
@@ -337,12 +350,7 @@ class CosyVocoder(Vocoder):
         harmonics = self.model.hift.cfg.nb_harmonics + 1
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.hift_call_cost, self._hift_cost):
             idx = [live[g] for g in group]
-            frames = [mels[i].shape[1] for i in idx]
-            rows, longest = hift_graph_shape(len(idx), max(frames)) if self.graphs is not None and \
-                self.hift_graph_frames else (len(idx), max(frames))
-            with self._counting:
-                self.hift_padded_frames += rows * longest
-                self.hift_useful_frames += sum(frames)
+            self._count_hift([mels[i].shape[1] for i in idx], [finalize[i] for i in idx])
             zero = mels[idx[0]].new_zeros(harmonics, dtype=torch.float64)
             window = SourceWindow([spans[i][0] for i in idx], [spans[i][1] for i in idx],
                                   torch.stack([zero if spans[i][2] is None else spans[i][2].to(zero) for i in idx]),
