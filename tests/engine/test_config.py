@@ -102,10 +102,12 @@ def test_packed_flow_rows_are_refused_with_the_solves_that_stay_padded(padded):
 
 
 def test_a_familys_knobs_live_in_its_section_and_another_familys_profile_is_refused():
-    """CosyVoice3's flow knobs are under `cosyvoice3:`; a key that moved there names its new place, and a
-    profile that sets the section is refused for a Fish model before anything loads."""
+    """CosyVoice3's flow knobs are under `cosyvoice3:`, Fish's reference batching under `fish_s2:`; a key that
+    moved names its new place, and a profile that sets a section is refused for the other family's model
+    before anything loads."""
     assert load_profile("cosyvoice3-streaming").options_for("cosyvoice3").flow.attention == "flex"
-    assert load_profile("fish-s2-high-concurrency").options_for("fish-s2") is None
+    assert load_profile("fish-s2-high-concurrency").options_for("fish-s2").reference_rows == 16
+    assert load_profile("fish-s2-default").options_for("some-other-family") is None
     with pytest.raises(ProfileError, match="codec.flow_cache is now cosyvoice3.flow.cache"):
         load_profile("cosyvoice3-streaming", **{"codec.flow_cache": True})
     fishy = load_profile("fish-s2-default", **{"cosyvoice3.flow.cache": True})

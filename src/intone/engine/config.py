@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from intone.engine.chunk_planner import ChunkPolicy
 from intone.errors import IntoneError
 from intone.models.cosyvoice3.options import CosyVoice3Options
+from intone.models.fish_s2.options import FishS2Options
 from intone.protocol import SamplingParams
 from intone.sampling_bounds import MAX_SAMPLE_CANDIDATES, SAMPLING_BOUNDS
 
@@ -24,7 +25,7 @@ MOVED_KEYS = {
     "codec.flow_cache": "cosyvoice3.flow.cache", "frontend.speaker_rows": "cosyvoice3.speaker_rows",
     "frontend.speaker_bucket_s": "cosyvoice3.speaker_bucket_s",
 }
-FAMILY_SECTIONS = {"cosyvoice3": "cosyvoice3"}  # model family -> its section of a profile
+FAMILY_SECTIONS = {"cosyvoice3": "cosyvoice3", "fish-s2": "fish_s2"}  # model family -> its section of a profile
 
 
 class ProfileError(IntoneError):
@@ -225,6 +226,7 @@ class Profile(_Strict):
     chunking: ChunkingConfig = ChunkingConfig()
     sampling: SamplingDefaults = SamplingDefaults()
     cosyvoice3: CosyVoice3Options = CosyVoice3Options()  # that family's own knobs (models/cosyvoice3/options.py)
+    fish_s2: FishS2Options = FishS2Options()  # Fish S2's (models/fish_s2/options.py)
 
     @model_validator(mode="after")
     def _sections_agree(self):

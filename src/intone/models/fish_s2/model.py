@@ -16,7 +16,8 @@ from intone.models.fish_s2.codec_stream import StreamingDecoder
 from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
 from intone.models.fish_s2.prompt import FishTokenizer, Reference, build_prompt
-from intone.models.fish_s2.reference import encode_batch, warm_up_encoder
+from intone.models.fish_s2.options import FishS2Options
+from intone.models.fish_s2.reference import ReferencePlan, encode_batch, warm_up_encoder
 from intone.models.fish_s2.transformer import DualARTransformer
 from intone.models.paths import resolve_model_dir
 from intone.ops.attention import AttentionMetadata
@@ -48,6 +49,7 @@ class FishS2(TTSModel):
         self.device = lm.slow_rope.device
         self.dtype = lm.text_model.model.norm.weight.dtype
         self._encoder_graphs = None  # the engine's FunctionGraphs, once warm_up_frontend captured in it
+        self._reference_plan = ReferencePlan()  # clips per encoder call and their bucket (`configure_frontend`)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -137,15 +139,21 @@ class FishS2(TTSModel):
             except Exception as e:  # noqa: BLE001 - that clip's request is refused alone
                 wavs.append(e)
         live = [i for i, w in enumerate(wavs) if not isinstance(w, Exception)]
-        codes = encode_batch(self.codec, [wavs[i] for i in live], self._encoder_graphs) if live else []
+        codes = encode_batch(self.codec, [wavs[i] for i in live], self._encoder_graphs, self._reference_plan) \
+            if live else []
         out: list = list(wavs)
         for i, c in zip(live, codes):
             out[i] = {"codes": c}
         return out
 
+    def configure_frontend(self, options: FishS2Options | None) -> None:
+        options = options or FishS2Options()
+        self._reference_plan = ReferencePlan.of(options.reference_rows, options.reference_bucket_s,
+                                                self.codec.sample_rate, self.codec.hop_length)
+
     def warm_up_frontend(self, graphs=None) -> None:
         if self.codec_device_type == "cuda":
-            warm_up_encoder(self.codec, graphs)
+            warm_up_encoder(self.codec, graphs, self._reference_plan)
             self._encoder_graphs = graphs
 
     @property

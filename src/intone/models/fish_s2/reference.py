@@ -2,14 +2,17 @@
 
 The codec encoder is causal, so a clip right-padded with silence keeps the codes of its own
 frames: clips of different lengths share one call and the padding frames are cut off. Lengths
-are padded to buckets of ~2 s and rows to powers of two, so the encoder sees few distinct
+are padded to buckets (~2 s by default) and rows to powers of two, so the encoder sees few distinct
 shapes: the convolution and attention kernels pick their plans once per shape, and a fresh
-shape costs far more than the encode itself.
+shape costs far more than the encode itself. `ReferencePlan` (the profile's `fish_s2` section)
+sets the rows and the bucket: at C64 a call holds ~3 clips, and padding them to 4 rows and to the
+longest one's 2 s bucket computes ~45% padding, where one clip a call in 1 s buckets computes ~8%.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,27 +22,52 @@ from intone.models.fish_s2.codec import FishCodec
 
 FRAME_BUCKET = 43  # frames (~2.0 s at 44.1 kHz / 2048)
 MAX_ROWS = 16
-MAX_BATCH_FRAMES = MAX_ROWS * 4 * FRAME_BUCKET  # rows x padded frames per call (16 clips of 8 s)
+LONGEST_USUAL_FRAMES = 4 * FRAME_BUCKET  # the padded length that bounds a call's rows (8 s)
 WARM_UP_SECONDS = 10  # every length bucket up to this, primed at start-up
 
 
-def bucket_frames(frames: int) -> int:
-    return max(1, math.ceil(frames / FRAME_BUCKET)) * FRAME_BUCKET
+@dataclass(frozen=True)
+class ReferencePlan:
+    """Clips per encoder call at most, and the length bucket (frames) a call pads to."""
 
+    rows: int = MAX_ROWS
+    bucket: int = FRAME_BUCKET
 
-def plan_calls(frames: list[int]) -> list[list[int]]:
-    """Clip indices per encoder call: by padded length, at most MAX_ROWS rows and
-    MAX_BATCH_FRAMES padded frames (rows rounded up to a power of two) per call."""
-    order = sorted(range(len(frames)), key=lambda i: bucket_frames(frames[i]))
-    calls: list[list[int]] = []
-    for i in order:
-        call = calls[-1] if calls else None
-        longest = bucket_frames(frames[i])
-        if call and len(call) < MAX_ROWS and bucket_rows(len(call) + 1) * longest <= MAX_BATCH_FRAMES:
-            call.append(i)
-        else:
-            calls.append([i])
-    return calls
+    @classmethod
+    def of(cls, rows: int, bucket_s: float, rate: int, hop: int) -> "ReferencePlan":
+        return cls(rows, max(1, round(bucket_s * rate / hop)))
+
+    @property
+    def max_batch_frames(self) -> int:
+        """rows x padded frames per call (`rows` clips of 8 s)."""
+        return self.rows * LONGEST_USUAL_FRAMES
+
+    def frames(self, frames: int) -> int:
+        return max(1, math.ceil(frames / self.bucket)) * self.bucket
+
+    def calls(self, frames: list[int]) -> list[list[int]]:
+        """Clip indices per encoder call: by padded length, at most `rows` clips and `max_batch_frames`
+        padded frames (rows rounded up to a power of two) per call."""
+        order = sorted(range(len(frames)), key=lambda i: self.frames(frames[i]))
+        calls: list[list[int]] = []
+        for i in order:
+            call = calls[-1] if calls else None
+            longest = self.frames(frames[i])
+            if call and len(call) < self.rows and bucket_rows(len(call) + 1) * longest <= self.max_batch_frames:
+                call.append(i)
+            else:
+                calls.append([i])
+        return calls
+
+    def shapes(self, rate: int, hop: int) -> list[tuple[int, int]]:
+        """(rows, frames) of every call of clips up to WARM_UP_SECONDS long: what start-up primes."""
+        out = []
+        for length in range(self.bucket, self.frames(math.ceil(WARM_UP_SECONDS * rate / hop)) + 1, self.bucket):
+            rows = 1
+            while rows <= bucket_rows(self.rows) and (rows == 1 or rows * length <= self.max_batch_frames):
+                out.append((rows, length))
+                rows *= 2
+        return out
 
 
 def _encode(codec: FishCodec, batch: Tensor, graphs) -> Tensor:
@@ -49,15 +77,15 @@ def _encode(codec: FishCodec, batch: Tensor, graphs) -> Tensor:
 
 
 @torch.inference_mode()
-def encode_batch(codec: FishCodec, wavs: list[Tensor], graphs=None) -> list[Tensor]:
+def encode_batch(codec: FishCodec, wavs: list[Tensor], graphs=None, plan: ReferencePlan = ReferencePlan()) -> list[Tensor]:
     """44.1 kHz mono clips [N] -> codes [K, ceil(N / hop)] each (int64, CPU); the encoder replayed
     from `graphs` (an engine's FunctionGraphs) where `warm_up_encoder` captured its shape."""
     hop = codec.hop_length
     device = next(codec.parameters()).device
     frames = [max(1, math.ceil(w.shape[0] / hop)) for w in wavs]
     out: list[Tensor | None] = [None] * len(wavs)
-    for call in plan_calls(frames):
-        padded = bucket_frames(max(frames[i] for i in call)) * hop
+    for call in plan.calls(frames):
+        padded = plan.frames(max(frames[i] for i in call)) * hop
         batch = torch.zeros(bucket_rows(len(call)), padded, dtype=torch.float32)
         for row, i in enumerate(call):
             batch[row, : wavs[i].shape[0]] = wavs[i]
@@ -68,19 +96,14 @@ def encode_batch(codec: FishCodec, wavs: list[Tensor], graphs=None) -> list[Tens
 
 
 @torch.inference_mode()
-def warm_up_encoder(codec: FishCodec, graphs=None) -> int:
-    """Encode silence once per (rows, length) bucket of the usual reference lengths (captured in
+def warm_up_encoder(codec: FishCodec, graphs=None, plan: ReferencePlan = ReferencePlan()) -> int:
+    """Encode silence once per (rows, length) shape of the usual reference lengths (captured in
     `graphs` too, when given); returns the count."""
     device = next(codec.parameters()).device
-    hop, rate = codec.hop_length, codec.sample_rate
-    shapes = 0
-    for length in range(FRAME_BUCKET, bucket_frames(math.ceil(WARM_UP_SECONDS * rate / hop)) + 1, FRAME_BUCKET):
-        rows = 1
-        while rows <= MAX_ROWS and rows * length <= MAX_BATCH_FRAMES:
-            silence = torch.zeros(rows, length * hop, device=device)
-            codec.encode(silence)
-            if graphs is not None:
-                graphs.capture("fish encoder", codec.encode, silence)
-            shapes += 1
-            rows *= 2
-    return shapes
+    shapes = plan.shapes(codec.sample_rate, codec.hop_length)
+    for rows, length in shapes:
+        silence = torch.zeros(rows, length * codec.hop_length, device=device)
+        codec.encode(silence)
+        if graphs is not None:
+            graphs.capture("fish encoder", codec.encode, silence)
+    return len(shapes)
