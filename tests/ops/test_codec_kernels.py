@@ -80,3 +80,45 @@ def test_the_codec_on_the_gpu_decodes_what_the_stock_layers_decode_on_the_cpu(ti
     want = cpu.decode(codes)
     got = gpu.decode(codes.cuda()).cpu()
     assert got.shape == want.shape and (got - want).abs().max().item() < 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(c_in=st.integers(1, 4), c_out=st.integers(1, 4), kernel=st.integers(1, 9), stride=st.integers(1, 4),
+       dilation=st.integers(1, 4), length=st.integers(1, 60), groups_of_one=st.booleans())
+def test_the_fish_causal_conv_pads_inside_the_convolution_as_its_explicit_padding(c_in, c_out, kernel, stride,
+                                                                                 dilation, length, groups_of_one):
+    """CausalConv.forward lets the convolution zero-pad (no padded copy of its input) where that gives the
+    explicitly padded convolution's outputs: the same values (float64), any kernel, stride and length."""
+    from intone.models.fish_s2.codec_modules import CausalConv
+
+    groups = c_in if groups_of_one and c_in == c_out else 1
+    conv = CausalConv(c_in, c_out, kernel, stride=stride, dilation=dilation, groups=groups).double()
+    x = torch.randn(2, c_in, length, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
+    pad = conv.span - conv.stride
+    frames = -(-(length - conv.span + pad) // stride) + 1
+    extra = (frames - 1) * stride + (conv.span - pad) - length
+    if pad < 0 or extra < 0:
+        return  # a stride past its kernel: not a layer of the codec
+    want = conv.valid(F.pad(x, (pad, extra)))
+    got = conv(x)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-12
+
+
+@settings(max_examples=80, deadline=None)
+@given(left=st.integers(0, 12), right=st.integers(0, 12), kernel=st.integers(1, 7), stride=st.integers(1, 3),
+       dilation=st.integers(1, 3), upsample=st.sampled_from([1, 3]), length=st.integers(1, 40))
+def test_hifts_padded_convolution_pads_inside_the_convolution_as_its_explicit_padding(left, right, kernel, stride,
+                                                                                     dilation, upsample, length):
+    """PaddedConv1d: the convolution's own zero padding where the explicit padding's outputs come first;
+    the same values as padding a copy (float64)."""
+    from intone.models.cosyvoice3.hift_source import PaddedConv1d
+
+    conv = PaddedConv1d(3, 2, kernel, left=left, right=right, stride=stride, dilation=dilation, upsample=upsample,
+                        dtype=torch.float64)
+    x = torch.randn(2, 3, length, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
+    up = F.interpolate(x, scale_factor=float(upsample), mode="nearest") if upsample > 1 else x
+    if up.shape[-1] + left + right < (kernel - 1) * dilation + 1:
+        return  # shorter than the kernel's span: no output either way
+    want = F.conv1d(F.pad(up, (left, right)), conv.weight, conv.bias, stride=stride, dilation=dilation)
+    got = conv(x)
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-12

@@ -36,6 +36,13 @@ class CausalConv(nn.Module):
         length = x.shape[-1]
         frames = math.ceil((length - self.span + pad) / self.stride + 1)
         extra = (frames - 1) * self.stride + (self.span - pad) - length
+        c = self.conv
+        if extra <= pad and not (x.is_cuda and c.dilation[0] > 1):
+            # The convolution's own zero padding, `pad` on both sides: the same output grid, and its first
+            # `frames` outputs read only the zeros the explicit padding would add; no padded copy of x (the
+            # CUDA dilated path folds a padded input, so it keeps the copy)
+            y = F.conv1d(x, c.weight, c.bias if bias else None, c.stride, pad, c.dilation, c.groups)
+            return y[..., :frames]
         return self.valid(F.pad(x, (pad, extra)), bias)
 
     def valid(self, x: Tensor, bias: bool = True) -> Tensor:
