@@ -36,36 +36,51 @@ def cut(total: int, sizes: list[int]) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("lean", [False, True], ids=["layer-by-layer", "lean"])
-@settings(max_examples=3, deadline=None)
-@given(long=st.integers(130, 150), short=st.integers(5, 60),
-       long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
-       short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
-def test_chunks_of_any_sizes_batched_join_into_the_one_pass_decode(codec64, lean, long, short, long_sizes,
-                                                                   short_sizes, seed):
-    """Either decoder path (codec.lean_decode: Snakes into the convolutions' history buffers, the
-    transposed convolutions' biases added after them)."""
-    # The long request passes the attention window (128 frames), so its kept keys roll over.
-    g = torch.Generator().manual_seed(seed)
-    codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short)]  # residuals >= 1024 clamp
-    plans = [cut(long, long_sizes), cut(short, short_sizes)]
-    decoder = StreamingDecoder(codec64, fused=lean)
-    states, done, audio = [None, None], [0, 0], [[], []]
+def run_plans(decoder, codes: list[torch.Tensor], plans: list[list[int]]):
+    """Each request's chunks (sizes per plan) decoded in rounds, the live requests batched with a padding row
+    (as the stage pads rows to a power of two) -> (each request's joined audio, its last state)."""
+    states, done, audio = [None] * len(codes), [0] * len(codes), [[] for _ in codes]
     for step in range(max(len(p) for p in plans)):
-        live = [r for r in (0, 1) if step < len(plans[r])]
+        live = [r for r in range(len(codes)) if step < len(plans[r])]
         sizes = [plans[r][step] for r in live]
         windows = [codes[r][:, done[r] : done[r] + n] for r, n in zip(live, sizes)]
-        # One padding row beyond the live ones, as the stage pads rows to a power of two.
         batch = pad_codes(windows, max(sizes) + 3, len(live) + 1)
         out, new = decoder.decode(batch, sizes + [0], [states[r] for r in live] + [None])
         for row, (r, n) in enumerate(zip(live, sizes)):
             audio[r].append(out[row, : n * HOP])
             states[r], done[r] = new[row], done[r] + n
+    return [torch.cat(a) for a in audio], states
+
+
+@settings(max_examples=3, deadline=None)
+@given(long=st.integers(130, 150), short=st.integers(5, 60),
+       long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+       short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_chunks_of_any_sizes_batched_join_into_the_one_pass_decode(codec64, long, short, long_sizes, short_sizes,
+                                                                   seed):
+    # The long request passes the attention window (128 frames), so its kept keys roll over.
+    g = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short)]  # residuals >= 1024 clamp
+    joined, states = run_plans(StreamingDecoder(codec64), codes, [cut(long, long_sizes), cut(short, short_sizes)])
     for r in (0, 1):
         one_pass = codec64.decode(codes[r][None])[0]
-        joined = torch.cat(audio[r])
-        assert joined.shape == one_pass.shape and states[r].frames == codes[r].shape[1]
-        assert (joined - one_pass).abs().max().item() < 1e-9
+        assert joined[r].shape == one_pass.shape and states[r].frames == codes[r].shape[1]
+        assert (joined[r] - one_pass).abs().max().item() < 1e-9
+
+
+def test_the_lean_decode_gives_the_layer_by_layer_decodes_audio_and_states(codec64):
+    """codec.lean_decode (Snakes into the convolutions' history buffers, the transposed convolutions' biases
+    added after them): three requests in chunks of 4, 25, 50 and odd sizes, past the attention window, give the
+    layer-by-layer path's audio and carried states (float64; the CPU's convolutions add their biases inside,
+    so to rounding), hence the one-pass decode the test above holds that path to."""
+    g = torch.Generator().manual_seed(11)
+    codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (135, 40, 7)]
+    plans = [cut(135, [4, 25, 50]), cut(40, [13, 1, 9]), [7]]
+    (plain, plain_states), (lean, lean_states) = (run_plans(StreamingDecoder(codec64, fused=f), codes, plans)
+                                                  for f in (False, True))
+    for a, b, sa, sb in zip(plain, lean, plain_states, lean_states):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-12
+        assert sa.frames == sb.frames and all((x - y).abs().max().item() < 1e-12 for x, y in zip(sa.rows, sb.rows))
 
 
 @pytest.mark.gpu
