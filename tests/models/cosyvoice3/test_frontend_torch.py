@@ -175,6 +175,29 @@ def test_speaker_calls_of_several_rows_give_each_clip_what_it_gets_alone(files):
     assert all(torch.equal(done[i].speaker, together[i]) for i in done)
 
 
+def test_tokenizer_calls_of_fixed_rows_give_each_clip_its_tokens(files, cosy64):
+    """`cosyvoice3.tokenizer_rows`: one clip a tokenizer call in 1 s buckets (no other clip's padding) or two a
+    call in 2 s buckets, and each clip gets the tokens it gets in the default calls of similar lengths; the
+    profile's section reaches the model's tokenizer."""
+    from intone.engine.config import load_profile
+
+    tokenizer = SpeechTokenizer(files["tokenizer"]).load()  # its own: set_batching changes it
+    clips = [_speech(s, seed=40 + i) for i, s in enumerate((3.2, 0.4, 1.7, 2.9, 1.1))]
+    default = tokenizer.tokenize_batch(clips)
+    for rows, bucket in ((1, 1), (2, 2)):
+        tokenizer.set_batching(rows, bucket)
+        groups = tokenizer.call_groups([c.shape[-1] // 160 for c in clips])
+        assert all(len(g) <= rows for g in groups) and sorted(i for g in groups for i in g) == list(range(5))
+        assert all(torch.equal(a, b) for a, b in zip(tokenizer.tokenize_batch(clips), default))
+    profile = load_profile("cosyvoice3-full-response", device="cpu", **{"cosyvoice3.tokenizer_rows": 1})
+    before = cosy64.speech_tokenizer.fixed_rows, cosy64.speech_tokenizer.frame_bucket
+    try:
+        cosy64.configure_frontend(profile.options_for("cosyvoice3"))
+        assert (cosy64.speech_tokenizer.fixed_rows, cosy64.speech_tokenizer.frame_bucket) == (1, networks.FRAME_BUCKET)
+    finally:
+        cosy64.speech_tokenizer.fixed_rows, cosy64.speech_tokenizer.frame_bucket = before
+
+
 def test_a_long_bucket_takes_fewer_rows_per_call(files):
     """With many rows and a coarse bucket, a call still stays within MAX_BATCH_FRAMES padded frames
     (fewer rows for longer buckets: still one fixed shape per bucket)."""

@@ -212,7 +212,8 @@ def extract_batch(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
 def warm_up(tokenizer, speaker_encoder, graphs=None) -> int:
     """Run both networks once per bucketed input length of 1-10 s (a GPU's start-up); returns the
     count. With `graphs` (an engine's FunctionGraphs), each of those shapes is captured there too:
-    CAM++ at one row (clips are embedded alone), the tokenizer at every power-of-two batch."""
+    CAM++ at its fixed rows (one by default: clips are embedded alone), the tokenizer at every power-of-two
+    batch, or at its fixed rows when `cosyvoice3.tokenizer_rows` sets them."""
     device = getattr(tokenizer, "device", torch.device("cpu"))
     models = [m for m in (tokenizer, speaker_encoder) if graphs is not None and hasattr(m, "use_graphs")]
     for model in models:
@@ -222,7 +223,8 @@ def warm_up(tokenizer, speaker_encoder, graphs=None) -> int:
         for seconds in WARM_UP_SECONDS:
             clip = torch.zeros(seconds * TOKENIZER_RATE, device=device)
             clip[:: TOKENIZER_RATE // 100] = 0.1  # not silent, so no path is skipped
-            for rows in GRAPH_BATCH_ROWS if tokenizer in models else (1,):
+            # a tokenizer of fixed rows (`cosyvoice3.tokenizer_rows`) runs each bucket at one shape
+            for rows in GRAPH_BATCH_ROWS if tokenizer in models and not getattr(tokenizer, "fixed_rows", None) else (1,):
                 _each(tokenizer, "tokenize_batch", [clip] * rows)
             _each(speaker_encoder, "embed_batch", [clip])
     finally:

@@ -110,6 +110,11 @@ class _FrontendModel:
     fixed_rows: int | None = None
     frame_bucket: int = FRAME_BUCKET
 
+    def set_batching(self, rows: int, bucket_seconds: int) -> None:
+        """Clips per call (always this many rows) and the length bucket in seconds. More rows let
+        same-bucket clips share a call; one-row calls compute no other clip's padding."""
+        self.fixed_rows, self.frame_bucket = rows, bucket_seconds * FRAME_BUCKET
+
     def __init__(self, onnx_path: str | Path, num_threads: int = 1, *, backend: str = "auto", verify: bool = True):
         self.path = Path(onnx_path)
         if not self.path.is_file():
@@ -305,11 +310,6 @@ class SpeakerEncoder(_FrontendModel):
 
     what = "speaker encoder (CAM++)"
     fixed_rows = 1  # the x-vector conditions every flow frame: a clip's must not depend on its company
-
-    def set_batching(self, rows: int, bucket_seconds: int) -> None:
-        """Clips per CAM++ call (always this many rows) and the length bucket in seconds. More rows
-        let same-bucket clips share a call: one-row calls are ~1500 small kernels each."""
-        self.fixed_rows, self.frame_bucket = rows, bucket_seconds * FRAME_BUCKET
 
     def embed_groups(self, clips16k: list[Tensor]) -> list[list[int]]:
         """The indices of 16 kHz clips that `embed_batch` would embed in one call each."""

@@ -71,6 +71,8 @@ class CosyVoice3(TTSModel):
         options = options or CosyVoice3Options()
         if hasattr(self.speaker_encoder, "set_batching"):
             self.speaker_encoder.set_batching(options.speaker_rows, options.speaker_bucket_s)
+        if options.tokenizer_rows and hasattr(self.speech_tokenizer, "set_batching"):
+            self.speech_tokenizer.set_batching(options.tokenizer_rows, options.tokenizer_bucket_s)
 
     def warm_up_frontend(self, graphs=None) -> None:
         if getattr(self.speech_tokenizer, "device", torch.device("cpu")).type == "cuda":

@@ -93,3 +93,9 @@ class CosyVoice3Options(_Strict):
                                                          "alone")
     speaker_bucket_s: int = Field(1, ge=1, le=30, description="CAM++'s length bucket in seconds (coarser: more clips "
                                                               "share a call, each padded further)")
+    tokenizer_rows: int | None = Field(None, ge=1, le=64, description="clips per speech-tokenizer call, always this "
+                                       "many rows, in tokenizer_bucket_s buckets (None: the waiting clips in calls of "
+                                       "similar lengths, each padded to its call's longest and, with graphs, to a "
+                                       "power of two of rows: ~40% padding at ~3 clips a call)")
+    tokenizer_bucket_s: int = Field(1, ge=1, le=30, description="with tokenizer_rows: the tokenizer's length bucket in "
+                                                                "seconds")
