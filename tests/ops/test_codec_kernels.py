@@ -13,17 +13,23 @@ from intone.ops.dilated_conv import dilated_conv1d
 
 @settings(max_examples=60, deadline=None)
 @given(rows=st.integers(1, 3), c_in=st.integers(1, 5), c_out=st.integers(1, 5), kernel=st.integers(1, 7),
-       dilation=st.integers(1, 10), extra=st.integers(1, 40), bias=st.booleans())
+       dilation=st.integers(1, 10), extra=st.integers(1, 40), bias=st.booleans(), lead=st.integers(0, 7))
 def test_a_dilated_convolution_folded_into_the_batch_gives_the_dilated_sums(rows, c_in, c_out, kernel, dilation,
-                                                                            extra, bias):
+                                                                            extra, bias, lead):
+    """With `left` zeros (a multiple of the dilation) as the folded subsequences' first places: the sums of
+    the explicitly left-padded convolution."""
     g = torch.Generator().manual_seed(rows * 1000 + extra)
     length = (kernel - 1) * dilation + extra  # every output length from 1, any remainder mod the dilation
     x = torch.randn(rows, c_in, length, generator=g, dtype=torch.float64)
     w = torch.randn(c_out, c_in, kernel, generator=g, dtype=torch.float64)
     b = torch.randn(c_out, generator=g, dtype=torch.float64) if bias else None
-    got, want = dilated_conv1d(x, w, b, dilation), F.conv1d(x, w, b, dilation=dilation)
+    left = lead * dilation
+    got, want = dilated_conv1d(x, w, b, dilation, left), F.conv1d(F.pad(x, (left, 0)), w, b, dilation=dilation)
     assert got.shape == want.shape and got.is_contiguous()
     assert (got - want).abs().max().item() < 1e-12
+    if dilation > 1:
+        with pytest.raises(ValueError, match="multiple of the dilation"):
+            dilated_conv1d(x, w, b, dilation, left + 1)
 
 
 @pytest.mark.gpu
@@ -102,6 +108,10 @@ def test_the_fish_causal_conv_pads_inside_the_convolution_as_its_explicit_paddin
     want = conv.valid(F.pad(x, (pad, extra)))
     got = conv(x)
     assert got.shape == want.shape and (got - want).abs().max().item() < 1e-12
+    if groups == 1 and stride == 1 and dilation > 1:  # CUDA's folded path, its padding the fold's first places
+        conv._folds = lambda _x: True
+        folded = conv(x)
+        assert folded.shape == want.shape and (folded - want).abs().max().item() < 1e-12
 
 
 @settings(max_examples=80, deadline=None)

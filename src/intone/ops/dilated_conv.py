@@ -15,20 +15,27 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def dilated_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int) -> Tensor:
-    """F.conv1d(x, weight, bias, dilation=dilation) (no padding, stride 1, groups 1): x [B, C, L]."""
+def dilated_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int, left: int = 0) -> Tensor:
+    """F.conv1d(F.pad(x, (left, 0)), weight, bias, dilation=dilation) (stride 1, groups 1): x [B, C, L];
+    left a multiple of the dilation (a causal convolution's (k - 1) x d), whose zeros are the folded
+    subsequences' first left / d places, so no padded copy of x is made."""
+    if left % dilation:
+        raise ValueError(f"left padding {left} is not a multiple of the dilation {dilation}")
     b, c, length = x.shape
     co, d, k = weight.shape[0], dilation, weight.shape[-1]
-    out_len = length - (k - 1) * d
+    out_len = left + length - (k - 1) * d
     if d == 1 or out_len <= 0:
-        return F.conv1d(x, weight, bias, dilation=d)
+        return F.conv1d(F.pad(x, (left, 0)) if left else x, weight, bias, dilation=d)
+    lead = left // d
     whole, rest = divmod(length, d)
-    m = whole + (rest > 0)
+    m = lead + whole + (rest > 0)
     folded = x.new_empty(b, d, c, m)  # [B, residue, C, place]
-    folded[:, :, :, :whole] = x[..., : whole * d].view(b, c, whole, d).permute(0, 3, 1, 2)
+    if lead:
+        folded[..., :lead] = 0
+    folded[:, :, :, lead: lead + whole] = x[..., : whole * d].view(b, c, whole, d).permute(0, 3, 1, 2)
     if rest:
-        folded[:, :rest, :, whole] = x[..., whole * d:].transpose(1, 2)
-        folded[:, rest:, :, whole] = 0  # reaches only outputs past out_len
+        folded[:, :rest, :, lead + whole] = x[..., whole * d:].transpose(1, 2)
+        folded[:, rest:, :, lead + whole] = 0  # reaches only outputs past out_len
     y = F.conv1d(folded.view(b * d, c, m), weight, bias).view(b, d, co, m - k + 1)
     del folded  # its memory can take the output
     out = x.new_empty(b, co, out_len)

@@ -37,13 +37,20 @@ class CausalConv(nn.Module):
         frames = math.ceil((length - self.span + pad) / self.stride + 1)
         extra = (frames - 1) * self.stride + (self.span - pad) - length
         c = self.conv
-        if extra <= pad and not (x.is_cuda and c.dilation[0] > 1):
+        b = c.bias if bias else None
+        if self._folds(x) and extra == 0 and pad % c.dilation[0] == 0:
+            return dilated_conv1d(x, c.weight, b, c.dilation[0], left=pad)  # the padding is the fold's first places
+        if extra <= pad and not self._folds(x):
             # The convolution's own zero padding, `pad` on both sides: the same output grid, and its first
-            # `frames` outputs read only the zeros the explicit padding would add; no padded copy of x (the
-            # CUDA dilated path folds a padded input, so it keeps the copy)
-            y = F.conv1d(x, c.weight, c.bias if bias else None, c.stride, pad, c.dilation, c.groups)
+            # `frames` outputs read only the zeros the explicit padding would add; no padded copy of x
+            y = F.conv1d(x, c.weight, b, c.stride, pad, c.dilation, c.groups)
             return y[..., :frames]
         return self.valid(F.pad(x, (pad, extra)), bias)
+
+    def _folds(self, x: Tensor) -> bool:
+        """Whether `valid` runs this convolution through `dilated_conv1d` (on CUDA, dilated, stride 1, groups 1)."""
+        c = self.conv
+        return x.is_cuda and c.dilation[0] > 1 and c.groups == 1 and self.stride == 1
 
     def valid(self, x: Tensor, bias: bool = True) -> Tensor:
         """The convolution of an input already padded (no padding added); bias False: without its bias."""
@@ -51,7 +58,7 @@ class CausalConv(nn.Module):
         b = c.bias if bias else None
         # On CUDA a dilated convolution runs undilated over its input's interleaved subsequences (the same
         # sums; cuDNN's plans for some dilated shapes are 10x slower: ops/dilated_conv.py)
-        if x.is_cuda and c.dilation[0] > 1 and c.groups == 1 and self.stride == 1:
+        if self._folds(x):
             return dilated_conv1d(x, c.weight, b, c.dilation[0])
         return F.conv1d(x, c.weight, b, c.stride, 0, c.dilation, c.groups)
 
