@@ -215,24 +215,11 @@ class WindowVocoder(Vocoder):
         return out
 
     def _decode_carried(self, windows: list[CodecWindow], states: dict, pause=None) -> list[np.ndarray]:
-        """Each window's new frames against its request's state, updated in `states`. A request's
-        windows that continue one another decode as one span (the carried decode does not depend on
-        where chunks begin) while the span fits the call's padded length, split back into their
-        chunks; any others go in successive rounds (each needs the state the one before leaves)."""
+        """Each window's new frames against its request's state, updated in `states`, in the rounds
+        `carried_rounds` plans, each round's spans split back into their chunks."""
         out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(windows)
-        order = [i for i, w in enumerate(windows) if w.end > w.start]
-        # A longer span would pad every row of its round to it: session 23 measured uncapped spans
-        # of a backlog's pieces at 55% padding and -20% throughput (Fish, non-streamed pieces of 50).
-        # The cap is the built-in bucket (extra buckets pad a round less, but merge the same spans: a
-        # stream's 4-frame first chunk and its next 25 stay one row of 29, not two rounds).
-        fits = bucket_frames(max((windows[i].end - windows[i].start for i in order), default=1))
-        spans = _contiguous_spans(windows, order, fits)
         spf = self.model.samples_per_frame
-        while spans:
-            round_, later, seen = [], [], set()
-            for span in spans:
-                (later if span[1].key in seen else round_).append(span)
-                seen.add(span[1].key)
+        for round_ in self.carried_rounds(windows):
             lengths = [w.end - w.start for _, w in round_]
             for group in self._groups(lengths):
                 for g, samples in zip(group, self._decode_round([round_[g][1] for g in group], states)):
@@ -242,8 +229,28 @@ class WindowVocoder(Vocoder):
                         out[i], at = samples[at: at + n], at + n
                 if pause is not None:
                     pause()
-            spans = later
         return out
+
+    def carried_rounds(self, windows: list[CodecWindow]) -> list[list[tuple[list[int], CodecWindow]]]:
+        """The rounds a carried call decodes its windows in: a request's windows that continue one another
+        decode as one span (the carried decode does not depend on where chunks begin) while the span fits
+        the call's padded length; any others go in successive rounds (each needs the state the one before
+        leaves). Each span: (its windows' indices, one window over them)."""
+        order = [i for i, w in enumerate(windows) if w.end > w.start]
+        # A longer span would pad every row of its round to it: session 23 measured uncapped spans
+        # of a backlog's pieces at 55% padding and -20% throughput (Fish, non-streamed pieces of 50).
+        # The cap is the built-in bucket (extra buckets pad a round less, but merge the same spans: a
+        # stream's 4-frame first chunk and its next 25 stay one row of 29, not two rounds).
+        fits = bucket_frames(max((windows[i].end - windows[i].start for i in order), default=1))
+        spans, rounds = _contiguous_spans(windows, order, fits), []
+        while spans:
+            round_, later, seen = [], [], set()
+            for span in spans:
+                (later if span[1].key in seen else round_).append(span)
+                seen.add(span[1].key)
+            rounds.append(round_)
+            spans = later
+        return rounds
 
     def _count(self, padded: int, useful: int) -> None:
         with self._counting:

@@ -216,7 +216,7 @@ class CausalHiFT(nn.Module):
         out: list[Tensor | None] = [None] * len(rows)
         live = []
         for i, (t, fin) in enumerate(zip(lengths, finalize)):
-            if t == 0 or (not fin and t <= self.cfg.held_back_frames):
+            if not self.cfg.output_samples(t, fin):
                 out[i] = rows[i].new_zeros(0, dtype=self._excitation_dtype())
             else:
                 live.append(i)

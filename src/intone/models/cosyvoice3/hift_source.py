@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from intone.ops.padded_conv import padded_conv1d
+
 # The F0 predictor's left-causal convolutions after its look-ahead one (official CausalConvRNNF0Predictor).
 F0_CAUSAL_CONVS, F0_CAUSAL_KERNEL = 4, 3
 
@@ -77,18 +79,8 @@ class PaddedConv1d(nn.Module):
     def forward(self, x: Tensor, pad: bool = True) -> Tensor:
         if self.upsample > 1:
             x = F.interpolate(x, scale_factor=float(self.upsample), mode="nearest")
-        if not pad or not (self.left or self.right):
-            return F.conv1d(x, self.weight, self.bias, stride=self.stride, dilation=self.dilation)
-        if self.right <= self.left:
-            # The convolution's own zero padding, `left` on both sides, keeps the explicit padding's output
-            # grid; its first outputs are the explicitly padded convolution's (the rest read only more zeros):
-            # the same sums without a padded copy of x (the official code concatenates zeros).
-            span = (self.weight.shape[-1] - 1) * self.dilation + 1
-            frames = (x.shape[-1] + self.left + self.right - span) // self.stride + 1
-            y = F.conv1d(x, self.weight, self.bias, stride=self.stride, padding=self.left, dilation=self.dilation)
-            return y[..., :frames]
-        return F.conv1d(F.pad(x, (self.left, self.right)), self.weight, self.bias, stride=self.stride,
-                        dilation=self.dilation)
+        left, right = (self.left, self.right) if pad else (0, 0)
+        return padded_conv1d(x, self.weight, self.bias, left, right, self.stride, self.dilation)
 
 
 class CausalF0Predictor(PinnedDtype):

@@ -322,20 +322,24 @@ class CosyVocoder(Vocoder):
         """A HiFT call's computed work in tokens (`group_jobs` with `hift_call_cost`): its graph's shape
         when HiFT has graphs (every call is then padded to one: `hift.graph_shape`), else rows x longest."""
         ratio = self.model.flow.config.token_mel_ratio
-        if self.graphs is None or not self.hift_graph_frames:
+        if not self._hift_graphed:
             return rows * tokens
         padded_rows, frames = hift_graph_shape(rows, tokens * ratio)
         return padded_rows * frames // ratio
 
+    @property
+    def _hift_graphed(self) -> bool:
+        """HiFT's calls are padded to graph shapes (and replayed where captured)."""
+        return self.graphs is not None and bool(self.hift_graph_frames)
+
     def _count_hift(self, frames: list[int], finalize: list[bool]) -> None:
         """A HiFT call's computed rows x mel frames (its graph's shape when graphed) and their real part, over
-        the rows `vocode_batch` computes (a non-final window within the held-back frames gives no samples)."""
-        held = self.model.hift.cfg.held_back_frames
-        computed = [n for n, fin in zip(frames, finalize) if n > 0 and (fin or n > held)]
+        the rows `vocode_batch` computes (those that give samples)."""
+        computed = [n for n, fin in zip(frames, finalize) if self.model.hift.cfg.output_samples(n, fin)]
         if not computed:
             return
-        graphed = self.graphs is not None and self.hift_graph_frames
-        rows, longest = hift_graph_shape(len(computed), max(computed)) if graphed else (len(computed), max(computed))
+        rows, longest = hift_graph_shape(len(computed), max(computed)) if self._hift_graphed \
+            else (len(computed), max(computed))
         with self._counting:
             self.hift_padded_frames += rows * longest
             self.hift_useful_frames += sum(computed)
@@ -356,7 +360,7 @@ class CosyVocoder(Vocoder):
                                   torch.stack([zero if spans[i][2] is None else spans[i][2].to(zero) for i in idx]),
                                   [spans[i][3] for i in idx])
             audio = self.model.hift.vocode_batch([mels[i] for i in idx], [finalize[i] for i in idx], window,
-                                                 self.graphs if self.hift_graph_frames else None)
+                                                 self.graphs if self._hift_graphed else None)
             for j, (i, wav) in enumerate(zip(idx, audio)):
                 out[i], phases[i] = wav, window.recorded[j]
         return out, phases

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from intone.ops.dilated_conv import dilated_conv1d
+from intone.ops.padded_conv import padded_conv1d
 from intone.ops.snake import bias_residual, snake
 from intone.models.fish_s2.layers import RMSNorm, SwiGLU, apply_rope, rope_table
 
@@ -38,13 +39,10 @@ class CausalConv(nn.Module):
         extra = (frames - 1) * self.stride + (self.span - pad) - length
         c = self.conv
         b = c.bias if bias else None
-        if self._folds(x) and extra == 0 and pad % c.dilation[0] == 0:
+        if not self._folds(x):
+            return padded_conv1d(x, c.weight, b, pad, extra, c.stride[0], c.dilation[0], c.groups)
+        if extra == 0 and pad % c.dilation[0] == 0:
             return dilated_conv1d(x, c.weight, b, c.dilation[0], left=pad)  # the padding is the fold's first places
-        if extra <= pad and not self._folds(x):
-            # The convolution's own zero padding, `pad` on both sides: the same output grid, and its first
-            # `frames` outputs read only the zeros the explicit padding would add; no padded copy of x
-            y = F.conv1d(x, c.weight, b, c.stride, pad, c.dilation, c.groups)
-            return y[..., :frames]
         return self.valid(F.pad(x, (pad, extra)), bias)
 
     def _folds(self, x: Tensor) -> bool:
