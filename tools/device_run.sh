@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -68,6 +68,26 @@ for stage in "$@"; do
         [[ $v == *:* ]] || v="$v:"
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-')
         N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" "${AB_STAGE:-cosy-stream}"; done ;;
+    # pair: one `intone serve` per AB variant (PAIR_MODEL, PAIR_PROFILE), and PAIR_BENCHES (full, stream) against
+    # it in turn: a variant's non-streamed and streamed rows for one start-up (no frame audit: --base-url)
+    pair) IFS=';' read -ra variants <<< "${AB:?}"
+      for v in "${variants[@]}"; do
+        [[ $v == *:* ]] || v="$v:"
+        name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-'); d="$OUT/pair-$name"; mkdir -p "$d"; port=$((18000 + RANDOM % 1000))
+        t0=$(date +%s)
+        $INTONE serve --model "${PAIR_MODEL:-random:fish-s2}" --profile "${PAIR_PROFILE:-fish-s2-high-concurrency}" ${v#*:} \
+          --host 127.0.0.1 --port $port > "$d/server.log" 2>&1 & pid=$!
+        until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code != 200)" 2>/dev/null; do
+          kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt ${START_T:-300} ] || break; sleep 2; done
+        echo "== $name: ready after $(( $(date +%s) - t0 )) s"; grep -i "warm\|graph\|shapes" "$d/server.log" | tail -4
+        seed=0
+        for b in ${PAIR_BENCHES:-full stream}; do  # each bench its own clips (seed): no reference cache hits
+          flag=; [ "$b" = stream ] && flag=--stream; seed=$((seed + 100000))
+          timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
+            --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
+          grep "^| 64" "$d/$b/report.md"
+        done
+        kill $pid; wait $pid; done ;;
     # The same stages on an older commit's tree (.before/, carried) and on this one, alternating on one machine.
     before-after) [ -d .before/src ] || { echo "no .before/: run tools/before_tree.sh COMMIT and carry .before"; exit 2; }
       for s in ${BEFORE_STAGES:-fish-http cosy-stream}; do
