@@ -207,6 +207,23 @@ def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(
             assert np.allclose(audio, decode([item])[0], atol=1e-4)  # the same audio whatever the call
 
 
+def test_schedule_first_does_not_put_a_non_streamed_requests_earlier_pieces_ahead(tiny_fish):
+    """A non-streamed request's first piece is no first chunk: nobody hears it before the request's last
+    piece, so it waits its turn with the backlog; a stream's first chunk and a whole response still go first."""
+    from intone.engine.chunk_planner import Chunk, Frontier
+
+    worker, gate, calls, items, _ = _gated_worker(tiny_fish, max_call=None, first_alone=True)
+    stream, piece = items["r1"][0], items["r2"][0]
+    stream.frontier, piece.frontier = Frontier(4), Frontier(0, hop=8)
+    worker.submit([items["r0"]], [12])
+    _until_busy(calls)
+    later = (stream, Chunk("r1", 6, 13, 4, True))  # a stream's later chunk: the backlog
+    worker.submit([later, (piece, Chunk("r2", 0, 8, 0, False)), items["r3"]], [13, 8, 15])
+    gate.set()
+    _drain(worker, 4)
+    assert calls == [["r0"], ["r3"], ["r1", "r2"]]
+
+
 def test_preempt_decodes_a_new_streams_first_chunk_at_the_backlog_calls_next_pause_point(tiny_fish):
     """codec.schedule: preempt: a first chunk that arrives while a call over the backlog runs is
     decoded at that call's next pause point (here: after each of its one-window decodes), before the

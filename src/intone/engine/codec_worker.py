@@ -166,8 +166,9 @@ def is_midstream(item) -> bool:
 
 
 def is_first_chunk(item) -> bool:
-    """Its request's first chunk: a new stream's, or a whole response's only one."""
-    return item[1].start == 0
+    """A chunk someone waits on first: a new stream's first, or a whole response's only one (a
+    non-streamed request's earlier pieces are not: its client waits for the last)."""
+    return item[1].start == 0 and (item[1].finished or not is_piece(item))
 
 
 def decode_timed(stage, items: list, tokens: list[int], pause=None, preempted: bool = False) -> DecodedBatch:
