@@ -76,7 +76,7 @@ for stage in "$@"; do
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-'); d="$OUT/pair-$name"; mkdir -p "$d"; port=$((18000 + RANDOM % 1000))
         t0=$(date +%s)
         $INTONE serve --model "${PAIR_MODEL:-random:fish-s2}" --profile "${PAIR_PROFILE:-fish-s2-high-concurrency}" ${v#*:} \
-          --host 127.0.0.1 --port $port > "$d/server.log" 2>&1 & pid=$!
+          --host 127.0.0.1 --port $port --trace-frames "$d/frames.jsonl" > "$d/server.log" 2>&1 & pid=$!
         until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code != 200)" 2>/dev/null; do
           kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt ${START_T:-300} ] || break; sleep 2; done
         echo "== $name: ready after $(( $(date +%s) - t0 )) s"; grep -i "warm\|graph\|shapes" "$d/server.log" | tail -4
@@ -85,7 +85,7 @@ for stage in "$@"; do
           flag=; [ "$b" = stream ] && flag=--stream; seed=$((seed + 100000))
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
-          grep "^| 64" "$d/$b/report.md"
+          grep "^| 64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
         done
         kill $pid; wait $pid; done ;;
     # The same stages on an older commit's tree (.before/, carried) and on this one, alternating on one machine.

@@ -69,6 +69,12 @@ def test_sweep_writes_results_report_and_plots(benches):
     assert after["audit"] == {"requests": 14, "not_exact": []} and after["tables_empty"] and after["clean"]
     assert after["engine_tables"]["engine_kv_tables"] == 0 and after["engine_tables"]["engine_live_requests"] == 0
     assert "After the run: clean: frame audit of 14 requests: every one exact" in report
+    for lvl in results["levels"]:  # each measured request found in the trace by the id its reply carried
+        tail, firsts = lvl["tail"], sorted(r["first_audio_s"] for r in lvl["records"])
+        assert tail["joined"] == 6 and tail["groups"]["slowest"]["requests"] == 1
+        assert tail["groups"]["slowest"]["metric_mean"] == firsts[-1]
+        assert tail["groups"]["slowest"]["stages"]["total"] > 0
+        assert f"C{lvl['concurrency']}, the slowest 10% by first audio against the rest (6 requests" in report
 
 
 def test_forced_lengths_and_failures_are_counted(benches):

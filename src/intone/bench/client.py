@@ -152,6 +152,7 @@ async def _one(client: httpx.AsyncClient, item: MetaItem, i: int, spec: LoadSpec
                 await r.aread()
                 rec.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return rec
+            rec.server_id = r.headers.get("x-request-id")
             if spec.stream:
                 async for part in r.aiter_bytes():
                     if part:

@@ -35,6 +35,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reference: str | None = None  # the reference clip sent (file name, #variant for a re-gained copy)
+    server_id: str | None = None  # the server's id for it (X-Request-Id), to find it in the server's trace
 
     @property
     def first_audio_s(self) -> float | None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from intone.bench.tail import tail_lines
 from intone.protocol import REQUEST_STAGES as STAGES
 
 STAGE_NOTE = ("Mean seconds per request in each stage, from the server's own `intone_request_stage_seconds` over "
@@ -198,6 +199,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
     if results.get("after_run"):
         lines += ["", "After the run: " + after_run_line(results["after_run"])]
     lines += [""] + stage_tables(results) + memory_table(results)
+    for level in results["levels"]:
+        lines += tail_lines(level.get("tail"), level["concurrency"])
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))

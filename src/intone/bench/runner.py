@@ -22,6 +22,7 @@ from intone.bench.report import after_run_line, write_plots, write_report
 from intone.bench.server_metrics import level_breakdown, scrape
 from intone.bench.server_process import GpuMemorySampler, ServerProcess
 from intone.bench.soak import settle
+from intone.bench.tail import tail_breakdown, traced_timings
 from intone.engine.trace import audit_file
 from intone.errors import IntoneError
 from intone.eval.meta import MetaItem, parse_meta_list
@@ -177,6 +178,10 @@ def run(args) -> dict:
         result = sweep(args, args.base_url or server.base_url, out_dir)
         if server:
             result["after_run"] = after_run(server.base_url, out_dir if audit else None, args)
+            if audit:
+                timings = traced_timings(sorted(out_dir.glob(f"{TRACE}*{TRACE_SUFFIX}")))
+                for level in result["levels"]:
+                    level["tail"] = tail_breakdown(level["records"], timings, args.stream)
     finally:
         peak = gpu.stop()
         if server:

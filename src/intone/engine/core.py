@@ -438,8 +438,9 @@ class EngineCore:
 
     def _send(self, chunk: AudioChunk, context: int = 0) -> None:
         if self.tracer is not None:
+            extra = dict(timings=chunk.timings) if chunk.finished and chunk.timings else {}
             self.tracer.record(chunk.request_id, chunk.start_frame, chunk.end_frame, context, chunk.finished,
-                               stop_reason=chunk.stop_reason, backlog=self.planner.backlog_active)
+                               stop_reason=chunk.stop_reason, backlog=self.planner.backlog_active, **extra)
         self._outbox.append(chunk)
 
     # ---- construction -------------------------------------------------------------------------

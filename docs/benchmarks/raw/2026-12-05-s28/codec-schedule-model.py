@@ -42,7 +42,9 @@ def planned_calls(vocoder, chunks):
             yield used, vocoder._rows(len(used)), vocoder._frames(max(used))
 
 
-def run(streamed=True, ramp=0.0, granule=0, exact=0, buckets=(), step=0.020, factor=1.0, total=400, seed=0):
+def run(streamed=True, ramp=0.0, granule=0, exact=0, buckets=(), step=0.020, factor=1.0, total=400, seed=0,
+        first=False):
+    """first: `codec.schedule: first` (a call takes only the streams' first chunks while others wait too)."""
     rnd = random.Random(seed)
     vocoder = WindowVocoder(ShapesOnly(), 64, 4096, row_granule=granule, exact_rows=exact, frame_buckets=buckets)
     pl = ChunkPlanner(ChunkPolicy(initial_chunk_frames=4, steady_chunk_frames=25, backlog_chunk_frames=50,
@@ -74,6 +76,10 @@ def run(streamed=True, ramp=0.0, granule=0, exact=0, buckets=(), step=0.020, fac
             if start > t:
                 break
             batch, queue = [q for q in queue if q[0] <= start], [q for q in queue if q[0] > start]
+            firsts_waiting = [q for q in batch if q[1].start == 0 and streamed]
+            if first and 0 < len(firsts_waiting) < len(batch):
+                queue = sorted([q for q in batch if q not in firsts_waiting] + queue, key=lambda q: q[0])
+                batch = firsts_waiting
             took = 0.0
             for used, rows, frames in planned_calls(vocoder, [c for _, c in batch if c.end > c.start]):
                 cells["useful"] += sum(used)
@@ -99,7 +105,8 @@ def run(streamed=True, ramp=0.0, granule=0, exact=0, buckets=(), step=0.020, fac
     share = {k: 100 * v / sum(cells.values()) for k, v in cells.items()}
     firsts.sort()
     return dict(share=share, gpu=gpu_ms / cells["useful"] * 86, shapes=len(vocoder.warm_shapes(512)),
-                under=f"{under}/{done}", p50=firsts[len(firsts) // 2], busy=busy / t)
+                under=f"{under}/{done}", p50=firsts[len(firsts) // 2], p90=firsts[int(len(firsts) * 0.9)],
+                p99=firsts[int(len(firsts) * 0.99)], busy=busy / t)
 
 
 def padding_row(name, **kw):
@@ -112,29 +119,36 @@ def padding_row(name, **kw):
 HEAD = ("| variant | padding % | to longest | to bucket | blank rows | modelled codec GPU ms per request "
         "(86 frames) | start-up shapes (warm_up 512) |\n|---|---|---|---|---|---|---|")
 RAMP_BUCKETS = (6, 9, 14, 21, 25, 29)
-print("Streams (first chunk 4, steady 25, backlog 50; a call takes every chunk waiting)\n")
-print(HEAD)
-padding_row("shipped")
-padding_row("`row_granule` 8", granule=8)
-padding_row("`frame_buckets` [25, 29]", buckets=(25, 29))
-padding_row("`exact_rows` 16", exact=16)
-padding_row("`exact_rows` 16, `frame_buckets` [25, 29]", exact=16, buckets=(25, 29))
-padding_row("`exact_rows` 64, `frame_buckets` [25, 29]", exact=64, buckets=(25, 29))
-padding_row("`ramp_factor` 1.5", ramp=1.5)
-padding_row("`ramp_factor` 1.5, `exact_rows` 16, `frame_buckets` [6, 9, 14, 21, 25, 29]", ramp=1.5, exact=16,
-            buckets=RAMP_BUCKETS)
-print("\nNon-streamed (pieces of 50, gathered 40 ms)\n")
-print(HEAD)
-padding_row("shipped", streamed=False)
-padding_row("`exact_rows` 16", streamed=False, exact=16)
-padding_row("`exact_rows` 64", streamed=False, exact=64)
-print("\nStreams' underruns, AR steps of 21 ms, by the factor the AR slows the codec\n")
-print("| variant | contention factor | underrun streams | first audio p50 s (model) | codec busy share |")
-print("|---|---|---|---|---|")
-for factor in (1.0, 1.3, 1.6):
-    for name, kw in (("shipped", {}), ("exact_rows 16, frame_buckets [25, 29]", dict(exact=16, buckets=(25, 29))),
-                     ("ramp 1.5", dict(ramp=1.5)),
-                     ("ramp 1.5, exact_rows 16, frame_buckets [6, 9, 14, 21, 25, 29]",
-                      dict(ramp=1.5, exact=16, buckets=RAMP_BUCKETS))):
-        r = run(step=0.021, factor=factor, **kw)
-        print(f"| {name} | {factor} | {r['under']} | {r['p50']:.2f} | {r['busy']:.2f} |")
+
+
+def main():
+    print("Streams (first chunk 4, steady 25, backlog 50; a call takes every chunk waiting)\n")
+    print(HEAD)
+    padding_row("shipped")
+    padding_row("`row_granule` 8", granule=8)
+    padding_row("`frame_buckets` [25, 29]", buckets=(25, 29))
+    padding_row("`exact_rows` 16", exact=16)
+    padding_row("`exact_rows` 16, `frame_buckets` [25, 29]", exact=16, buckets=(25, 29))
+    padding_row("`exact_rows` 64, `frame_buckets` [25, 29]", exact=64, buckets=(25, 29))
+    padding_row("`ramp_factor` 1.5", ramp=1.5)
+    padding_row("`ramp_factor` 1.5, `exact_rows` 16, `frame_buckets` [6, 9, 14, 21, 25, 29]", ramp=1.5, exact=16,
+                buckets=RAMP_BUCKETS)
+    print("\nNon-streamed (pieces of 50, gathered 40 ms)\n")
+    print(HEAD)
+    padding_row("shipped", streamed=False)
+    padding_row("`exact_rows` 16", streamed=False, exact=16)
+    padding_row("`exact_rows` 64", streamed=False, exact=64)
+    print("\nStreams' underruns, AR steps of 21 ms, by the factor the AR slows the codec\n")
+    print("| variant | contention factor | underrun streams | first audio p50 s (model) | codec busy share |")
+    print("|---|---|---|---|---|")
+    for factor in (1.0, 1.3, 1.6):
+        for name, kw in (("shipped", {}), ("exact_rows 16, frame_buckets [25, 29]", dict(exact=16, buckets=(25, 29))),
+                         ("ramp 1.5", dict(ramp=1.5)),
+                         ("ramp 1.5, exact_rows 16, frame_buckets [6, 9, 14, 21, 25, 29]",
+                          dict(ramp=1.5, exact=16, buckets=RAMP_BUCKETS))):
+            r = run(step=0.021, factor=factor, **kw)
+            print(f"| {name} | {factor} | {r['under']} | {r['p50']:.2f} | {r['busy']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Where the slowest requests' time goes: each measured request's engine stages (its terminal chunk's
+`timings`, from the server's frame trace) joined by the server's request id (X-Request-Id) to what its
+client saw, the slowest tenth by first audio (streams) or completion against the rest.
+
+The stage means of the whole level say where time goes on average; a p90 far above the p50 comes from
+the few requests this splits out. `python -m intone.bench.tail RESULTS_JSON TRACE...` for a run whose
+server was started elsewhere (with `--trace-frames`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from intone.protocol import ENGINE_STAGES
+
+
+def traced_timings(paths) -> dict[str, dict[str, float]]:
+    """Per API request id: the engine's stage seconds from its terminal chunks (a request split into
+    segments runs as engine requests `<id>.<k>`: their stages are summed)."""
+    out: dict[str, dict[str, float]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut off when the server stopped
+                continue
+            if not row.get("finished") or not row.get("timings"):
+                continue
+            rid = row["request_id"]
+            ids = {rid}
+            head, _, k = rid.rpartition(".")
+            if head and k.isdigit():
+                ids.add(head)
+            for key in ids:
+                acc = out.setdefault(key, {})
+                for stage, seconds in row["timings"].items():
+                    acc[stage] = acc.get(stage, 0.0) + seconds
+    return out
+
+
+def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
+                   share: float = 0.1) -> dict | None:
+    """The slowest `share` of the joined requests by the client's metric against the rest: per group the
+    requests, the metric's mean and each engine stage's mean seconds. None below 5 joined requests."""
+    metric = "first_audio_s" if stream else "completion_s"
+    joined = sorted(((r[metric], timings[r["server_id"]]) for r in records
+                     if r.get("ok") and r.get(metric) is not None and r.get("server_id") in timings),
+                    key=lambda pair: pair[0])
+    if len(joined) < 5:
+        return None
+    n = max(1, round(len(joined) * share))
+    groups = {"slowest": joined[-n:], "rest": joined[:-n]}
+    return dict(metric=metric, share=share, joined=len(joined), groups={
+        name: dict(requests=len(rows), metric_mean=_mean([m for m, _ in rows]),
+                   stages={s: _mean([t.get(f"{s}_s", 0.0) for _, t in rows]) for s in ENGINE_STAGES})
+        for name, rows in groups.items()})
+
+
+def tail_lines(tail: dict | None, concurrency) -> list[str]:
+    if not tail:
+        return []
+    lines = [f"C{concurrency}, the slowest {tail['share']:.0%} by {tail['metric'][:-2].replace('_', ' ')} against "
+             f"the rest ({tail['joined']} requests found in the server's trace), engine seconds per request:", "",
+             "| group | requests | " + tail["metric"][:-2].replace("_", " ") + " s | "
+             + " | ".join(ENGINE_STAGES) + " |", "|---" * (3 + len(ENGINE_STAGES)) + "|"]
+    for name, g in tail["groups"].items():
+        lines.append(f"| {name} | {g['requests']} | {g['metric_mean']:.3f} | "
+                     + " | ".join(f"{g['stages'][s]:.3f}" for s in ENGINE_STAGES) + " |")
+    return lines + [""]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m intone.bench.tail RESULTS_JSON TRACE...")
+    results = json.loads(Path(argv[0]).read_text())
+    timings = traced_timings(argv[1:])
+    stream = bool(results.get("run", {}).get("stream"))
+    for level in results["levels"]:
+        print("\n".join(tail_lines(tail_breakdown(level["records"], timings, stream), level["concurrency"])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
