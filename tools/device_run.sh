@@ -87,7 +87,8 @@ for stage in "$@"; do
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
           grep "^| 64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
         done
-        kill $pid; wait $pid; done ;;
+        kill $pid; wait $pid
+        rm -rf "$d"/*/dataset "$d"/*/*.png; tar czf "$d.tgz" -C "$OUT" "pair-$name" && rm -rf "$d"; done ;;  # kept if the call is cut
     # The same stages on an older commit's tree (.before/, carried) and on this one, alternating on one machine.
     before-after) [ -d .before/src ] || { echo "no .before/: run tools/before_tree.sh COMMIT and carry .before"; exit 2; }
       for s in ${BEFORE_STAGES:-fish-http cosy-stream}; do

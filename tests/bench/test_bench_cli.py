@@ -83,6 +83,7 @@ def test_forced_lengths_and_failures_are_counted(benches):
     assert r.returncode == 0, r.stdout + r.stderr
     level = json.loads((out / "results.json").read_text())["levels"][0]
     assert all(rec["completion_tokens"] == 7 for rec in level["records"])
+    assert len({rec["server_id"] for rec in level["records"]}) == 3  # a whole file's reply names its request too
     assert level["summary"]["mean_audio_s"] == 7 * 2048 / 44100
 
 

@@ -252,6 +252,7 @@ async def _whole_file(body, request: Request, first, stream, outcome: Outcome, s
         _record_stages(state, outcome)
 
     headers = {
+        "X-Request-Id": first.request_id,
         "X-Prompt-Tokens": str(outcome.prompt_tokens), "X-Completion-Tokens": str(outcome.completion_tokens),
         "X-Engine-Time": f"{outcome.engine_s:.4f}", "X-Stop-Reason": outcome.reason,
     }
