@@ -32,6 +32,7 @@ def test_wav_is_plain_with_usage_headers(server):
     samples = (len(body) - 44) // 2
     assert samples % 2048 == 0 and samples // 2048 == int(r.headers["x-completion-tokens"])
     assert int(r.headers["x-prompt-tokens"]) > 0 and float(r.headers["x-engine-time"]) > 0
+    assert len(r.headers["x-request-id"]) == 32 and r.headers["x-request-id"] != speech(server).headers["x-request-id"]
 
 
 @pytest.mark.parametrize("fmt, kind", [("flac", "FLAC"), ("mp3", "MP3"), ("opus", "OGG")])
