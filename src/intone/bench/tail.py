@@ -61,10 +61,11 @@ def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], st
 def tail_lines(tail: dict | None, concurrency) -> list[str]:
     if not tail:
         return []
-    lines = [f"C{concurrency}, the slowest {tail['share']:.0%} by {tail['metric'][:-2].replace('_', ' ')} against "
-             f"the rest ({tail['joined']} requests found in the server's trace), engine seconds per request:", "",
-             "| group | requests | " + tail["metric"][:-2].replace("_", " ") + " s | "
-             + " | ".join(ENGINE_STAGES) + " |", "|---" * (3 + len(ENGINE_STAGES)) + "|"]
+    metric = tail["metric"].removesuffix("_s").replace("_", " ")
+    lines = [f"C{concurrency}, the slowest {tail['share']:.0%} by {metric} against the rest ({tail['joined']} "
+             "requests found in the server's trace), engine seconds per request:", "",
+             f"| group | requests | {metric} s | " + " | ".join(ENGINE_STAGES) + " |",
+             "|---" * (3 + len(ENGINE_STAGES)) + "|"]
     for name, g in tail["groups"].items():
         lines.append(f"| {name} | {g['requests']} | {g['metric_mean']:.3f} | "
                      + " | ".join(f"{g['stages'][s]:.3f}" for s in ENGINE_STAGES) + " |")
