@@ -12,14 +12,34 @@ from __future__ import annotations
 
 import torch
 
-from intone.models.cosyvoice3.flow import FlowRequest
+from intone.models.cosyvoice3.flow import FlowRequest, cosine_euler_steps
 
 
-def _token2wav(model, tokens, features, offset, state, stream: bool, finalize: bool, speed: float = 1.0):
+@torch.inference_mode()
+def bounded_final_mel(flow, job: FlowRequest, full_from: int) -> torch.Tensor:
+    """`cosyvoice3.flow.final_hop: continued`'s final hop, as a whole-prefix solve under a mask of its own
+    (dense, any kernel): frames before `full_from` see up to their chunk's end, the rest every frame.
+    -> mel [80, frames after the prompt]."""
+    cfm = flow.decoder
+    mu, cond, spks, lengths, _ = flow.solve_inputs([job])
+    x, mu, cond, spks, lengths, _ = cfm.start(mu, cond, spks, lengths, torch.ones(1, dtype=torch.bool))
+    total, chunk = mu.shape[1], cfm.estimator.config.static_chunk_size
+    q, k = torch.arange(total, device=mu.device)[:, None], torch.arange(total, device=mu.device)[None]
+    valid = k < lengths[:, None]  # [2, T]
+    seen = (q >= full_from) | (k < (q // chunk + 1) * chunk) if chunk > 0 else torch.ones_like(q * k, dtype=torch.bool)
+    mask = (seen[None] & valid[:, None, :])[:, None]
+    for t, dt in cosine_euler_steps(cfm.n_timesteps, mu.device, x.dtype):
+        x = cfm._step(x, mu, cond, spks, (mask, valid), t, dt)
+    return x[0, job.prompt_mel.shape[0]: int(lengths[0])].T.float()
+
+
+def _token2wav(model, tokens, features, offset, state, stream: bool, finalize: bool, speed: float = 1.0,
+               full_from: int | None = None):
     dev = model.codec_device
     job = FlowRequest(torch.tensor(tokens, dtype=torch.long, device=dev), features.speech_tokens.to(dev),
                       features.prompt_mel.to(dev), features.speaker.to(dev), streaming=stream, finalize=finalize)
-    mel = model.flow.inference([job])[0][:, 2 * offset :]
+    mel = (model.flow.inference([job])[0] if full_from is None else bounded_final_mel(model.flow, job, full_from))
+    mel = mel[:, 2 * offset :]
     state["mel"] = mel if state["mel"] is None else torch.cat([state["mel"], mel], dim=1)
     history = state["mel"].unsqueeze(0)
     if speed != 1.0:  # official: only with offset 0 and finalize
@@ -30,8 +50,10 @@ def _token2wav(model, tokens, features, offset, state, stream: bool, finalize: b
     return new.float().cpu()
 
 
-def official_stream(model, tokens: list[int], features) -> list[tuple[int, int, torch.Tensor]]:
-    """[(start token, end token, audio)] per chunk, the last one final."""
+def official_stream(model, tokens: list[int], features, final_hop: str = "whole") -> list[tuple[int, int, torch.Tensor]]:
+    """[(start token, end token, audio)] per chunk, the last one final; final_hop "continued": the final
+    hop's flow as `cosyvoice3.flow.final_hop: continued` defines it (`bounded_final_mel`), where the stream
+    had earlier hops."""
     pad = -(-features.speech_tokens.shape[0] // 25) * 25 - features.speech_tokens.shape[0]
     offset, hop, state, out = 0, 25, {"mel": None, "released": 0}, []
     for available in range(len(tokens) + 1):
@@ -42,7 +64,9 @@ def official_stream(model, tokens: list[int], features) -> list[tuple[int, int, 
             offset += this_hop
             hop = min(100, 2 * hop)
     if tokens:
-        out.append((offset, len(tokens), _token2wav(model, tokens, features, offset, state, False, True)))
+        full_from = 2 * (features.speech_tokens.shape[0] + offset) if final_hop == "continued" and offset else None
+        out.append((offset, len(tokens), _token2wav(model, tokens, features, offset, state, False, True,
+                                                    full_from=full_from)))
     else:
         out.append((0, 0, torch.zeros(0)))
     return out

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.flow_cache import solve_continued
 
+from .official_stream import bounded_final_mel
 from .test_flow import CHUNK, TINY, make_flow, request
 
 LOOKAHEAD = TINY.pre_lookahead_len
@@ -179,3 +180,44 @@ def test_on_the_gpu_compiled_hops_in_bf16_stay_near_the_whole_prefix_solves(no_t
             assert got[s][h].shape == expected.shape
             assert (got[s][h] - expected).abs().max() < 5e-2
             solved = 2 * (len(hops[s][h].prompt_tokens) + len(hops[s][h].tokens) - LOOKAHEAD)
+
+
+@pytest.mark.parametrize("behind", [0, 1, 2])
+def test_a_continued_final_hop_is_the_whole_solve_with_its_earlier_frames_chunk_masked(flow, behind):
+    """cosyvoice3.flow.final_hop: continued. The final hop's new frames from the stream's last cache (behind
+    0), from an older one (1: its last non-final hop ran in the same call) or from none (2: both hops did):
+    each time the whole-prefix solve whose frames before the final chunk keep the chunk mask and whose final
+    chunk sees every frame (float64, every kernel). The frames before it are the mel the earlier hops
+    released; the final chunk's differ from the official final hop's (full attention everywhere)."""
+    g = torch.Generator().manual_seed(21 + behind)
+    prompt, total = 9, 110
+    full = request(g, prompt=prompt, tokens=total, finalize=True)
+    ends = hop_ends(prompt, total, CHUNK // 2)
+    assert len(ends) >= 3
+    caches, released = [None], []
+    for end in ends[:-1]:
+        (mel,), (kept,) = solve_continued(flow, [part(full, end, False)], [caches[-1]], [True])
+        caches.append(kept)
+        released.append(mel)
+    full_from = 2 * (prompt + ends[-2])
+    final = replace(part(full, total, True), full_from=full_from)
+    cache = caches[-1 - behind] if behind < 2 else None
+    (mel,), (kept,) = solve_continued(flow, [final], [cache], [False])
+    assert kept is None
+    want = bounded_final_mel(make_flow(), final, full_from)
+    assert_close(mel, want[:, (cache.frames - 2 * prompt) if cache else 0:])
+    assert_close(want[:, : full_from - 2 * prompt], torch.cat(released, dim=1))
+    official = flow.inference([part(full, total, True)])[0]
+    assert (want - official)[:, full_from - 2 * prompt:].abs().max() > 1e-6
+
+
+def test_a_continued_final_hop_must_start_on_the_chunk_grid_of_its_cache(flow):
+    g = torch.Generator().manual_seed(5)
+    full = request(g, prompt=5, tokens=80, finalize=True)
+    end = hop_ends(5, 80, CHUNK // 2)[0]
+    cache = solve_continued(flow, [part(full, end, False)], [None], [True])[1][0]
+    for full_from in (cache.frames - CHUNK, cache.frames + 2):
+        with pytest.raises(ValueError, match="full_from"):
+            solve_continued(flow, [replace(part(full, 80, True), full_from=full_from)], [cache], [False])
+    with pytest.raises(ValueError, match="solve_continued"):
+        flow.inference([replace(part(full, 80, True), full_from=cache.frames)])

@@ -288,3 +288,38 @@ def test_a_stream_with_the_flex_attention_flow_releases_the_same_audio(cosy64):
         assert [(c.start_frame, c.end_frame) for c in flex] == [(c.start_frame, c.end_frame) for c in chunks]
         for a, b in zip(flex, chunks):
             np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "varlen"])
+def test_a_continued_final_hop_changes_only_each_streams_final_chunk(cosy64, kernel):
+    """cosyvoice3.flow.final_hop: continued (with the flow cache): streams of several hops release the official
+    chunks up to their last, and a last chunk of the same length whose flow is the whole solve with the
+    earlier frames chunk-masked (float64, to 1e-9 as the official property); a stream whose only chunk is
+    its final one, and a full response beside them, keep the official audio."""
+    refs = voices(4)
+    lengths = ((70, 110), (140, 200), (4, 12), (50, 80))
+    params = [SamplingParams(seed=17 + i, min_new_tokens=lo, max_new_tokens=hi, top_k=25, top_p=0.8, temperature=1.0)
+              for i, (lo, hi) in enumerate(lengths)]
+    reqs = [SynthesisRequest(f"c{i}", TEXTS[i], [refs[i]], params[i], stream=i != 3) for i in range(4)]
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{
+        "ar.max_num_seqs": 4, "codec.schedule": "first", "cosyvoice3.flow.attention": kernel,
+        "cosyvoice3.flow.cache": True, "cosyvoice3.flow.final_hop": "continued"})
+    chunks = run_engine(cosy64, profile, reqs)
+    differs = 0
+    for i in range(4):
+        frames, _, prompt = alone_tokens(cosy64, TEXTS[i], refs[i], params[i])
+        got = chunks[f"c{i}"]
+        if i == 3:
+            assert len(got) == 1
+            assert_same_audio(got[0].audio, official_full(cosy64, frames, prompt.conditioning))
+            continue
+        official = official_stream(cosy64, frames, prompt.conditioning)
+        expected = official_stream(cosy64, frames, prompt.conditioning, final_hop="continued")
+        assert [(c.start_frame, c.end_frame) for c in got] == [(s, e) for s, e, _ in expected]
+        assert (len(got) == 1) == (i == 2)
+        for c, (_, _, audio), (_, _, whole) in zip(got, expected, official):
+            assert_same_audio(c.audio, audio)
+            assert c.audio.shape[0] == whole.shape[0]
+        differs += len(got) > 1 and not np.allclose(got[-1].audio, official[-1][2].numpy(), rtol=0, atol=1e-6)
+        assert sum(c.audio.shape[0] for c in got) == len(frames) * cosy64.samples_per_frame
+    assert differs == 2  # the streams of several hops: the last chunk is not the official one

@@ -73,6 +73,10 @@ class FlowRequest:
     speaker: Tensor  # [192] raw CAM++ embedding, L2-normalised inside
     streaming: bool  # chunk-causal DiT attention
     finalize: bool  # False: the last pre_lookahead_len tokens are lookahead context only
+    # a stream's final hop under `cosyvoice3.flow.final_hop: continued`: the mel frames from here on attend to
+    # every frame, the earlier ones keep the chunk mask (None: `streaming` decides for every frame); only the
+    # continued solve (`flow_cache.solve_continued`) takes it
+    full_from: int | None = None
 
 
 class PreLookaheadLayer(nn.Module):
@@ -273,6 +277,8 @@ class CosyFlow(nn.Module):
         graphs: an engine's FunctionGraphs: each of the ODE solve's ten Euler steps (a DiT pass with CFG,
         hundreds of launches) is replayed from the graph of the padded shape when one was captured
         (`capture_solve`). pause: called between the solve's Euler steps (`CausalCFM.forward`)."""
+        if any(r.full_from is not None for r in requests):
+            raise ValueError("a row with full_from is solved by flow_cache.solve_continued")
         if graphs is None:
             inputs = self._eager_inputs(self.solve_inputs(requests))
             packed = self.decoder.packing_of(self.mel_lengths(requests), [r.streaming for r in requests],

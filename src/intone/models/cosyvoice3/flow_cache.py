@@ -8,7 +8,9 @@ hop ends on a chunk boundary. So each stream keeps, per Euler step, the keys and
 the frames it has solved, and the input embedding's last frames (its causal convolutions' context); the
 next hop solves only its new frames against them: the same mel, with the prefix's work (its keys,
 values and the rest of its DiT pass) done once. The final hop attends to every frame, so it re-solves
-the whole utterance, as officially.
+the whole utterance, as officially; under `cosyvoice3.flow.final_hop: continued` (a request's `full_from`) it
+too goes on from the cache: its new frames attend to every frame, the earlier ones keep the states their
+chunk-masked hops gave them (not the official output: only the final chunk's audio can differ).
 """
 
 from __future__ import annotations
@@ -40,18 +42,18 @@ class FlowCache:
         return self.kv.numel() * self.kv.element_size() + self.tails.numel() * self.tails.element_size()
 
 
-def continued_mask(dit: DiT, past: Tensor, new: Tensor, streaming: Tensor, rows: int, width: int):
+def continued_mask(dit: DiT, past: Tensor, new: Tensor, chunked: Tensor, rows: int, width: int):
     """The attention pattern of `rows` query frames over [past keys (padded to `width`) | new frames]:
-    a row's past frames are all visible (they lie in earlier chunks); its new frames as `attention_mask`
-    sets them, counted from the row's first new frame (a chunk boundary). Boolean SDPA mask [B, 1, Q, K],
-    or a flex BlockMask."""
+    a row's past frames are all visible (they lie in earlier chunks); of its new frames, counted from the
+    row's first (a chunk boundary), the first `chunked` see up to their chunk's end, as `attention_mask`
+    sets a streamed row's, and the rest see all. Boolean SDPA mask [B, 1, Q, K], or a flex BlockMask."""
     chunk, total = dit.config.static_chunk_size, width + rows
 
     def visible(b, h, q, k):
         here = k - width
         seen = (here >= 0) & (here < new[b])
         if chunk > 0:
-            seen = seen & ((here < (q // chunk + 1) * chunk) | ~streaming[b])
+            seen = seen & ((here < (q // chunk + 1) * chunk) | (q >= chunked[b]))
         return (q < new[b]) & ((k < past[b]) | seen)
 
     if dit.attention_kernel == "flex":
@@ -85,13 +87,15 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
     lengths = flow.mel_lengths(requests)
     starts = [c.frames if c is not None else 0 for c in caches]
     chunk = dit.config.static_chunk_size
+    chunked = chunked_frames(requests, starts, lengths, chunk)
     for c, r in zip(caches, requests):
-        if c is not None and (not r.streaming or (chunk > 0 and c.frames % chunk)):
-            raise ValueError("a flow cache continues only a streamed row from a chunk boundary")
+        if c is not None and ((not r.streaming and r.full_from is None) or (chunk > 0 and c.frames % chunk)):
+            raise ValueError("a flow cache continues only a streamed row or a continued final hop (full_from), "
+                             "from a chunk boundary")
     keep = [k and r.streaming and not (chunk > 0 and n % chunk) for k, r, n in zip(keep, requests, lengths)]
     if dit.attention_kernel == "varlen":
-        return _solve_packed(flow, requests, caches, keep, lengths, starts, pause)
-    mu, cond, spks, _, streaming = flow.solve_inputs(requests)
+        return _solve_packed(flow, requests, caches, keep, lengths, starts, chunked, pause)
+    mu, cond, spks, _, _ = flow.solve_inputs(requests)
     new = [n - s for n, s in zip(lengths, starts)]
     rows = max(max(new), FLEX_BLOCK + 1 if dit.attention_kernel == "flex" else 1)  # flex: two blocks at least
     width = max(starts)
@@ -105,7 +109,7 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
         raise ValueError(f"{int(pos.max()) + 1} mel frames exceed the {cfm.noise.shape[-1]}-frame noise buffer")
     x = cfm.noise[0].T[pos.clamp(max=cfm.noise.shape[-1] - 1)].to(state)
     past_t, new_t = torch.tensor(starts, device=dev).repeat(2), torch.tensor(new, device=dev).repeat(2)
-    mask = continued_mask(dit, past_t, new_t, streaming.repeat(2), rows, width)
+    mask = continued_mask(dit, past_t, new_t, torch.tensor(chunked, device=dev).repeat(2), rows, width)
     valid = in_row.repeat(2, 1)
     rope = dit.rotary_embed.at(pos.repeat(2, 1))
     mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
@@ -123,6 +127,21 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
         return v.to(state).chunk(2)
     x = _euler(cfm, x, velocity, pause)
     return _results(requests, caches, keep, lengths, starts, [x[i, : new[i]] for i in range(b)], segments, tails)
+
+
+def chunked_frames(requests: list, starts: list[int], lengths: list[int], chunk: int) -> list[int]:
+    """Per row, how many of its new frames (from `starts`) keep the chunk mask: a streamed row's all, a
+    whole row's none, a continued final hop's those before its `full_from` (a chunk boundary)."""
+    out = []
+    for r, start, n in zip(requests, starts, lengths):
+        if r.full_from is None:
+            out.append(n - start if r.streaming else 0)
+        elif r.streaming or r.full_from < start or (chunk > 0 and (r.full_from - start) % chunk):
+            raise ValueError(f"full_from {r.full_from} must be a chunk boundary at or after the row's cache "
+                             f"({start} frames), on a final row")
+        else:
+            out.append(min(r.full_from, n) - start)
+    return out
 
 
 def _euler(cfm, x: Tensor, velocity, pause=None) -> Tensor:
@@ -185,7 +204,7 @@ def _results(requests: list, caches: list, keep: list[bool], lengths: list[int],
 
 
 def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
-                  pause=None):
+                  chunked: list[int], pause=None):
     """`solve_continued` with the varlen kernel: the rows' new frames packed end to end, each attending to its
     past keys and its new frames (`packing.continued_packing`): no padding computed, no mask read."""
     cfm, dit = flow.decoder, flow.decoder.estimator
@@ -195,7 +214,7 @@ def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths:
     dev, state = mu.device, torch.promote_types(mu.dtype, torch.float32)
     if max(lengths) > cfm.noise.shape[-1]:
         raise ValueError(f"{max(lengths)} mel frames exceed the {cfm.noise.shape[-1]}-frame noise buffer")
-    packing = continued_packing(starts * 2, new * 2, [r.streaming for r in requests] * 2, mu.shape[1],
+    packing = continued_packing(starts * 2, new * 2, chunked * 2, mu.shape[1],
                                 dit.config.static_chunk_size, pad, dev)
     half = sum(new)  # the conditioned rows' slots come first, then the unconditioned rows' (the same frames)
     mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))

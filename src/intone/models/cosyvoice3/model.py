@@ -177,7 +177,8 @@ class CosyVoice3(TTSModel):
             self.hift.to(getattr(torch, hift.dtype))  # the F0 predictor and the noise keep their dtypes
         vocoder = CosyVocoder(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
                                flow.cache, flow.graph_frames if flow.cuda_graphs else None,
-                               hift.graph_frames if hift.cuda_graphs else None, hift.call_cost)
+                               hift.graph_frames if hift.cuda_graphs else None, hift.call_cost,
+                               flow.final_hop == "continued")
         if flow.compile and gpu:
             vocoder.compile_flow(flow.compile_unit)
         return vocoder

@@ -53,9 +53,18 @@ class FlowOptions(_Strict):
                                            "hops, and a hop solves only its new frames: the official whole-prefix "
                                            "solve's mel, with less work; ~1.8 MB a mel frame in bf16 at real size "
                                            "(not with cuda_graphs; with the varlen kernel, packed)")
+    final_hop: Literal["whole", "continued"] = Field(
+        "whole", description="streaming, with cache: `whole` re-solves a stream's final hop over the whole utterance "
+                             "with full attention, as officially; `continued` solves only its new frames against the "
+                             "cache, attending to every frame (the earlier frames keep their chunk-masked states): "
+                             "the flow's work per stream becomes a full response's, and only the final chunk's "
+                             "audio differs from the official output")
 
     @model_validator(mode="after")
     def _not_with_graphs(self):
+        if self.final_hop == "continued" and not self.cache:
+            raise ValueError("cosyvoice3.flow.final_hop continued needs cosyvoice3.flow.cache (it goes on from "
+                             "the stream's kept state)")
         if self.cuda_graphs and self.cache:
             raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
                              "(the graphs replay the whole-prefix solve)")

@@ -122,13 +122,13 @@ def _block_mask(lo: Tensor, hi: Tensor, size: int) -> BlockMask:
                                     BLOCK_SIZE=FLEX_BLOCK, mask_mod=visible, seq_lengths=(size, size))
 
 
-def continued_packing(past: list[int], new: list[int], streaming: list[bool], width: int, chunk: int, pad: int,
+def continued_packing(past: list[int], new: list[int], chunked: list[int], width: int, chunk: int, pad: int,
                       device: torch.device) -> Packing:
-    """The new frames of rows that continue `past` solved frames (a streamed row's from a chunk boundary),
-    packed end to end (host lists; `frames` indexes the solve's inputs padded to `width` frames a row, from
-    frame 0). Attention by query segments (`RowSpans` with keys apart): a streamed row's new frames chunk by
-    chunk, each over the row's past and its new frames to the chunk's end; any other row's all at once over
-    all of them. Keys are laid out per segment from (the rows' past keys packed in row order, the new
+    """The new frames of rows that continue `past` solved frames (from a chunk boundary), packed end to end
+    (host lists; `frames` indexes the solve's inputs padded to `width` frames a row, from frame 0). Attention
+    by query segments (`RowSpans` with keys apart): a row's first `chunked` new frames (a streamed row's all)
+    chunk by chunk, each over the row's past and its new frames to the chunk's end; the rest all at once
+    over all of them. Keys are laid out per segment from (the rows' past keys packed in row order, the new
     frames' keys): `key_index`."""
     rows_n = len(new)
     starts = torch.tensor([0, *new]).cumsum(0).tolist()
@@ -139,10 +139,10 @@ def continued_packing(past: list[int], new: list[int], streaming: list[bool], wi
     positions = torch.tensor(past)[rows] + offsets
     q_starts, k_starts, key_index, longest = [0], [0], [], 1
     for r in range(rows_n):
-        ends = range(chunk, new[r] + chunk, chunk) if streaming[r] and chunk > 0 else [new[r]]
+        masked = min(chunked[r], new[r]) if chunk > 0 else 0
+        ends = [*(min(e, masked) for e in range(chunk, masked + chunk, chunk)), new[r]] if masked else [new[r]]
         lo = 0
         for end in ends:
-            end = min(end, new[r])
             if end <= lo:
                 continue
             key_index += [*range(past_starts[r], past_starts[r + 1]),

@@ -104,12 +104,14 @@ def compile_batches(flow, device) -> list[list[FlowRequest]]:
 class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
-                 hift_graph_frames: int | None = None, hift_call_cost: int | None = None):
+                 hift_graph_frames: int | None = None, hift_call_cost: int | None = None, final_continued: bool = False):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (in tokens).
         hift_call_cost: the same for HiFT's calls (None: each as full as the bounds allow; a call's cost
         is its graph's shape when HiFT has graphs, as with the flow's).
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
-        frames against it (`flow_cache.solve_continued`). graph_frames: the longest flow call that
+        frames against it (`flow_cache.solve_continued`). final_continued (with flow_cache): a stream's final
+        hop goes on from it too (`final_job`), where officially it re-solves the whole utterance with full
+        attention. graph_frames: the longest flow call that
         `capture_graphs` gives a graph (None: no graphs). hift_graph_frames: the longest HiFT window that
         `capture_graphs` gives a graph (None: none)."""
         self.graph_frames, self.hift_graph_frames = graph_frames, hift_graph_frames
@@ -117,6 +119,7 @@ class CosyVocoder(Vocoder):
         self.device = model.codec_device
         self.call_cost, self.hift_call_cost = call_cost, hift_call_cost
         self.flow_cache = flow_cache
+        self.final_continued = final_continued and flow_cache
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
@@ -270,11 +273,11 @@ class CosyVocoder(Vocoder):
     def _flow(self, windows: list[CodecWindow], states: dict, pause=None) -> tuple[list[Tensor], list[FlowCache | None]]:
         """The new mel frames [80, 2 * (end - start)] of each chunk, and (flow_cache) its stream's flow state after it."""
         model = self.model
-        jobs = model.flow_requests(windows)
+        jobs = [self.final_job(w, job) for w, job in zip(windows, model.flow_requests(windows))]
         # a stream's chunks in one call all continue from its committed state (a later one solves more frames)
         committed = [states.get(w.key) for w in windows]
-        given = [s.flow if self.flow_cache and s is not None and not w.finished else None
-                 for w, s in zip(windows, committed)]
+        given = [s.flow if self.flow_cache and s is not None and (not w.finished or job.full_from is not None)
+                 else None for w, s, job in zip(windows, committed, jobs)]
         keep = [self.flow_cache and not w.finished for w in windows]
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(windows)
@@ -308,6 +311,18 @@ class CosyVocoder(Vocoder):
                 skip = max(jobs[i].prompt_mel.shape[0], solved) - jobs[i].prompt_mel.shape[0]
                 out[i], flows[i] = mel[:, ratio * windows[i].start - skip:], flow
         return out, flows
+
+    def final_job(self, window: CodecWindow, job: FlowRequest | None) -> FlowRequest | None:
+        """A stream's final hop under final_continued: its frames from its first token on attend to every
+        frame, the earlier ones keep the chunk mask (`full_from`), so the hop goes on from the stream's flow
+        state. Fixed by the hop schedule, not by what is cached when the hop runs: a stream whose last
+        non-final hop is in the same call solves those frames again, with the same values. A whole response,
+        or a hop schedule off the chunk grid, stays the official whole solve."""
+        if not (self.final_continued and job is not None and window.finished and window.start > 0):
+            return job
+        full_from = self.model.flow.config.token_mel_ratio * (len(job.prompt_tokens) + window.start)
+        chunk = self.model.flow.decoder.estimator.config.static_chunk_size
+        return replace(job, full_from=full_from) if chunk <= 0 or full_from % chunk == 0 else job
 
     def _graph_cost(self, rows: int, tokens: int) -> int:
         """A flow call's padded work in tokens (`group_jobs` with `call_cost`): its graph's shape when one
