@@ -76,6 +76,9 @@ ENGINE_COUNTERS = {
                                  "CosyVoice3: rows x mel frames HiFT's calls computed, padding included"),
     "codec_hift_useful_frames": ("intone_codec_hift_useful_frames",
                                  "CosyVoice3: the real part of intone_codec_hift_padded_frames"),
+    "codec_flow_cache_refused": ("intone_codec_flow_cache_refused",
+                                 "CosyVoice3: streamed hops that kept no flow cache for want of room "
+                                 "(cosyvoice3.flow.cache_gb)"),
 }
 ENGINE_GAUGES = {
     "reference_cache_entries": ("intone_reference_cache_entries", "Reference features held in the cache"),
@@ -97,6 +100,8 @@ ENGINE_GAUGES = {
     "gpu_reserved_bytes": ("intone_gpu_reserved_bytes", "GPU bytes the engine process's allocator holds (allocated "
                            "plus its cache)"),
     "gpu_reserved_peak_bytes": ("intone_gpu_reserved_peak_bytes", "Peak of intone_gpu_reserved_bytes since start"),
+    "codec_flow_cache_bytes": ("intone_codec_flow_cache_bytes", "CosyVoice3: bytes the streams' flow caches hold "
+                               "(cosyvoice3.flow.cache)"),
 }
 
 

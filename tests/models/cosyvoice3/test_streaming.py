@@ -2,6 +2,8 @@
 batched codec == each request alone, full response, seeds, and the frame audit."""
 
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -323,3 +325,39 @@ def test_a_continued_final_hop_changes_only_each_streams_final_chunk(cosy64, ker
         differs += len(got) > 1 and not np.allclose(got[-1].audio, official[-1][2].numpy(), rtol=0, atol=1e-6)
         assert sum(c.audio.shape[0] for c in got) == len(frames) * cosy64.samples_per_frame
     assert differs == 2  # the streams of several hops: the last chunk is not the official one
+
+
+def test_a_flow_cache_budget_changes_the_work_not_the_audio_and_frees_everything(cosy64):
+    """cosyvoice3.flow.cache_gb: with room for about one stream's cache, four concurrent streams keep caches
+    where they fit and re-solve their prefixes where not; each stream still releases the official chunks
+    (float64), the refusals are counted, and when the streams end no cache is held."""
+    refs = voices(4)
+    params = [SamplingParams(seed=30 + i, min_new_tokens=90, max_new_tokens=140, top_k=25, top_p=0.8,
+                             temperature=1.0) for i in range(4)]
+    reqs = [SynthesisRequest(f"b{i}", TEXTS[i], [refs[i]], params[i]) for i in range(4)]
+    dit = cosy64.flow.decoder.estimator.config
+    per_frame = cosy64.flow.config.n_timesteps * dit.depth * 4 * dit.heads * dit.dim_head * 8  # float64
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{
+        "ar.max_num_seqs": 4, "codec.schedule": "first", "cosyvoice3.flow.attention": "sdpa",
+        "cosyvoice3.flow.cache": True, "cosyvoice3.flow.cache_gb": 300 * per_frame / 1e9})
+    core = EngineCore(cosy64, profile)
+    vocoder = core.codec.vocoder
+    for r in reqs:
+        core.add_request(r)
+    chunks, held = {}, []
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+        held.append(vocoder.flow_cache_bytes)
+    assert 0 < max(held) <= 300 * per_frame
+    assert vocoder.flow_cache_refused > 0
+    for i in range(4):
+        frames, _, prompt = alone_tokens(cosy64, TEXTS[i], refs[i], params[i])
+        expected = official_stream(cosy64, frames, prompt.conditioning)
+        got = chunks[f"b{i}"]
+        assert [(c.start_frame, c.end_frame) for c in got] == [(s, e) for s, e, _ in expected]
+        for c, (_, _, audio) in zip(got, expected):
+            assert_same_audio(c.audio, audio)
+    gc.collect()
+    assert vocoder.flow_cache_bytes == 0
+    assert core.snapshot()["codec_flow_cache_bytes"] == 0

@@ -26,7 +26,7 @@ from intone.models.cosyvoice3.flow import cosine_euler_steps
 from intone.models.cosyvoice3.packing import continued_packing
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the vocoder keeps a weak set of them
 class FlowCache:
     """A stream's solved frames [0, frames): per Euler step, every layer's keys and values
     `kv` [steps, layers, 2 (keys, values), 2 (conditioned, unconditioned rows), heads, frames, head size],

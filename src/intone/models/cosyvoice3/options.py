@@ -53,6 +53,10 @@ class FlowOptions(_Strict):
                                            "hops, and a hop solves only its new frames: the official whole-prefix "
                                            "solve's mel, with less work; ~1.8 MB a mel frame in bf16 at real size "
                                            "(not with cuda_graphs; with the varlen kernel, packed)")
+    cache_gb: float = Field(32.0, gt=0, description="with cache: the most GB the streams' flow caches may hold "
+                            "together (~1.8 MB a mel frame of a stream in bf16 at real size; a minute-long stream "
+                            "~5 GB). A hop whose cache would not fit keeps none: its stream's next hop solves its "
+                            "whole prefix again, the same mel at more work")
     final_hop: Literal["whole", "continued"] = Field(
         "whole", description="streaming, with cache: `whole` re-solves a stream's final hop over the whole utterance "
                              "with full attention, as officially; `continued` solves only its new frames against the "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -104,14 +105,16 @@ def compile_batches(flow, device) -> list[list[FlowRequest]]:
 class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
-                 hift_graph_frames: int | None = None, hift_call_cost: int | None = None, final_continued: bool = False):
+                 hift_graph_frames: int | None = None, hift_call_cost: int | None = None, final_continued: bool = False,
+                 cache_bytes: int | None = None):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (in tokens).
         hift_call_cost: the same for HiFT's calls (None: each as full as the bounds allow; a call's cost
         is its graph's shape when HiFT has graphs, as with the flow's).
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
         frames against it (`flow_cache.solve_continued`). final_continued (with flow_cache): a stream's final
         hop goes on from it too (`final_job`), where officially it re-solves the whole utterance with full
-        attention. graph_frames: the longest flow call that
+        attention. cache_bytes: the most the kept flow caches may hold together (None: no bound; `_within_budget`).
+        graph_frames: the longest flow call that
         `capture_graphs` gives a graph (None: no graphs). hift_graph_frames: the longest HiFT window that
         `capture_graphs` gives a graph (None: none)."""
         self.graph_frames, self.hift_graph_frames = graph_frames, hift_graph_frames
@@ -120,6 +123,9 @@ class CosyVocoder(Vocoder):
         self.call_cost, self.hift_call_cost = call_cost, hift_call_cost
         self.flow_cache = flow_cache
         self.final_continued = final_continued and flow_cache
+        self.cache_bytes = cache_bytes
+        self._caches = weakref.WeakSet()  # the flow caches kept on streams' states (gone with their requests)
+        self.flow_cache_refused = 0  # hops that kept no cache for want of room
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
@@ -278,7 +284,7 @@ class CosyVocoder(Vocoder):
         committed = [states.get(w.key) for w in windows]
         given = [s.flow if self.flow_cache and s is not None and (not w.finished or job.full_from is not None)
                  else None for w, s, job in zip(windows, committed, jobs)]
-        keep = [self.flow_cache and not w.finished for w in windows]
+        keep = self._within_budget(jobs, given, [self.flow_cache and not w.finished for w in windows])
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(windows)
         flows: list[FlowCache | None] = [None] * len(windows)
@@ -305,12 +311,50 @@ class CosyVocoder(Vocoder):
                 self.padded_tokens += sum(lengths[g] for g in group) if packed else \
                     len(group) * max(lengths[g] for g in group)
                 self.useful_tokens += sum(lengths[g] for g in group)
+            with self._counting:
+                self._caches.update(flow for flow in kept if flow is not None)
             for i, mel, flow in zip(idx, mels, kept):
                 # mel starts at the prompt's end or (continued) the cache's, whichever is later
                 solved = given[i].frames if given[i] is not None else 0
                 skip = max(jobs[i].prompt_mel.shape[0], solved) - jobs[i].prompt_mel.shape[0]
                 out[i], flows[i] = mel[:, ratio * windows[i].start - skip:], flow
         return out, flows
+
+    @property
+    def flow_cache_bytes(self) -> int:
+        """What the streams' kept flow caches hold now."""
+        with self._counting:
+            caches = list(self._caches)
+        return sum(cache.bytes for cache in caches)
+
+    def _within_budget(self, jobs: list, given: list, keep: list[bool]) -> list[bool]:
+        """keep, less the rows whose new cache would take the kept caches past `cache_bytes` (in order; a
+        row's new cache replaces the one it continues). The mel does not depend on it: a stream without a
+        cache solves its next hop's whole prefix, chunk-masked as the cache would have kept it."""
+        if self.cache_bytes is None or not any(keep):
+            return keep
+        per_frame, per_cache = self._cache_sizes()
+        lengths = iter(self.model.flow.mel_lengths([job for job in jobs if job is not None]))
+        need = [per_cache + per_frame * next(lengths) if job is not None else 0 for job in jobs]
+        room = self.cache_bytes - self.flow_cache_bytes
+        room += sum(g.bytes for g, k in zip(given, keep) if k and g is not None)
+        out = []
+        for k, n in zip(keep, need):
+            fits = k and n <= room
+            room -= n if fits else 0
+            out.append(fits)
+        with self._counting:
+            self.flow_cache_refused += sum(k and not f for k, f in zip(keep, out))
+        return out
+
+    def _cache_sizes(self) -> tuple[int, int]:
+        """A flow cache's bytes per mel frame (every Euler step's keys and values, every layer's, both CFG rows')
+        and its fixed part (the input embedding's context before each of its two convolutions, per step and row)."""
+        dit = self.model.flow.decoder.estimator
+        cfg, steps = dit.config, self.model.flow.config.n_timesteps
+        itemsize = (self.autocast or next(dit.parameters()).dtype).itemsize
+        pad = dit.input_embed.conv_pos_embed.pad
+        return steps * cfg.depth * 2 * 2 * cfg.heads * cfg.dim_head * itemsize, steps * 2 * 2 * pad * cfg.dim * itemsize
 
     def final_job(self, window: CodecWindow, job: FlowRequest | None) -> FlowRequest | None:
         """A stream's final hop under final_continued: its frames from its first token on attend to every
