@@ -330,7 +330,9 @@ def test_a_continued_final_hop_changes_only_each_streams_final_chunk(cosy64, ker
 def test_a_flow_cache_budget_changes_the_work_not_the_audio_and_frees_everything(cosy64):
     """cosyvoice3.flow.cache_gb: with room for about one stream's cache, four concurrent streams keep caches
     where they fit and re-solve their prefixes where not; each stream still releases the official chunks
-    (float64), the refusals are counted, and when the streams end no cache is held."""
+    (float64), the refusals are counted, and when the streams end no cache is held. The codec runs in the
+    loop (codec.overlap off), so each step's reading falls between calls (within a call a row's new cache and
+    the one it replaces are both held)."""
     refs = voices(4)
     params = [SamplingParams(seed=30 + i, min_new_tokens=90, max_new_tokens=140, top_k=25, top_p=0.8,
                              temperature=1.0) for i in range(4)]
@@ -338,7 +340,7 @@ def test_a_flow_cache_budget_changes_the_work_not_the_audio_and_frees_everything
     dit = cosy64.flow.decoder.estimator.config
     per_frame = cosy64.flow.config.n_timesteps * dit.depth * 4 * dit.heads * dit.dim_head * 8  # float64
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
-        "ar.max_num_seqs": 4, "codec.schedule": "first", "cosyvoice3.flow.attention": "sdpa",
+        "ar.max_num_seqs": 4, "codec.overlap": False, "cosyvoice3.flow.attention": "sdpa",
         "cosyvoice3.flow.cache": True, "cosyvoice3.flow.cache_gb": 300 * per_frame / 1e9})
     core = EngineCore(cosy64, profile)
     vocoder = core.codec.vocoder
