@@ -56,6 +56,9 @@ class Chunk:
     end: int  # one past the last new frame
     context: int  # frames before `start` given to the codec as context only
     finished: bool  # the terminal chunk of the request (may hold no frames)
+    # no frames: the codec prepares the request's state from its reference alone, ahead of its first
+    # chunk (`TTSModel.prepares_codec`), and releases no audio
+    prepare: bool = False
 
     @property
     def window(self) -> tuple[int, int]:

@@ -19,7 +19,7 @@ def window_of(req, chunk) -> CodecWindow:
     by the request object, not its id: an aborted request's chunks may still be decoded after a new
     request took its id, and the two must not share a state."""
     return CodecWindow(id(req), req.request_id, req.codes, req.prompt, chunk.start, chunk.end, chunk.context,
-                       chunk.finished, req.speed)
+                       chunk.finished, req.speed, chunk.prepare)
 
 
 class CodecStage:

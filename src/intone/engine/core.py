@@ -229,6 +229,16 @@ class EngineCore:
         self.requests[rid] = req
         req.frontier = self.planner.frontier(request.initial_chunk_frames, prompt.codec_prompt_frames,
                                              whole=not request.stream, one_chunk=bool(prompt.one_chunk_for))
+        if request.stream and not prompt.one_chunk_for and self.model.prepares_codec(prompt):
+            self._prepare_codec(req)
+
+    def _prepare_codec(self, req: EngineRequest) -> None:
+        """Hand the codec a stream's `prepare` chunk (no frames) while its first frames are generated; its
+        result is a codec state, not audio (`_deliver` sends nothing for it)."""
+        req.codec_in_flight += 1
+        deadlines = [req.times.arrived] if self.profile.codec.schedule == "deadline" or self._lead_s is not None \
+            else None
+        self.codec_worker.submit([(req, Chunk(req.request_id, 0, 0, 0, False, prepare=True))], [0], deadlines)
 
     def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
         chunk = self._terminal(rid, 0, "error", error=message)
@@ -385,6 +395,11 @@ class EngineCore:
         for (req, c), samples, generated in zip(decoded.items, decoded.audio, decoded.tokens):
             req.codec_in_flight -= 1
             if self.requests.get(c.request_id) is not req:  # ended meanwhile (abort, error)
+                continue
+            if c.prepare:  # a state, no audio; if it failed, the first chunk solves without it
+                if isinstance(samples, Exception):
+                    check_device(samples)
+                    log.warning("preparing the codec state of %s failed: %r", c.request_id, samples)
                 continue
             if isinstance(samples, Exception):
                 check_device(samples)

@@ -170,6 +170,11 @@ class TTSModel(abc.ABC):
         graphs: the engine's FunctionGraphs (GPU, graphs on), in which the model may capture
         those shapes and through which it then runs them."""
 
+    def prepares_codec(self, prompt) -> bool:
+        """Whether a stream's codec state is worth preparing from its reference alone, while its first frames
+        are generated: the engine then hands the codec a `prepare` chunk at admission (default: no)."""
+        return False
+
     def forwards_frame(self, generated: list[int]) -> bool:
         """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
         return True

@@ -33,6 +33,7 @@ class CodecWindow:
     context: int  # frames before `start` a stateless decode re-reads as context only
     finished: bool  # the request's terminal chunk
     speed: float = 1.0
+    prepare: bool = False  # no frames: the request's state from its reference alone (`TTSModel.prepares_codec`)
 
     @property
     def window(self) -> tuple[int, int]:

@@ -363,3 +363,46 @@ def test_a_flow_cache_budget_changes_the_work_not_the_audio_and_frees_everything
     gc.collect()
     assert vocoder.flow_cache_bytes == 0
     assert core.snapshot()["codec_flow_cache_bytes"] == 0
+
+
+@pytest.mark.parametrize("kernel, final_hop", [("sdpa", "whole"), ("varlen", "continued")])
+def test_references_solved_ahead_leave_every_chunk_as_it_was(cosy64, kernel, final_hop):
+    """cosyvoice3.flow.reference_ahead: each stream's reference chunks are solved at admission (a `prepare`
+    chunk: no audio) and its first hop goes on from them. Every chunk is still the official one (with a
+    continued final hop, that mode's), in order from seq 0 with no chunk of its own, a full response beside
+    the streams is untouched, and when all end no flow cache is held."""
+    refs = voices(4)
+    params = [SamplingParams(seed=50 + i, min_new_tokens=lo, max_new_tokens=lo + 40, top_k=25, top_p=0.8,
+                             temperature=1.0) for i, lo in enumerate((70, 110, 8, 60))]
+    reqs = [SynthesisRequest(f"a{i}", TEXTS[i], [refs[i]], params[i], stream=i != 3) for i in range(4)]
+    profile = load_profile("cosyvoice3-streaming", device="cpu", **{
+        "ar.max_num_seqs": 4, "cosyvoice3.flow.attention": kernel, "cosyvoice3.flow.cache": True,
+        "cosyvoice3.flow.reference_ahead": True, "cosyvoice3.flow.final_hop": final_hop})
+    core = EngineCore(cosy64, profile)
+    for r in reqs:
+        core.add_request(r)
+    chunks = {}
+    while core.has_work():
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+    vocoder = core.codec.vocoder
+    ahead = 0
+    for i in range(4):
+        frames, _, prompt = alone_tokens(cosy64, TEXTS[i], refs[i], params[i])
+        # a whole 50-frame chunk of the reference that the lookahead's 3 tokens do not reach; not a full response
+        ahead += i != 3 and 2 * (prompt.conditioning.speech_tokens.shape[0] - 3) >= 50
+        got = chunks[f"a{i}"]
+        assert [c.seq for c in got] == list(range(len(got)))
+        if i == 3:
+            assert len(got) == 1
+            assert_same_audio(got[0].audio, official_full(cosy64, frames, prompt.conditioning))
+            continue
+        expected = official_stream(cosy64, frames, prompt.conditioning, final_hop=final_hop)
+        assert [(c.start_frame, c.end_frame) for c in got] == [(s, e) for s, e, _ in expected]
+        for c, (_, _, audio) in zip(got, expected):
+            assert_same_audio(c.audio, audio)
+    assert vocoder.references_ahead == ahead >= 2
+    gc.collect()
+    assert vocoder.flow_cache_bytes == 0
+    snap = core.snapshot()
+    assert snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT
-from intone.models.cosyvoice3.flow import cosine_euler_steps
+from intone.models.cosyvoice3.flow import FlowRequest, cosine_euler_steps
 from intone.models.cosyvoice3.packing import continued_packing
 
 
@@ -127,6 +127,24 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
         return v.to(state).chunk(2)
     x = _euler(cfm, x, velocity, pause)
     return _results(requests, caches, keep, lengths, starts, [x[i, : new[i]] for i in range(b)], segments, tails)
+
+
+def reference_ahead(flow, prompt_tokens: Tensor, prompt_mel: Tensor, speaker: Tensor) -> FlowRequest | None:
+    """The solve of a stream's reference alone (`cosyvoice3.flow.reference_ahead`): its whole chunks whose
+    frames depend on no generated token (the lookahead layer reads `pre_lookahead_len` tokens ahead), as a
+    non-final hop that keeps its cache; None when no whole chunk qualifies. Every hop's chunk-masked solve
+    gives those frames the same states, so the first hop going on from this cache gives the official mel."""
+    cfg, chunk = flow.config, flow.decoder.estimator.config.static_chunk_size
+    if chunk <= 0:
+        return None
+    frames = min(cfg.token_mel_ratio * (len(prompt_tokens) - cfg.pre_lookahead_len), prompt_mel.shape[0])
+    frames -= frames % chunk
+    if frames <= 0:
+        return None
+    tokens = frames // cfg.token_mel_ratio
+    # the reference's first `tokens` as its prompt, the next ones as the hop's lookahead context: mel to `frames`
+    return FlowRequest(prompt_tokens[tokens: tokens + cfg.pre_lookahead_len], prompt_tokens[:tokens],
+                       prompt_mel[:frames], speaker, streaming=True, finalize=False)
 
 
 def chunked_frames(requests: list, starts: list[int], lengths: list[int], chunk: int) -> list[int]:

@@ -11,6 +11,7 @@ from intone.errors import InvalidRequestError
 from intone.models.base import Prompt, TTSModel
 from intone.models.cosyvoice3.codec_config import flow_sizes
 from intone.models.cosyvoice3.flow import CosyFlow, FlowConfig, FlowRequest
+from intone.models.cosyvoice3.flow_cache import reference_ahead
 from intone.models.cosyvoice3.frontend import (
     ReferenceFeatures, SpeakerEncoder, SpeechTokenizer, extract_each, extract_reference, random_frontend,
     warm_up as frontend_warm_up,
@@ -40,6 +41,7 @@ class CosyVoice3(TTSModel):
     num_codebooks = 1
     requires_reference = True
     supports_speed = True
+    solves_reference_ahead = False  # cosyvoice3.flow.reference_ahead (`configure_frontend`)
 
     def __init__(self, talker: CosyTalker, flow, hift, tokenizer: CosyTokenizer,
                  speech_tokenizer: SpeechTokenizer, speaker_encoder: SpeakerEncoder, sample_rate: int = 24000):
@@ -69,6 +71,7 @@ class CosyVoice3(TTSModel):
 
     def configure_frontend(self, options: CosyVoice3Options | None) -> None:
         options = options or CosyVoice3Options()
+        self.solves_reference_ahead = options.flow.cache and options.flow.reference_ahead
         if hasattr(self.speaker_encoder, "set_batching"):
             self.speaker_encoder.set_batching(options.speaker_rows, options.speaker_bucket_s)
         if options.tokenizer_rows and hasattr(self.speech_tokenizer, "set_batching"):
@@ -186,13 +189,19 @@ class CosyVoice3(TTSModel):
     def mel_zeros(self) -> Tensor:
         return torch.zeros(self.flow.config.output_size, 0, device=self.codec_device)
 
+    def prepares_codec(self, prompt) -> bool:
+        """With `cosyvoice3.flow.reference_ahead`: a stream whose reference has a whole chunk to solve ahead."""
+        f = prompt.conditioning
+        return self.solves_reference_ahead and isinstance(f, ReferenceFeatures) and \
+            reference_ahead(self.flow, f.speech_tokens, f.prompt_mel, f.speaker) is not None
+
     def flow_requests(self, windows) -> list:
         """The flow input of each chunk (a `CodecWindow`: ending at token `end`; the last chunk:
         `finished`), or None where there are no tokens at all. The chunks' tokens reach the device in
         one transfer (each transfer waits for the stream, and its thread then for the interpreter)."""
         counts = []
         for w in windows:
-            n = w.end if w.finished else w.end + self.codec_lookahead_frames
+            n = 0 if w.prepare else w.end if w.finished else w.end + self.codec_lookahead_frames
             if n > w.codes.shape[1]:
                 raise ValueError(f"a chunk ending at {w.end} needs {n} tokens, {w.codes.shape[1]} exist")
             counts.append(n)
@@ -204,6 +213,9 @@ class CosyVoice3(TTSModel):
             if f.speaker.device != dev:  # moved once per request, not per chunk
                 f = w.prompt.conditioning = ReferenceFeatures(f.speech_tokens.to(dev), f.prompt_mel.to(dev),
                                                               f.speaker.to(dev))
+            if w.prepare:
+                out.append(reference_ahead(self.flow, f.speech_tokens, f.prompt_mel, f.speaker))
+                continue
             out.append(FlowRequest(tokens=t, prompt_tokens=f.speech_tokens, prompt_mel=f.prompt_mel, speaker=f.speaker,
                                    streaming=not w.finished, finalize=w.finished) if n else None)
         return out

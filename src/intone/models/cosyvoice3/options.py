@@ -57,6 +57,10 @@ class FlowOptions(_Strict):
                             "together (~1.8 MB a mel frame of a stream in bf16 at real size; a minute-long stream "
                             "~5 GB). A hop whose cache would not fit keeps none: its stream's next hop solves its "
                             "whole prefix again, the same mel at more work")
+    reference_ahead: bool = Field(False, description="streaming, with cache: at admission, solve the whole chunks of "
+                                  "a stream's reference that no generated token reaches (~3/4 of its first hop's "
+                                  "flow work at the preset's lengths) while its first tokens are generated, so the "
+                                  "first hop solves only the rest: the official mel, less work after the talker")
     final_hop: Literal["whole", "continued"] = Field(
         "whole", description="streaming, with cache: `whole` re-solves a stream's final hop over the whole utterance "
                              "with full attention, as officially; `continued` solves only its new frames against the "
@@ -66,6 +70,9 @@ class FlowOptions(_Strict):
 
     @model_validator(mode="after")
     def _not_with_graphs(self):
+        if self.reference_ahead and not self.cache:
+            raise ValueError("cosyvoice3.flow.reference_ahead needs cosyvoice3.flow.cache (the first hop goes on "
+                             "from the reference's kept state)")
         if self.final_hop == "continued" and not self.cache:
             raise ValueError("cosyvoice3.flow.final_hop continued needs cosyvoice3.flow.cache (it goes on from "
                              "the stream's kept state)")

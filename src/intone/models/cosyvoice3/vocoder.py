@@ -126,6 +126,7 @@ class CosyVocoder(Vocoder):
         self.cache_bytes = cache_bytes
         self._caches = weakref.WeakSet()  # the flow caches kept on streams' states (gone with their requests)
         self.flow_cache_refused = 0  # hops that kept no cache for want of room
+        self.references_ahead = 0  # references solved ahead of their streams' first hops (`prepare` windows)
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         # Half-precision autocast is for GPUs; on a CPU it is slower and only loses precision.
@@ -313,6 +314,7 @@ class CosyVocoder(Vocoder):
                 self.useful_tokens += sum(lengths[g] for g in group)
             with self._counting:
                 self._caches.update(flow for flow in kept if flow is not None)
+                self.references_ahead += sum(windows[i].prepare and flow is not None for i, flow in zip(idx, kept))
             for i, mel, flow in zip(idx, mels, kept):
                 # mel starts at the prompt's end or (continued) the cache's, whichever is later
                 solved = given[i].frames if given[i] is not None else 0
