@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from intone.models.cosyvoice3.flow import FlowRequest
-from intone.models.cosyvoice3.flow_cache import solve_continued
+from intone.models.cosyvoice3.flow_cache import reference_ahead, solve_continued
 
 from .official_stream import bounded_final_mel
 from .test_flow import CHUNK, TINY, make_flow, request
@@ -221,3 +221,23 @@ def test_a_continued_final_hop_must_start_on_the_chunk_grid_of_its_cache(flow):
             solve_continued(flow, [replace(part(full, 80, True), full_from=full_from)], [cache], [False])
     with pytest.raises(ValueError, match="solve_continued"):
         flow.inference([replace(part(full, 80, True), full_from=cache.frames)])
+
+
+@pytest.mark.parametrize("prompt", [26, 28, 50, 51, 52, 53, 64, 77])
+def test_a_first_hop_from_its_reference_solved_ahead_is_the_official_one(sdpa_flow, prompt, total=40):
+    """cosyvoice3.flow.reference_ahead: the reference's whole chunks that no generated token reaches, solved
+    alone, then the first hop going on from them: the official first hop's mel (float64), whatever the
+    reference's length against the chunk grid (references of 50-52 tokens: the lookahead reaches into the
+    chunk that ends at the reference's end)."""
+    flow = sdpa_flow
+    g = torch.Generator().manual_seed(prompt * 100 + total)
+    full = request(g, prompt=prompt, tokens=total, finalize=True)
+    ahead = reference_ahead(flow, full.prompt_tokens, full.prompt_mel, full.speaker)
+    if 2 * (prompt - LOOKAHEAD) < CHUNK:
+        assert ahead is None
+        return
+    (mel,), (cache,) = solve_continued(flow, [ahead], [None], [True])
+    assert mel.shape[1] == 0 and cache.frames % CHUNK == 0 and 0 < cache.frames <= 2 * (prompt - LOOKAHEAD)
+    first = part(full, hop_ends(prompt, total + 60, CHUNK // 2)[0], False)
+    (got,), _ = solve_continued(flow, [first], [cache], [True])
+    assert_close(got, flow.inference([first])[0])
