@@ -241,3 +241,28 @@ def test_a_first_hop_from_its_reference_solved_ahead_is_the_official_one(sdpa_fl
     first = part(full, hop_ends(prompt, total + 60, CHUNK // 2)[0], False)
     (got,), _ = solve_continued(flow, [first], [cache], [True])
     assert_close(got, flow.inference([first])[0])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_compiled_continued_final_hop_stays_near_its_definition(no_tf32):
+    """The varlen kernel's packed, compiled continued final hop in bf16 (as the streaming stage runs it) against
+    `bounded_final_mel`'s eager dense-mask solve of the same hop in bf16: the same mel to bf16 rounding."""
+    from intone.models.cosyvoice3.vocoder import compile_dit
+
+    flow = make_flow(torch.float32).cuda()
+    g = torch.Generator().manual_seed(13)
+    f = request(g, prompt=11, tokens=130, finalize=True, dtype=torch.float32)
+    full = FlowRequest(f.tokens.cuda(), f.prompt_tokens.cuda(), f.prompt_mel.cuda(), f.speaker.cuda(), True, True)
+    ends = hop_ends(11, 130, CHUNK // 2)
+    final = replace(part(full, 130, True), full_from=2 * (11 + ends[-2]))
+    with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+        want = bounded_final_mel(flow, final, final.full_from)
+        flow.decoder.estimator.attention_kernel = "varlen"
+        compile_dit(flow.decoder.estimator, "dit")
+        cache = None
+        for end in ends[:-1]:
+            cache = solve_continued(flow, [part(full, end, False)], [cache], [True])[1][0]
+        (mel,), _ = solve_continued(flow, [final], [cache], [False])
+    expected = want[:, cache.frames - 22:]
+    assert mel.shape == expected.shape
+    assert (mel - expected).abs().max() < 5e-2
