@@ -403,3 +403,23 @@ def test_references_solved_ahead_leave_every_chunk_as_it_was(cosy64, kernel, fin
     assert vocoder.references_ahead == ahead >= 2
     gc.collect()
     assert vocoder.flow_cache_bytes == 0
+
+
+def test_a_prepared_stream_that_ends_without_a_token_ends_empty(cosy64):
+    """A stream whose reference was solved ahead and whose terminal chunk holds no token (it stopped at once):
+    the vocoder gives the prepare window no audio and the empty final window none, with the flow cache on and
+    the final hop continued."""
+    from intone.engine.config import load_profile as profile_of
+    from intone.models.vocoder import CodecWindow
+
+    profile = profile_of("cosyvoice3-streaming", device="cpu", **{
+        "cosyvoice3.flow.cache": True, "cosyvoice3.flow.reference_ahead": True,
+        "cosyvoice3.flow.final_hop": "continued"})
+    vocoder = cosy64.make_vocoder(profile.codec, profile.options_for("cosyvoice3"))
+    prompt = cosy64.build_prompt(TEXTS[1], voices(4)[3:])
+    codes = torch.zeros(1, 8, dtype=torch.long)
+    window = CodecWindow(1, "z", codes, prompt, 0, 0, 0, False, prepare=True)
+    audio, states = vocoder.decode([window], {})
+    assert audio[0].shape == (0,) and states[1].flow is not None and vocoder.references_ahead == 1
+    audio, states = vocoder.decode([CodecWindow(1, "z", codes, prompt, 0, 0, 0, True)], states)
+    assert audio[0].shape == (0,)

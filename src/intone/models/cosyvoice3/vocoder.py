@@ -283,8 +283,9 @@ class CosyVocoder(Vocoder):
         jobs = [self.final_job(w, job) for w, job in zip(windows, model.flow_requests(windows))]
         # a stream's chunks in one call all continue from its committed state (a later one solves more frames)
         committed = [states.get(w.key) for w in windows]
-        given = [s.flow if self.flow_cache and s is not None and (not w.finished or job.full_from is not None)
-                 else None for w, s, job in zip(windows, committed, jobs)]
+        given = [s.flow if self.flow_cache and s is not None and job is not None
+                 and (not w.finished or job.full_from is not None) else None
+                 for w, s, job in zip(windows, committed, jobs)]
         keep = self._within_budget(jobs, given, [self.flow_cache and not w.finished for w in windows])
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(windows)
