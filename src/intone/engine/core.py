@@ -236,9 +236,7 @@ class EngineCore:
         """Hand the codec a stream's `prepare` chunk (no frames) while its first frames are generated; its
         result is a codec state, not audio (`_deliver` sends nothing for it)."""
         req.codec_in_flight += 1
-        deadlines = [req.times.arrived] if self.profile.codec.schedule == "deadline" or self._lead_s is not None \
-            else None
-        self.codec_worker.submit([(req, Chunk(req.request_id, 0, 0, 0, False, prepare=True))], [0], deadlines)
+        self._submit([(req, Chunk(req.request_id, 0, 0, 0, False, prepare=True))], [0])
 
     def _refuse(self, rid: str, message: str, code: str, field: str | None = None) -> None:
         chunk = self._terminal(rid, 0, "error", error=message)
@@ -376,6 +374,10 @@ class EngineCore:
             self.codec_worker.wait(1.0)
             for decoded in self.codec_worker.collect():
                 self._deliver(decoded)
+        self._submit(items, tokens)
+
+    def _submit(self, items: list, tokens: list[int]) -> None:
+        """Hand chunks to the codec worker, with their deadlines where its schedule reads them."""
         by_deadline = self.profile.codec.schedule == "deadline" or self._lead_s is not None
         self.codec_worker.submit(items, tokens, [self._deadline(req, c) for req, c in items] if by_deadline else None)
 

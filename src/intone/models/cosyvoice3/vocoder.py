@@ -286,16 +286,18 @@ class CosyVocoder(Vocoder):
         given = [s.flow if self.flow_cache and s is not None and job is not None
                  and (not w.finished or job.full_from is not None) else None
                  for w, s, job in zip(windows, committed, jobs)]
-        keep = self._within_budget(jobs, given, [self.flow_cache and not w.finished for w in windows])
         empty = model.mel_zeros()
         out: list[Tensor] = [empty] * len(windows)
         flows: list[FlowCache | None] = [None] * len(windows)
         live = [i for i, job in enumerate(jobs) if job is not None]
+        frames = [0] * len(jobs)  # each job's conditioned mel frames
+        for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live])):
+            frames[i] = n
+        keep = self._within_budget(frames, given, [self.flow_cache and not w.finished for w in windows])
         ratio = model.flow.config.token_mel_ratio
         # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead) and
         # (flow_cache) are not solved already
-        lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
-                   for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
+        lengths = [(frames[i] - (given[i].frames if given[i] is not None else 0)) // ratio for i in live]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
             # no padding computed (not with graphs; with the cache, only by the varlen kernel)
@@ -313,7 +315,6 @@ class CosyVocoder(Vocoder):
                 self.padded_tokens += sum(lengths[g] for g in group) if packed else \
                     len(group) * max(lengths[g] for g in group)
                 self.useful_tokens += sum(lengths[g] for g in group)
-            with self._counting:
                 self._caches.update(flow for flow in kept if flow is not None)
                 self.references_ahead += sum(windows[i].prepare and flow is not None for i, flow in zip(idx, kept))
             for i, mel, flow in zip(idx, mels, kept):
@@ -330,15 +331,15 @@ class CosyVocoder(Vocoder):
             caches = list(self._caches)
         return sum(cache.bytes for cache in caches)
 
-    def _within_budget(self, jobs: list, given: list, keep: list[bool]) -> list[bool]:
-        """keep, less the rows whose new cache would take the kept caches past `cache_bytes` (in order; a
-        row's new cache replaces the one it continues). The mel does not depend on it: a stream without a
-        cache solves its next hop's whole prefix, chunk-masked as the cache would have kept it."""
+    def _within_budget(self, frames: list[int], given: list, keep: list[bool]) -> list[bool]:
+        """keep, less the rows (of `frames` mel frames each) whose new cache would take the kept caches past
+        `cache_bytes` (in order; a row's new cache replaces the one it continues). The mel does not depend on
+        it: a stream without a cache solves its next hop's whole prefix, chunk-masked as the cache would have
+        kept it."""
         if self.cache_bytes is None or not any(keep):
             return keep
         per_frame, per_cache = self._cache_sizes()
-        lengths = iter(self.model.flow.mel_lengths([job for job in jobs if job is not None]))
-        need = [per_cache + per_frame * next(lengths) if job is not None else 0 for job in jobs]
+        need = [per_cache + per_frame * n if n else 0 for n in frames]
         room = self.cache_bytes - self.flow_cache_bytes
         room += sum(g.bytes for g, k in zip(given, keep) if k and g is not None)
         out = []
