@@ -9,7 +9,8 @@ normal(128, 45) length). Per attention kernel the DiT is compiled as the streami
 bounds allow and in the cheapest split (`cosyvoice3.flow.call_cost`). `--sms` runs everything on a stream of a
 green context of that many SMs (`codec.sms`), to price the codec's share alone. `--continued` also times
 the full calls as `cosyvoice3.flow.cache` runs them: each streamed job solves only its new frames, against the
-state its request's earlier hops kept (solved beforehand, untimed). `--first-chunks N` times one call of N new
+state its request's earlier hops kept (solved beforehand, untimed); `--profile` then shows where the time of
+both kinds of call goes (GPU busy against wall, the ops that take it). `--first-chunks N` times one call of N new
 streams' first hops (what a served first-chunk call holds), the flow and then HiFT on its mels: wall time, the
 GPU's busy time in it (profiler) and its kernel count, to tell launch-bound from GPU-bound; `--graphs` times it
 again replayed from CUDA graphs (the flow per Euler step, HiFT per call).
@@ -31,6 +32,7 @@ from intone.engine.codec_worker import codec_stream
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.flow_cache import solve_continued
+from intone.models.cosyvoice3.flow_cache_pool import FlowCachePool
 from intone.models.cosyvoice3.hift import graph_shape as hift_graph_shape
 from intone.models.cosyvoice3.model import random_cosyvoice3
 from intone.models.cosyvoice3.vocoder import compile_dit, store_for_autocast
@@ -78,28 +80,46 @@ def run_calls(flow, jobs, groups, device) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
-def earlier_caches(flow, jobs, earlier, device) -> list:
+def earlier_caches(flow, jobs, earlier, device, pool) -> list:
     """Each streamed job's flow cache after its request's earlier hops (`solve_continued`, bf16 autocast)."""
     caches = []
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
         for job, hops in zip(jobs, earlier):
             cache = None
             for n in hops if job.streaming else []:
-                cache = solve_continued(flow, [replace(job, tokens=job.tokens[:n])], [cache], [True])[1][0]
+                cache = solve_continued(flow, [replace(job, tokens=job.tokens[:n])], [cache], [True],
+                                        pool=pool)[1][0]
             caches.append(cache)
     return caches
 
 
-def run_continued(flow, jobs, caches, groups, device) -> float:
+def run_continued(flow, jobs, caches, groups, device, pool) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda", cache_enabled=False):
         for group in groups:
+            # kept as served (a stream's next hop goes on from it); dropped at once, as the next call's would be
             solve_continued(flow, [jobs[i] for i in group], [caches[i] for i in group],
-                            [jobs[i].streaming for i in group])
+                            [jobs[i].streaming for i in group], pool=pool)
     sync()
     return 1000 * (time.perf_counter() - start)
+
+
+def where_the_time_goes(fn, device, rows: int = 14) -> str:
+    """One run of fn under the profiler: its wall time against the GPU's busy time (launch-bound or not), and
+    the ops that took the most GPU time and the most host time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+    wall = 1000 * (time.perf_counter() - start)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1000
+    table = prof.key_averages()
+    by_gpu = table.table(sort_by="device_time_total" if device.type == "cuda" else "cpu_time_total", row_limit=rows)
+    by_host = table.table(sort_by="self_cpu_time_total", row_limit=rows)
+    return f"wall {wall:.1f} ms (profiled), GPU busy {busy:.1f} ms, {len(kernels)} kernels\n{by_gpu}\n{by_host}"
 
 
 def first_chunk_jobs(n: int) -> list[tuple[int, int, bool]]:
@@ -163,6 +183,9 @@ def main(argv=None) -> None:
     ap.add_argument("--continued", action="store_true")
     ap.add_argument("--first-chunks", type=int, default=0, help="also time one call of this many first hops")
     ap.add_argument("--graphs", action="store_true", help="with --first-chunks: also replayed from CUDA graphs")
+    ap.add_argument("--cache-gb", type=float, default=40.0, help="with --continued: the flow cache pool's bound")
+    ap.add_argument("--profile", action="store_true", help="with --continued: where a continued and a whole "
+                                                           "call's time goes (profiler tables)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -193,11 +216,17 @@ def main(argv=None) -> None:
                                       ms=round(ms, 1), padding=round(1 - sum(sizes) / padded, 3),
                                       first_pass_s=round(compile_s, 1))), flush=True)
             if args.continued and args.jobs:
-                caches = earlier_caches(flow, jobs, [job[3] for job in served], device)  # compiles both kinds too
-                ms = min(run_continued(flow, jobs, caches, splits["full"], device) for _ in range(args.repeats))
+                pool = FlowCachePool(int(args.cache_gb * 1e9))
+                caches = earlier_caches(flow, jobs, [job[3] for job in served], device, pool)  # compiles both too
+                ms = min(run_continued(flow, jobs, caches, splits["full"], device, pool) for _ in range(args.repeats))
                 gib = sum(c.bytes for c in caches if c is not None) / 2**30
                 print(json.dumps(dict(kernel=kernel, calls="full, continued", n_calls=len(splits["full"]),
-                                      jobs=args.jobs, ms=round(ms, 1), cache_gib=round(gib, 2))), flush=True)
+                                      jobs=args.jobs, ms=round(ms, 1), cache_gib=round(gib, 2),
+                                      refused=pool.refused)), flush=True)
+                if args.profile:
+                    print(where_the_time_goes(lambda: run_continued(flow, jobs, caches, splits["full"], device, pool),
+                                              device), flush=True)
+                    print(where_the_time_goes(lambda: run_calls(flow, jobs, splits["full"], device), device), flush=True)
                 del caches
             if args.first_chunks:
                 for graphed in (False, True) if args.graphs else (False,):

@@ -71,7 +71,7 @@ def test_a_streams_hops_continued_from_its_cache_give_the_whole_prefix_solves(sd
         assert (kept is None) == final
         if not final:
             assert kept.frames == 2 * (prompt + end) and kept.frames % CHUNK == 0
-            assert kept.kv.shape[5] == kept.frames
+            assert kept.keys_values().shape[4] == kept.frames
             cache, done = kept, end
     assert done == ends[-2] if len(ends) > 1 else cache is None
 
@@ -105,7 +105,7 @@ def test_rows_of_every_kind_share_one_continued_solve(flow):
         assert_close(mel, want[:, (cache.frames - job.prompt_mel.shape[0]) if cache else 0:])
         assert (out is None) == (not k)
         if k:
-            torch.testing.assert_close(out.kv, alone[1][0].kv, rtol=0, atol=1e-10)
+            torch.testing.assert_close(out.keys_values(), alone[1][0].keys_values(), rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("chunk", [CHUNK, 20])
@@ -128,7 +128,7 @@ def test_packed_continued_hops_keep_the_padded_solves_caches(chunk):
             caches[name] = solve_continued(flow, jobs, caches[name], [True] * 3)[1]
         for a, b in zip(caches["padded"], caches["packed"]):
             assert a.frames == b.frames
-            torch.testing.assert_close(b.kv, a.kv, rtol=0, atol=1e-12)
+            torch.testing.assert_close(b.keys_values(), a.keys_values(), rtol=0, atol=1e-12)
             torch.testing.assert_close(b.tails, a.tails, rtol=0, atol=1e-12)
 
 

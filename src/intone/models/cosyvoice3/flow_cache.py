@@ -10,12 +10,11 @@ next hop solves only its new frames against them: the same mel, with the prefix'
 values and the rest of its DiT pass) done once. The final hop attends to every frame, so it re-solves
 the whole utterance, as officially; under `cosyvoice3.flow.final_hop: continued` (a request's `full_from`) it
 too goes on from the cache: its new frames attend to every frame, the earlier ones keep the states their
-chunk-masked hops gave them (not the official output: only the final chunk's audio can differ).
+chunk-masked hops gave them (not the official output: only the final chunk's audio can differ). The caches
+live in a `FlowCachePool` (fixed memory, in blocks of a chunk).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,23 +22,10 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT
 from intone.models.cosyvoice3.flow import FlowRequest, cosine_euler_steps
+from intone.models.cosyvoice3.flow_cache_pool import FlowCache, FlowCachePool
 from intone.models.cosyvoice3.packing import continued_packing
 
-
-@dataclass(eq=False)  # identity: the vocoder keeps a weak set of them
-class FlowCache:
-    """A stream's solved frames [0, frames): per Euler step, every layer's keys and values
-    `kv` [steps, layers, 2 (keys, values), 2 (conditioned, unconditioned rows), heads, frames, head size],
-    and the input embedding's last `pad` frames before each of its two convolutions
-    `tails` [steps, 2, 2 (rows), pad, dim]."""
-
-    frames: int
-    kv: Tensor
-    tails: Tensor
-
-    @property
-    def bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size() + self.tails.numel() * self.tails.element_size()
+DEFAULT_POOL_BYTES = 2**30  # a flow's own pool, where the caller gives none (tests, tools)
 
 
 def continued_mask(dit: DiT, past: Tensor, new: Tensor, chunked: Tensor, rows: int, width: int):
@@ -66,24 +52,59 @@ def continued_mask(dit: DiT, past: Tensor, new: Tensor, chunked: Tensor, rows: i
     return torch.where((q[None, :, None] < new[:, None, None]), seen, keys[:, None, :])[:, None]
 
 
-def _gather(caches: list[FlowCache | None], step: int, width: int, like: Tensor) -> list[tuple]:
-    """Per layer, the past (keys, values) [2 * rows, heads, width, head size] of every row at this step
-    (rows without a cache: zeros, which the mask hides)."""
-    rows = len(caches)
-    layers, _, _, heads, _, size = like.shape[1:]
-    buf = like.new_zeros(layers, 2, 2 * rows, heads, width, size)
-    for b, cache in enumerate(caches):
-        if cache is not None:
-            buf[:, :, [b, rows + b], :, : cache.frames] = cache.kv[step]
-    return [(buf[i, 0], buf[i, 1]) for i in range(layers)]
+def _padded_past(pool: FlowCachePool, caches: list[FlowCache | None], step: int, width: int) -> list[tuple] | None:
+    """Per layer, the past (keys, values) [2 * rows, heads, width, head size] of every row at this step (rows
+    without a cache: zeros, which the mask hides); None when no row has a cache."""
+    if not any(c is not None for c in caches):
+        return None
+    chunk = pool.kv.shape[4]
+    both = pool.past(caches, step, width // chunk).unflatten(2, (2 * len(caches), width)).transpose(3, 4)
+    return [(layer[0], layer[1]) for layer in both]
+
+
+class _Blocks:
+    """A call's new cache blocks: per kept row its conditioned and unconditioned blocks (None: not kept), and
+    every kept row's in the order a step stores them (conditioned rows, then unconditioned), on the device."""
+
+    def __init__(self, pool: FlowCachePool, keep: list[bool], new: list[int], chunk: int):
+        self.pool = pool
+        self.rows = [pool.allocate(2 * n // chunk) if k else None for k, n in zip(keep, new)]
+        self.keep = [b is not None for b in self.rows]
+        halves = [(b[: len(b) // 2], b[len(b) // 2:]) if b is not None else None for b in self.rows]
+        self.halves = halves
+        order = [i for h in (0, 1) for half in halves if half is not None for i in half[h]]
+        self.order = torch.tensor(order, dtype=torch.long, device=pool.kv.device)
+
+    def release(self) -> None:
+        for b in self.rows:
+            if b is not None:
+                self.pool.release(b)
+
+
+def _pool_for(flow, pool: FlowCachePool | None, requests: list) -> FlowCachePool:
+    """The pool the call keeps its caches in (the flow's own where none is given), allocated for the DiT's
+    keys and values in the dtype they are computed in."""
+    if pool is None:
+        if getattr(flow, "cache_pool", None) is None:
+            flow.cache_pool = FlowCachePool(DEFAULT_POOL_BYTES)
+        pool = flow.cache_pool
+    dit = flow.decoder.estimator
+    device = requests[0].speaker.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
+        else next(dit.parameters()).dtype
+    cfg = dit.config
+    pool.ensure(flow.decoder.n_timesteps, cfg.depth, cfg.heads, cfg.dim_head, cfg.static_chunk_size, dtype, device)
+    return pool
 
 
 @torch.inference_mode()
-def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: list[bool], pause=None):
+def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: list[bool], pause=None,
+                    pool: FlowCachePool | None = None):
     """Each request's mel from frame max(prompt mel, its cache's frames) to its end, and its new cache
-    (None where keep is false, and where the hop does not end on a chunk boundary: a later hop could not
-    continue from it). A request's cache must come from its own earlier non-final hop."""
-    cfm, dit = flow.decoder, flow.decoder.estimator
+    (None where keep is false, where the hop does not end on a chunk boundary (a later hop could not
+    continue from it), and where the pool has no room). A request's cache must come from its own earlier
+    non-final hop, in this pool (None: the flow's own)."""
+    dit = flow.decoder.estimator
     lengths = flow.mel_lengths(requests)
     starts = [c.frames if c is not None else 0 for c in caches]
     chunk = dit.config.static_chunk_size
@@ -92,9 +113,25 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
         if c is not None and ((not r.streaming and r.full_from is None) or (chunk > 0 and c.frames % chunk)):
             raise ValueError("a flow cache continues only a streamed row or a continued final hop (full_from), "
                              "from a chunk boundary")
-    keep = [k and r.streaming and not (chunk > 0 and n % chunk) for k, r, n in zip(keep, requests, lengths)]
-    if dit.attention_kernel == "varlen":
-        return _solve_packed(flow, requests, caches, keep, lengths, starts, chunked, pause)
+    pool = _pool_for(flow, pool, requests)
+    if any(c is not None and c.pool is not pool for c in caches):
+        raise ValueError("a flow cache continues only in its own pool")
+    # no chunk mask: an earlier frame's state changes with later frames, so there is nothing to keep
+    keep = [k and r.streaming and chunk > 0 and not n % chunk for k, r, n in zip(keep, requests, lengths)]
+    blocks = _Blocks(pool, keep, [n - s for n, s in zip(lengths, starts)], chunk)
+    solve = _solve_packed if dit.attention_kernel == "varlen" else _solve_padded
+    try:
+        mels, tails = solve(flow, requests, caches, blocks, lengths, starts, chunked, pause)
+    except BaseException:
+        blocks.release()
+        raise
+    return mels, _results(pool, caches, blocks, lengths, tails)
+
+
+def _solve_padded(flow, requests: list, caches: list, blocks: _Blocks, lengths: list[int], starts: list[int],
+                  chunked: list[int], pause=None) -> tuple[list, list]:
+    """`solve_continued` with the rows right-padded (the sdpa and flex kernels): (mels, new tails per row)."""
+    cfm, dit = flow.decoder, flow.decoder.estimator
     mu, cond, spks, _, _ = flow.solve_inputs(requests)
     new = [n - s for n, s in zip(lengths, starts)]
     rows = max(max(new), FLEX_BLOCK + 1 if dit.attention_kernel == "flex" else 1)  # flex: two blocks at least
@@ -113,20 +150,18 @@ def solve_continued(flow, requests: list, caches: list[FlowCache | None], keep: 
     valid = in_row.repeat(2, 1)
     rope = dit.rotary_embed.at(pos.repeat(2, 1))
     mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
-    like = next((c.kv for c in caches if c is not None), None)
     pad = dit.input_embed.conv_pos_embed.pad
-    segments: list[Tensor | None] = [None] * b  # the kept rows' new frames' keys and values, per step
     tails: list[Tensor | None] = [None] * b
     def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        past = _gather(caches, step, width, like) if like is not None else None
+        past = _padded_past(blocks.pool, caches, step, width)
         tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
         xin = x.to(mu2.dtype)
         v, kvs, seqs = dit.forward_continued(torch.cat((xin, xin)), mu2, cond2, spks2, t.to(mu2.dtype).expand(2 * b),
                                              mask, valid, rope, past, tail_in)
-        _keep_step(kvs, seqs, step, new, keep, segments, tails, pad, cfm.n_timesteps)
+        _keep_step(kvs, seqs, step, new, blocks, tails, pad, cfm.n_timesteps)
         return v.to(state).chunk(2)
     x = _euler(cfm, x, velocity, pause)
-    return _results(requests, caches, keep, lengths, starts, [x[i, : new[i]] for i in range(b)], segments, tails)
+    return _mels(requests, starts, [x[i, : new[i]] for i in range(b)]), tails
 
 
 def reference_ahead(flow, prompt_tokens: Tensor, prompt_mel: Tensor, speaker: Tensor) -> FlowRequest | None:
@@ -185,45 +220,54 @@ def _gather_tails(caches: list[FlowCache | None], step: int, rows: int, pad: int
     return buf[0], buf[1]
 
 
-def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], keep: list[bool], segments: list, tails: list,
-               pad: int, steps: int) -> None:
+def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], blocks: _Blocks, tails: list, pad: int,
+               steps: int) -> None:
     """Store this step's keys, values and embedding tails of the rows whose cache goes on."""
     rows = len(new)
-    kept = [i for i, k in enumerate(keep) if k]
+    kept = [i for i, k in enumerate(blocks.keep) if k]
     if not kept:
         return
     both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, 2 * rows, H, T, d]
+    parts = [both[:, :, at + b, :, : new[b]].transpose(2, 3) for at in (0, rows) for b in kept]
+    blocks.pool.store(step, blocks.order, torch.cat(parts, dim=2))
     for b in kept:
-        n = new[b]
-        # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at n (slices: an index list would
-        # be copied to the device)
-        _store(segments, tails, b, step, steps, both[:, :, b::rows, :, :n],
-               torch.stack([seq[b::rows, n: n + pad] for seq in seqs]))
+        # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at its new frames' end (slices: an
+        # index list would be copied to the device)
+        _store_tail(tails, b, step, steps, torch.stack([seq[b::rows, new[b]: new[b] + pad] for seq in seqs]))
 
 
-def _store(segments: list, tails: list, b: int, step: int, steps: int, kv: Tensor, tail: Tensor) -> None:
-    """Row b's keys and values [layers, 2, 2 (rows), H, n, d] and embedding tails [2, 2 (rows), pad, dim] at
-    this step, into its new cache's (made at its first step)."""
-    if segments[b] is None:
-        segments[b], tails[b] = kv.new_empty(steps, *kv.shape), tail.new_empty(steps, *tail.shape)
-    segments[b][step], tails[b][step] = kv, tail
+def _store_tail(tails: list, b: int, step: int, steps: int, tail: Tensor) -> None:
+    """Row b's embedding tails [2, 2 (rows), pad, dim] at this step, into its new cache's (made at its first step)."""
+    if tails[b] is None:
+        tails[b] = tail.new_empty(steps, *tail.shape)
+    tails[b][step] = tail
 
 
-def _results(requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
-             new_mels: list[Tensor], segments: list, tails: list) -> tuple[list, list]:
-    """Each request's mel from frame max(prompt mel, its cache's frames) (new_mels: its solved frames [n, mel],
-    from its cache's end), and its new cache (None where not kept)."""
-    mels, out = [], []
-    for i, r in enumerate(requests):
-        mels.append(new_mels[i][max(r.prompt_mel.shape[0] - starts[i], 0):].float().T.contiguous())
-        kv = segments[i] if caches[i] is None or not keep[i] else torch.cat((caches[i].kv, segments[i]), dim=5)
-        out.append(FlowCache(lengths[i], kv, tails[i]) if keep[i] else None)
-    return mels, out
+def _mels(requests: list, starts: list[int], new_mels: list[Tensor]) -> list[Tensor]:
+    """Each request's mel [mel, frames] from frame max(prompt mel, its cache's frames) (new_mels: its solved
+    frames [n, mel], from its cache's end)."""
+    return [m[max(r.prompt_mel.shape[0] - s, 0):].float().T.contiguous() for r, s, m in zip(requests, starts, new_mels)]
 
 
-def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths: list[int], starts: list[int],
-                  chunked: list[int], pause=None):
-    """`solve_continued` with the varlen kernel: the rows' new frames packed end to end, each attending to its
+def _results(pool: FlowCachePool, caches: list, blocks: _Blocks, lengths: list[int], tails: list) -> list:
+    """Each row's new cache: its earlier hops' blocks (one more reference each) and this hop's (None where
+    not kept)."""
+    out = []
+    for i, half in enumerate(blocks.halves):
+        if half is None:
+            out.append(None)
+            continue
+        cond, uncond, old = half[0], half[1], caches[i]
+        if old is not None:
+            pool.retain(old.cond + old.uncond)
+            cond, uncond = old.cond + cond, old.uncond + uncond
+        out.append(pool.cache(lengths[i], cond, uncond, tails[i]))
+    return out
+
+
+def _solve_packed(flow, requests: list, caches: list, blocks: _Blocks, lengths: list[int], starts: list[int],
+                  chunked: list[int], pause=None) -> tuple[list, list]:
+    """`_solve_padded` with the varlen kernel: the rows' new frames packed end to end, each attending to its
     past keys and its new frames (`packing.continued_packing`): no padding computed, no mask read."""
     cfm, dit = flow.decoder, flow.decoder.estimator
     b, pad = len(requests), dit.input_embed.conv_pos_embed.pad
@@ -238,39 +282,38 @@ def _solve_packed(flow, requests: list, caches: list, keep: list[bool], lengths:
     mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
     mu_p, cond_p = (y.reshape(-1, y.shape[-1])[packing.frames][None] for y in (mu2, cond2))
     x = cfm.noise[0].T[packing.positions[:half]].to(state)
-    like = next((c.kv for c in caches if c is not None), None)
-    segments: list[Tensor | None] = [None] * b
+    has_past = any(c is not None for c in caches)
+    slots = _kept_slots(new, blocks.keep, dev)
     tails: list[Tensor | None] = [None] * b
     def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        past = _packed_past(caches, step) if like is not None else None
+        past = [(layer[0], layer[1]) for layer in blocks.pool.past(caches, step)] if has_past else None
         tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
         xin = x.to(mu2.dtype)
         v, kvs, layouts = dit.forward_continued_packed(torch.cat((xin, xin))[None], mu_p, cond_p, spks2,
                                                        t.to(mu2.dtype).expand(2 * b), packing, past, tail_in)
-        _keep_packed_step(kvs, layouts, packing, step, new, keep, segments, tails, cfm.n_timesteps)
+        _keep_packed_step(kvs, layouts, packing, step, new, blocks, slots, tails, cfm.n_timesteps)
         return v[0].to(state).split(half)
     x = _euler(cfm, x, velocity, pause)
-    return _results(requests, caches, keep, lengths, starts, list(x.split(new)), segments, tails)
+    return _mels(requests, starts, list(x.split(new))), tails
 
 
-def _packed_past(caches: list[FlowCache | None], step: int) -> list[tuple[Tensor, Tensor]]:
-    """Per layer, the rows' past (keys, values) [P, heads, head size] at this step, packed in the doubled rows'
-    order (conditioned rows, then unconditioned; a row without a cache has none)."""
-    parts = [c.kv[step][:, :, cfg].transpose(2, 3) for cfg in (0, 1) for c in caches if c is not None]
-    both = torch.cat(parts, dim=2)  # [layers, 2, P, heads, size]
-    return [(layer[0], layer[1]) for layer in both]
+def _kept_slots(new: list[int], keep: list[bool], device) -> Tensor:
+    """The packed slots of the kept rows' new frames, in the order their blocks are stored (`_Blocks.order`):
+    the conditioned rows', then the unconditioned rows' (a row's at the same offset in the second half)."""
+    starts, half = torch.tensor([0, *new]).cumsum(0).tolist(), sum(new)
+    kept = [b for b, k in enumerate(keep) if k]
+    slots = [at + i for at in (0, half) for b in kept for i in range(starts[b], starts[b] + new[b])]
+    return torch.tensor(slots, dtype=torch.long, device=device)
 
 
-def _keep_packed_step(kvs: list, layouts: list, packing, step: int, new: list[int], keep: list[bool],
-                      segments: list, tails: list, steps: int) -> None:
+def _keep_packed_step(kvs: list, layouts: list, packing, step: int, new: list[int], blocks: _Blocks, slots: Tensor,
+                      tails: list, steps: int) -> None:
     """`_keep_step` from packed keys and values [S, heads, size] and the convolutions' input layouts."""
-    kept = [i for i, k in enumerate(keep) if k]
+    kept = [i for i, k in enumerate(blocks.keep) if k]
     if not kept:
         return
-    rows, half = len(new), sum(new)
+    rows = len(new)
     both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, S, H, d]
-    starts = torch.tensor([0, *new]).cumsum(0).tolist()
+    blocks.pool.store(step, blocks.order, both.index_select(2, slots))
     for b in kept:
-        kv = [both[:, :, at + starts[b]: at + starts[b] + new[b]].transpose(2, 3) for at in (0, half)]
-        _store(segments, tails, b, step, steps, torch.stack(kv, dim=2),
-               torch.stack([layout[0, packing.ends[b::rows]] for layout in layouts]))
+        _store_tail(tails, b, step, steps, torch.stack([layout[0, packing.ends[b::rows]] for layout in layouts]))

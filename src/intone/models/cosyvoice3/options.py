@@ -53,9 +53,10 @@ class FlowOptions(_Strict):
                                            "hops, and a hop solves only its new frames: the official whole-prefix "
                                            "solve's mel, with less work; ~1.8 MB a mel frame in bf16 at real size "
                                            "(not with cuda_graphs; with the varlen kernel, packed)")
-    cache_gb: float = Field(32.0, gt=0, description="with cache: the most GB the streams' flow caches may hold "
-                            "together (~1.8 MB a mel frame of a stream in bf16 at real size; a minute-long stream "
-                            "~5 GB). A hop whose cache would not fit keeps none: its stream's next hop solves its "
+    cache_gb: float = Field(32.0, gt=0, description="with cache: the most GB of the streams' flow cache pool, "
+                            "allocated at the first served hop (on a GPU, never more than was free then less 10% of "
+                            "the device; ~1.8 MB a mel frame of a stream in bf16 at real size; a minute-long stream "
+                            "~5 GB). A hop the pool has no room for keeps no cache: its stream's next hop solves its "
                             "whole prefix again, the same mel at more work")
     reference_ahead: bool = Field(False, description="streaming, with cache: at admission, solve the whole chunks of "
                                   "a stream's reference that no generated token reaches (~3/4 of its first hop's "

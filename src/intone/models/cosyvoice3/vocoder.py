@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -32,7 +31,8 @@ from torch import Tensor
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows, graph_shape
-from intone.models.cosyvoice3.flow_cache import FlowCache, solve_continued
+from intone.models.cosyvoice3.flow_cache import solve_continued
+from intone.models.cosyvoice3.flow_cache_pool import FlowCache, FlowCachePool
 from intone.models.cosyvoice3.hift import HIFT_FRAME_BUCKET
 from intone.models.cosyvoice3.hift import graph_shape as hift_graph_shape
 from intone.models.cosyvoice3.hift_source import SourceWindow
@@ -113,7 +113,8 @@ class CosyVocoder(Vocoder):
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
         frames against it (`flow_cache.solve_continued`). final_continued (with flow_cache): a stream's final
         hop goes on from it too (`final_job`), where officially it re-solves the whole utterance with full
-        attention. cache_bytes: the most the kept flow caches may hold together (None: no bound; `_within_budget`).
+        attention. cache_bytes: the most the flow caches' pool takes (`FlowCachePool`; a hop it has no room
+        for keeps no cache).
         graph_frames: the longest flow call that
         `capture_graphs` gives a graph (None: no graphs). hift_graph_frames: the longest HiFT window that
         `capture_graphs` gives a graph (None: none)."""
@@ -123,9 +124,8 @@ class CosyVocoder(Vocoder):
         self.call_cost, self.hift_call_cost = call_cost, hift_call_cost
         self.flow_cache = flow_cache
         self.final_continued = final_continued and flow_cache
-        self.cache_bytes = cache_bytes
-        self._caches = weakref.WeakSet()  # the flow caches kept on streams' states (gone with their requests)
-        self.flow_cache_refused = 0  # hops that kept no cache for want of room
+        # the streams' flow caches, allocated at the first served hop (start-up has left what it needs)
+        self.pool = FlowCachePool(cache_bytes if cache_bytes is not None else 2**62)
         self.references_ahead = 0  # references solved ahead of their streams' first hops (`prepare` windows)
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
@@ -199,8 +199,9 @@ class CosyVocoder(Vocoder):
                 # a later call where they differ compiles again: real size, a minute each).
                 first, second = ([replace(dummy[0][1], tokens=torch.zeros(n, dtype=torch.long, device=dev))] * 3
                                  for n in (73, 98))
-                kept = solve_continued(self.model.flow, first, [None] * 3, [True] * 3)[1]
-                solve_continued(self.model.flow, second, kept, [True] * 3)
+                pool = FlowCachePool(2**30)  # its own: the served pool is sized after start-up
+                kept = solve_continued(self.model.flow, first, [None] * 3, [True] * 3, pool=pool)[1]
+                solve_continued(self.model.flow, second, kept, [True] * 3, pool=pool)
 
     @property
     def gpu_seconds(self) -> float:
@@ -293,7 +294,7 @@ class CosyVocoder(Vocoder):
         frames = [0] * len(jobs)  # each job's conditioned mel frames
         for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live])):
             frames[i] = n
-        keep = self._within_budget(frames, given, [self.flow_cache and not w.finished for w in windows])
+        keep = [self.flow_cache and not w.finished for w in windows]
         ratio = model.flow.config.token_mel_ratio
         # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead) and
         # (flow_cache) are not solved already
@@ -306,7 +307,7 @@ class CosyVocoder(Vocoder):
             with self._autocast():
                 if self.flow_cache:
                     mels, kept = solve_continued(model.flow, [jobs[i] for i in idx], [given[i] for i in idx],
-                                                 [keep[i] for i in idx], pause)
+                                                 [keep[i] for i in idx], pause, self.pool)
                 else:
                     flow_graphs = self.graphs if self.graph_frames else None
                     mels, kept = model.flow.inference([jobs[i] for i in idx], flow_graphs, pause), [None] * len(idx)
@@ -315,7 +316,6 @@ class CosyVocoder(Vocoder):
                 self.padded_tokens += sum(lengths[g] for g in group) if packed else \
                     len(group) * max(lengths[g] for g in group)
                 self.useful_tokens += sum(lengths[g] for g in group)
-                self._caches.update(flow for flow in kept if flow is not None)
                 self.references_ahead += sum(windows[i].prepare and flow is not None for i, flow in zip(idx, kept))
             for i, mel, flow in zip(idx, mels, kept):
                 # mel starts at the prompt's end or (continued) the cache's, whichever is later
@@ -326,39 +326,13 @@ class CosyVocoder(Vocoder):
 
     @property
     def flow_cache_bytes(self) -> int:
-        """What the streams' kept flow caches hold now."""
-        with self._counting:
-            caches = list(self._caches)
-        return sum(cache.bytes for cache in caches)
+        """What the streams' kept flow caches hold now (their pool blocks)."""
+        return self.pool.used_bytes
 
-    def _within_budget(self, frames: list[int], given: list, keep: list[bool]) -> list[bool]:
-        """keep, less the rows (of `frames` mel frames each) whose new cache would take the kept caches past
-        `cache_bytes` (in order; a row's new cache replaces the one it continues). The mel does not depend on
-        it: a stream without a cache solves its next hop's whole prefix, chunk-masked as the cache would have
-        kept it."""
-        if self.cache_bytes is None or not any(keep):
-            return keep
-        per_frame, per_cache = self._cache_sizes()
-        need = [per_cache + per_frame * n if n else 0 for n in frames]
-        room = self.cache_bytes - self.flow_cache_bytes
-        room += sum(g.bytes for g, k in zip(given, keep) if k and g is not None)
-        out = []
-        for k, n in zip(keep, need):
-            fits = k and n <= room
-            room -= n if fits else 0
-            out.append(fits)
-        with self._counting:
-            self.flow_cache_refused += sum(k and not f for k, f in zip(keep, out))
-        return out
-
-    def _cache_sizes(self) -> tuple[int, int]:
-        """A flow cache's bytes per mel frame (every Euler step's keys and values, every layer's, both CFG rows')
-        and its fixed part (the input embedding's context before each of its two convolutions, per step and row)."""
-        dit = self.model.flow.decoder.estimator
-        cfg, steps = dit.config, self.model.flow.config.n_timesteps
-        itemsize = (self.autocast or next(dit.parameters()).dtype).itemsize
-        pad = dit.input_embed.conv_pos_embed.pad
-        return steps * cfg.depth * 2 * 2 * cfg.heads * cfg.dim_head * itemsize, steps * 2 * 2 * pad * cfg.dim * itemsize
+    @property
+    def flow_cache_refused(self) -> int:
+        """Hops that kept no flow cache for want of pool room."""
+        return self.pool.refused
 
     def final_job(self, window: CodecWindow, job: FlowRequest | None) -> FlowRequest | None:
         """A stream's final hop under final_continued: its frames from its first token on attend to every
