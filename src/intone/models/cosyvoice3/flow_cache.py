@@ -52,14 +52,46 @@ def continued_mask(dit: DiT, past: Tensor, new: Tensor, chunked: Tensor, rows: i
     return torch.where((q[None, :, None] < new[:, None, None]), seen, keys[:, None, :])[:, None]
 
 
-def _padded_past(pool: FlowCachePool, caches: list[FlowCache | None], step: int, width: int) -> list[tuple] | None:
+def _padded_past(pool: FlowCachePool, index: Tensor | None, step: int, rows: int, width: int) -> list[tuple] | None:
     """Per layer, the past (keys, values) [2 * rows, heads, width, head size] of every row at this step (rows
-    without a cache: zeros, which the mask hides); None when no row has a cache."""
-    if not any(c is not None for c in caches):
+    without a cache: zeros, which the mask hides; index: `past_index`, padded); None when no row has a cache."""
+    if index is None:
         return None
-    chunk = pool.kv.shape[4]
-    both = pool.past(caches, step, width // chunk).unflatten(2, (2 * len(caches), width)).transpose(3, 4)
+    both = pool.past(step, index).unflatten(2, (2 * rows, width)).transpose(3, 4)
     return [(layer[0], layer[1]) for layer in both]
+
+
+class _Tails:
+    """The input embedding's context of a call's rows: the caches' (`given`, [steps, 2 (convolutions),
+    2 * rows, pad, dim], zeros for a row without a cache: the convolutions' own zero padding; None when no row
+    has one), gathered once per call, and the kept rows' new ones, written once per step for all of them."""
+
+    def __init__(self, caches: list, keep: list[bool], steps: int, pad: int, like: Tensor):
+        rows, have = len(caches), [(b, c) for b, c in enumerate(caches) if c is not None]
+        self.given = None
+        if have:
+            t = have[0][1].tails
+            buf = t.new_zeros(steps, 2, 2, rows, pad, t.shape[-1])
+            for b, c in have:
+                buf[:, :, :, b] = c.tails
+            self.given = buf.flatten(2, 3)
+        self.kept = [b for b, k in enumerate(keep) if k]
+        self.doubled = torch.tensor(self.kept + [rows + b for b in self.kept], dtype=torch.long, device=like.device)
+        self.new = None
+        self.steps = steps
+
+    def at(self, step: int) -> tuple[Tensor, Tensor] | None:
+        return None if self.given is None else (self.given[step, 0], self.given[step, 1])
+
+    def store(self, step: int, tails: Tensor) -> None:
+        """The kept rows' tails at this step [2 (convolutions), 2 * kept (conditioned, then unconditioned), pad, dim]."""
+        if self.new is None:
+            self.new = tails.new_empty(self.steps, 2, 2, len(self.kept), *tails.shape[2:])
+        self.new[step] = tails.unflatten(1, (2, len(self.kept)))
+
+    def of(self) -> dict[int, Tensor]:
+        """Each kept row's tails [steps, 2, 2 (rows), pad, dim]."""
+        return {b: self.new[:, :, :, k].clone() for k, b in enumerate(self.kept)} if self.new is not None else {}
 
 
 class _Blocks:
@@ -151,17 +183,20 @@ def _solve_padded(flow, requests: list, caches: list, blocks: _Blocks, lengths: 
     rope = dit.rotary_embed.at(pos.repeat(2, 1))
     mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
     pad = dit.input_embed.conv_pos_embed.pad
-    tails: list[Tensor | None] = [None] * b
+    tails = _Tails(caches, blocks.keep, cfm.n_timesteps, pad, mu)
+    # the kept rows' last pad frames (ending at their new frames' end) in each convolution's input [2 * rows, pad + T]
+    ends = torch.tensor([new[k] for k in tails.kept] * 2, dtype=torch.long, device=dev)
+    tail_frames = ends[:, None] + torch.arange(pad, device=dev)[None]
+    index = blocks.pool.past_index(caches, width // dit.config.static_chunk_size) if width else None
     def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        past = _padded_past(blocks.pool, caches, step, width)
-        tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
+        past = _padded_past(blocks.pool, index, step, b, width)
         xin = x.to(mu2.dtype)
         v, kvs, seqs = dit.forward_continued(torch.cat((xin, xin)), mu2, cond2, spks2, t.to(mu2.dtype).expand(2 * b),
-                                             mask, valid, rope, past, tail_in)
-        _keep_step(kvs, seqs, step, new, blocks, tails, pad, cfm.n_timesteps)
+                                             mask, valid, rope, past, tails.at(step))
+        _keep_step(kvs, seqs, step, new, blocks, tails, tail_frames)
         return v.to(state).chunk(2)
     x = _euler(cfm, x, velocity, pause)
-    return _mels(requests, starts, [x[i, : new[i]] for i in range(b)]), tails
+    return _mels(requests, starts, [x[i, : new[i]] for i in range(b)]), tails.of()
 
 
 def reference_ahead(flow, prompt_tokens: Tensor, prompt_mel: Tensor, speaker: Tensor) -> FlowRequest | None:
@@ -207,40 +242,18 @@ def _euler(cfm, x: Tensor, velocity, pause=None) -> Tensor:
     return x
 
 
-def _gather_tails(caches: list[FlowCache | None], step: int, rows: int, pad: int, dim: int, like: Tensor) -> tuple:
-    """The input embedding's context before each row's new frames: (before proj's conv, before the second
-    conv) [2 * rows, pad, dim]; zeros for a row without a cache (the convolutions' own zero padding)."""
-    dtype = next((c.tails.dtype for c in caches if c is not None), None)
-    if dtype is None:
-        return None
-    buf = torch.zeros(2, 2 * rows, pad, dim, dtype=dtype, device=like.device)
-    for b, cache in enumerate(caches):
-        if cache is not None:
-            buf[:, b], buf[:, rows + b] = cache.tails[step, :, 0], cache.tails[step, :, 1]
-    return buf[0], buf[1]
-
-
-def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], blocks: _Blocks, tails: list, pad: int,
-               steps: int) -> None:
-    """Store this step's keys, values and embedding tails of the rows whose cache goes on."""
+def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], blocks: _Blocks, tails: _Tails,
+               tail_frames: Tensor) -> None:
+    """Store this step's keys, values and embedding tails of the rows whose cache goes on (tail_frames
+    [2 * kept, pad]: where each kept doubled row's last pad frames lie in the convolutions' inputs)."""
     rows = len(new)
-    kept = [i for i, k in enumerate(blocks.keep) if k]
+    kept = tails.kept
     if not kept:
         return
     both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, 2 * rows, H, T, d]
     parts = [both[:, :, at + b, :, : new[b]].transpose(2, 3) for at in (0, rows) for b in kept]
     blocks.pool.store(step, blocks.order, torch.cat(parts, dim=2))
-    for b in kept:
-        # seq [2 * rows, pad + frames, dim]: a row's last pad frames end at its new frames' end (slices: an
-        # index list would be copied to the device)
-        _store_tail(tails, b, step, steps, torch.stack([seq[b::rows, new[b]: new[b] + pad] for seq in seqs]))
-
-
-def _store_tail(tails: list, b: int, step: int, steps: int, tail: Tensor) -> None:
-    """Row b's embedding tails [2, 2 (rows), pad, dim] at this step, into its new cache's (made at its first step)."""
-    if tails[b] is None:
-        tails[b] = tail.new_empty(steps, *tail.shape)
-    tails[b][step] = tail
+    tails.store(step, torch.stack([seq[tails.doubled[:, None], tail_frames] for seq in seqs]))
 
 
 def _mels(requests: list, starts: list[int], new_mels: list[Tensor]) -> list[Tensor]:
@@ -282,19 +295,19 @@ def _solve_packed(flow, requests: list, caches: list, blocks: _Blocks, lengths: 
     mu2, cond2, spks2 = (torch.cat((y, torch.zeros_like(y))) for y in (mu, cond, spks))
     mu_p, cond_p = (y.reshape(-1, y.shape[-1])[packing.frames][None] for y in (mu2, cond2))
     x = cfm.noise[0].T[packing.positions[:half]].to(state)
-    has_past = any(c is not None for c in caches)
+    index = blocks.pool.past_index(caches) if any(c is not None for c in caches) else None
     slots = _kept_slots(new, blocks.keep, dev)
-    tails: list[Tensor | None] = [None] * b
+    tails = _Tails(caches, blocks.keep, cfm.n_timesteps, pad, mu)
+    tail_slots = packing.ends[tails.doubled]  # [2 * kept, pad]: the kept rows' last pad slots of each layout
     def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        past = [(layer[0], layer[1]) for layer in blocks.pool.past(caches, step)] if has_past else None
-        tail_in = _gather_tails(caches, step, b, pad, dit.config.dim, mu2)
+        past = [(layer[0], layer[1]) for layer in blocks.pool.past(step, index)] if index is not None else None
         xin = x.to(mu2.dtype)
         v, kvs, layouts = dit.forward_continued_packed(torch.cat((xin, xin))[None], mu_p, cond_p, spks2,
-                                                       t.to(mu2.dtype).expand(2 * b), packing, past, tail_in)
-        _keep_packed_step(kvs, layouts, packing, step, new, blocks, slots, tails, cfm.n_timesteps)
+                                                       t.to(mu2.dtype).expand(2 * b), packing, past, tails.at(step))
+        _keep_packed_step(kvs, layouts, step, blocks, slots, tails, tail_slots)
         return v[0].to(state).split(half)
     x = _euler(cfm, x, velocity, pause)
-    return _mels(requests, starts, list(x.split(new))), tails
+    return _mels(requests, starts, list(x.split(new))), tails.of()
 
 
 def _kept_slots(new: list[int], keep: list[bool], device) -> Tensor:
@@ -306,14 +319,11 @@ def _kept_slots(new: list[int], keep: list[bool], device) -> Tensor:
     return torch.tensor(slots, dtype=torch.long, device=device)
 
 
-def _keep_packed_step(kvs: list, layouts: list, packing, step: int, new: list[int], blocks: _Blocks, slots: Tensor,
-                      tails: list, steps: int) -> None:
+def _keep_packed_step(kvs: list, layouts: list, step: int, blocks: _Blocks, slots: Tensor, tails: _Tails,
+                      tail_slots: Tensor) -> None:
     """`_keep_step` from packed keys and values [S, heads, size] and the convolutions' input layouts."""
-    kept = [i for i, k in enumerate(blocks.keep) if k]
-    if not kept:
+    if not tails.kept:
         return
-    rows = len(new)
     both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, S, H, d]
     blocks.pool.store(step, blocks.order, both.index_select(2, slots))
-    for b in kept:
-        _store_tail(tails, b, step, steps, torch.stack([layout[0, packing.ends[b::rows]] for layout in layouts]))
+    tails.store(step, torch.stack([layout[0, tail_slots] for layout in layouts]))

@@ -125,16 +125,19 @@ class FlowCachePool:
         weakref.finalize(out, self.release, cond + uncond)
         return out
 
-    def past(self, caches: list[FlowCache | None], step: int, blocks_per_row: int | None = None) -> Tensor:
-        """The rows' past at this Euler step, [layers, 2, P, heads, size] with P: the conditioned rows' frames
-        end to end, then the unconditioned rows' (packed; rows without a cache have none), or with
-        blocks_per_row, every row padded with zero blocks to that many (P = 2 * rows * blocks_per_row * chunk)."""
+    def past_index(self, caches: list[FlowCache | None], blocks_per_row: int | None = None) -> Tensor:
+        """The blocks of the rows' past, for `past` (once per call): the conditioned rows' end to end, then the
+        unconditioned rows' (packed; rows without a cache have none), or with blocks_per_row, every row padded
+        with the zero block to that many."""
         ids = []
         for side in ("cond", "uncond"):
             for c in caches:
                 own = getattr(c, side) if c is not None else []
                 ids += own if blocks_per_row is None else own + [0] * (blocks_per_row - len(own))
-        index = torch.tensor(ids, device=self.kv.device)
+        return torch.tensor(ids, dtype=torch.long, device=self.kv.device)
+
+    def past(self, step: int, index: Tensor) -> Tensor:
+        """The past at this Euler step of the blocks `past_index` gave: [layers, 2, blocks * chunk, heads, size]."""
         return self.kv[step].index_select(2, index).flatten(2, 3)
 
     def store(self, step: int, blocks: Tensor, kv: Tensor) -> None:
