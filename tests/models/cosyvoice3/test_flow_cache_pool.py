@@ -3,6 +3,7 @@ not share them, never lost (cancel, error, a stream's end), and a hop the pool c
 but its mel is unchanged."""
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ SHAPE = (2, 1, 1, 2, 4)  # steps, layers, heads, head size, chunk
 
 
 def small_pool(blocks: int) -> FlowCachePool:
-    pool = FlowCachePool(blocks * FlowCachePool.block_bytes_of(*SHAPE, torch.float32))
+    pool = FlowCachePool((blocks + 1) * FlowCachePool.block_bytes_of(*SHAPE, torch.float32))  # + the zero block
     pool.ensure(*SHAPE, torch.float32, "cpu")
     assert pool.blocks == blocks
     return pool
@@ -67,9 +68,9 @@ def test_a_solve_that_fails_gives_its_blocks_back_and_a_full_pool_keeps_no_cache
     jobs = [part(f, hop_ends(len(f.prompt_tokens), 90, CHUNK // 2)[0], False) for f in fulls]
     frames = flow.mel_lengths(jobs)
     dit = TINY.dit
-    per_frame = FlowCachePool.block_bytes_of(flow.decoder.n_timesteps, dit.depth, dit.heads, dit.dim_head, CHUNK,
-                                             torch.float64) * 2 // CHUNK  # both CFG rows
-    pool = FlowCachePool(frames[0] * per_frame)  # room for the first stream's cache only
+    block = FlowCachePool.block_bytes_of(flow.decoder.n_timesteps, dit.depth, dit.heads, dit.dim_head, CHUNK,
+                                         torch.float64)
+    pool = FlowCachePool((2 * frames[0] // CHUNK + 1) * block)  # room for the first stream's cache only
 
     def fail():
         raise RuntimeError("cancelled mid-solve")
@@ -82,4 +83,21 @@ def test_a_solve_that_fails_gives_its_blocks_back_and_a_full_pool_keeps_no_cache
         assert_close(mel, flow.inference([job])[0])
     del kept
     gc.collect()
+    assert pool.used_bytes == 0
+
+
+def test_a_cache_collected_while_the_pool_is_locked_gives_its_blocks_back_without_hanging():
+    """A garbage collection can run while a thread holds the pool's lock (inside `allocate`) and collect a cache
+    there: its finalizer must not wait for that lock."""
+    pool = small_pool(4)
+
+    def collect_inside_the_lock():
+        cache = hop(pool, None, 1)
+        with pool._lock:
+            del cache
+            gc.collect()
+    worker = threading.Thread(target=collect_inside_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()
     assert pool.used_bytes == 0

@@ -335,8 +335,7 @@ def test_a_flow_cache_budget_changes_the_work_not_the_audio_and_frees_everything
     """cosyvoice3.flow.cache_gb: with room for about one stream's cache, four concurrent streams keep caches
     where they fit and re-solve their prefixes where not; each stream still releases the official chunks
     (float64), the refusals are counted, and when the streams end no cache is held. The codec runs in the
-    loop (codec.overlap off), so each step's reading falls between calls (within a call a row's new cache and
-    the one it replaces are both held)."""
+    loop (codec.overlap off), so each step's reading falls between calls."""
     refs = voices(4)
     params = [SamplingParams(seed=30 + i, min_new_tokens=90, max_new_tokens=140, top_k=25, top_p=0.8,
                              temperature=1.0) for i in range(4)]

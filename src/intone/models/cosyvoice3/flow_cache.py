@@ -105,7 +105,11 @@ class _Blocks:
         halves = [(b[: len(b) // 2], b[len(b) // 2:]) if b is not None else None for b in self.rows]
         self.halves = halves
         order = [i for h in (0, 1) for half in halves if half is not None for i in half[h]]
-        self.order = torch.tensor(order, dtype=torch.long, device=pool.kv.device)
+        try:
+            self.order = torch.tensor(order, dtype=torch.long, device=pool.kv.device)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         for b in self.rows:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import weakref
 from dataclasses import dataclass
@@ -54,36 +55,48 @@ class FlowCachePool:
     """kv [steps, layers, 2 (keys, values), blocks, chunk, heads, head size]; block 0 holds zeros and is never
     handed out (a padded row's missing past reads it)."""
 
-    def __init__(self, limit_bytes: int, reserve: float = GPU_RESERVE):
-        self.limit_bytes, self.reserve = limit_bytes, reserve
+    def __init__(self, limit_bytes: int, reserve: float = GPU_RESERVE, max_blocks: int | None = None):
+        self.limit_bytes, self.reserve, self.max_blocks = limit_bytes, reserve, max_blocks
         self.kv: Tensor | None = None
         self.block_bytes = 0
         self.refused = 0  # rows that asked for blocks and kept no cache for want of them
         self._refs: list[int] = []
         self._free: list[int] = []
         self._lock = threading.Lock()
+        # releases wait here until the next allocation or reading: a cache's finalizer may run inside a garbage
+        # collection that a thread holding the lock set off, so it only queues its blocks
+        self._released: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
 
     @staticmethod
     def block_bytes_of(steps: int, layers: int, heads: int, size: int, chunk: int, dtype) -> int:
         return steps * layers * 2 * chunk * heads * size * dtype.itemsize
 
     def ensure(self, steps: int, layers: int, heads: int, size: int, chunk: int, dtype, device) -> None:
-        """Allocate the pool at its first use, for caches of this shape."""
+        """Allocate the pool at its first use, for caches of this shape: as many blocks as there is room for,
+        halved while the device refuses them; none (every row refused) when not even two fit."""
         if self.kv is not None:
             return
+        device = torch.device(device)
         self.block_bytes = self.block_bytes_of(steps, layers, heads, size, chunk, dtype)
-        blocks = max(self._room(torch.device(device)) // self.block_bytes, 1)
-        self.kv = torch.empty(steps, layers, 2, blocks + 1, chunk, heads, size, dtype=dtype, device=device)
-        self.kv[:, :, :, 0] = 0
-        self._refs = [0] * (blocks + 1)
-        self._free = list(range(blocks, 0, -1))
+        blocks = self._room(device) // self.block_bytes - 1  # less the zero block
+        blocks = min(blocks, self.max_blocks) if self.max_blocks is not None else blocks
+        while True:
+            blocks = blocks if blocks >= 2 else 0  # a cache takes a block of each CFG row
+            try:
+                kv = torch.empty(steps, layers, 2, blocks + 1, chunk, heads, size, dtype=dtype, device=device)
+                break
+            except torch.OutOfMemoryError:
+                blocks //= 2
+        kv[:, :, :, 0] = 0
+        with self._lock:
+            self._free, self._refs, self.kv = list(range(blocks, 0, -1)), [0] * (blocks + 1), kv
         log.info("flow cache pool: %d blocks of %d frames, %.1f GB", blocks, chunk, blocks * self.block_bytes / 1e9)
 
     def _room(self, device: torch.device) -> int:
         if device.type == "cuda":
+            torch.cuda.empty_cache()  # the allocator's idle segments back to the device: what is free is free
             free, total = torch.cuda.mem_get_info(device)
-            idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            return min(self.limit_bytes, max(free + idle - int(self.reserve * total), 0))
+            return min(self.limit_bytes, max(free - int(self.reserve * total), 0))
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return min(self.limit_bytes, int(CPU_SHARE * physical))
 
@@ -94,11 +107,13 @@ class FlowCachePool:
     @property
     def used_bytes(self) -> int:
         with self._lock:
-            return (self.blocks - len(self._free)) * self.block_bytes if self._refs else 0
+            self._drain()
+            return (self.blocks - len(self._free)) * self.block_bytes
 
     def allocate(self, n: int) -> list[int] | None:
         """n free blocks (one reference each), or None (counted as refused) when fewer are free."""
         with self._lock:
+            self._drain()
             if n > len(self._free):
                 self.refused += 1
                 return None
@@ -108,12 +123,20 @@ class FlowCachePool:
             return out
 
     def retain(self, blocks: list[int]) -> None:
+        """One more reference to blocks a live cache holds (so none of them is waiting to be released)."""
         with self._lock:
             for b in blocks:
                 self._refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
-        with self._lock:
+        self._released.put(blocks)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                blocks = self._released.get_nowait()
+            except queue.Empty:
+                return
             for b in blocks:
                 self._refs[b] -= 1
                 if self._refs[b] == 0:
@@ -142,4 +165,6 @@ class FlowCachePool:
 
     def store(self, step: int, blocks: Tensor, kv: Tensor) -> None:
         """Write these blocks' keys and values at this step: blocks [n] (device), kv [layers, 2, n * chunk, heads, size]."""
+        if blocks.numel() == 0:
+            return
         self.kv[step].index_copy_(2, blocks, kv.unflatten(2, (blocks.shape[0], -1)).to(self.kv.dtype))

@@ -199,7 +199,8 @@ class CosyVocoder(Vocoder):
                 # a later call where they differ compiles again: real size, a minute each).
                 first, second = ([replace(dummy[0][1], tokens=torch.zeros(n, dtype=torch.long, device=dev))] * 3
                                  for n in (73, 98))
-                pool = FlowCachePool(2**30)  # its own: the served pool is sized after start-up
+                # its own (the served pool is sized after start-up), with room for the three streams' caches
+                pool = FlowCachePool(2**62, max_blocks=40)
                 kept = solve_continued(self.model.flow, first, [None] * 3, [True] * 3, pool=pool)[1]
                 solve_continued(self.model.flow, second, kept, [True] * 3, pool=pool)
 
