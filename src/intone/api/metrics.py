@@ -102,6 +102,8 @@ ENGINE_GAUGES = {
     "gpu_reserved_peak_bytes": ("intone_gpu_reserved_peak_bytes", "Peak of intone_gpu_reserved_bytes since start"),
     "codec_flow_cache_bytes": ("intone_codec_flow_cache_bytes", "CosyVoice3: bytes the streams' flow caches hold "
                                "(cosyvoice3.flow.cache)"),
+    "codec_flow_cache_pool_bytes": ("intone_codec_flow_cache_pool_bytes", "CosyVoice3: bytes of the flow caches' "
+                                    "pool (0 until the first streamed flow call sizes it)"),
 }
 
 

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 # a vocoder's own counters (CosyVoice3's), exported as codec_<name>
 CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocoder_seconds", "hift_padded_frames",
-                        "hift_useful_frames", "flow_cache_bytes", "flow_cache_refused")
+                        "hift_useful_frames", "flow_cache_bytes", "flow_cache_pool_bytes",
+                        "flow_cache_refused")
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size

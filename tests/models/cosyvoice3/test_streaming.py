@@ -366,6 +366,7 @@ def test_a_flow_cache_budget_changes_the_work_not_the_audio_and_frees_everything
     gc.collect()
     assert vocoder.flow_cache_bytes == 0
     assert core.snapshot()["codec_flow_cache_bytes"] == 0
+    assert 0 < core.snapshot()["codec_flow_cache_pool_bytes"] <= 300 * per_frame
 
 
 @pytest.mark.parametrize("kernel, final_hop", [("sdpa", "whole"), ("varlen", "continued")])

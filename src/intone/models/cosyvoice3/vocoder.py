@@ -331,6 +331,11 @@ class CosyVocoder(Vocoder):
         return self.pool.used_bytes
 
     @property
+    def flow_cache_pool_bytes(self) -> int:
+        """The flow caches' pool (0 until its first use sizes it)."""
+        return self.pool.blocks * self.pool.block_bytes
+
+    @property
     def flow_cache_refused(self) -> int:
         """Hops that kept no flow cache for want of pool room."""
         return self.pool.refused
