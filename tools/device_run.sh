@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -81,7 +81,10 @@ for stage in "$@"; do
           kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt ${START_T:-300} ] || break; sleep 2; done
         echo "== $name: ready after $(( $(date +%s) - t0 )) s"; grep -i "warm\|graph\|shapes" "$d/server.log" | tail -4
         seed=0
-        for b in ${PAIR_BENCHES:-full stream}; do  # each bench its own clips (seed): no reference cache hits
+        benches=${PAIR_BENCHES:-full stream}
+        python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code != 200)" \
+          2>/dev/null || { echo "== $name: not ready, no bench"; tail -3 "$d/server.log"; benches=; }
+        for b in $benches; do  # each bench its own clips (seed): no reference cache hits
           flag=; [ "$b" = stream ] && flag=--stream; seed=$((seed + 100000))
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
