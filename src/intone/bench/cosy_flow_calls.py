@@ -109,17 +109,24 @@ def run_continued(flow, jobs, caches, groups, device, pool) -> float:
 def where_the_time_goes(fn, device, rows: int = 14) -> str:
     """One run of fn under the profiler: its wall time against the GPU's busy time (launch-bound or not), and
     the ops that took the most GPU time and the most host time."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        fn()
+    prof, busy, kernels = profiled(fn, device)
     wall = 1000 * (time.perf_counter() - start)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kernels) / 1000
     table = prof.key_averages()
     by_gpu = table.table(sort_by="device_time_total" if device.type == "cuda" else "cpu_time_total", row_limit=rows)
     by_host = table.table(sort_by="self_cpu_time_total", row_limit=rows)
-    return f"wall {wall:.1f} ms (profiled), GPU busy {busy:.1f} ms, {len(kernels)} kernels\n{by_gpu}\n{by_host}"
+    return f"wall {wall:.1f} ms (profiled), GPU busy {busy:.1f} ms, {kernels} kernels\n{by_gpu}\n{by_host}"
+
+
+def profiled(fn, device):
+    """One run of fn (synchronized) under the profiler -> (the profile, the GPU's busy ms in it, its kernels)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return prof, sum(e.device_time for e in kernels) / 1000, len(kernels)
 
 
 def first_chunk_jobs(n: int) -> list[tuple[int, int, bool]]:
@@ -162,13 +169,8 @@ def time_first_chunks(model, n: int, device, repeats: int, graphed: bool = False
             fn()
             sync()
             walls.append(1000 * (time.perf_counter() - start))
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            fn()
-            sync()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        out[name] = dict(wall_ms=round(min(walls), 1), gpu_busy_ms=round(sum(e.device_time for e in kernels) / 1000, 1),
-                         kernels=len(kernels))
+        _, busy, kernels = profiled(fn, device)
+        out[name] = dict(wall_ms=round(min(walls), 1), gpu_busy_ms=round(busy, 1), kernels=kernels)
     return out
 
 

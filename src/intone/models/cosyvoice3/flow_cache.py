@@ -100,11 +100,10 @@ class _Blocks:
 
     def __init__(self, pool: FlowCachePool, keep: list[bool], new: list[int], chunk: int):
         self.pool = pool
-        self.rows = [pool.allocate(2 * n // chunk) if k else None for k, n in zip(keep, new)]
-        self.keep = [b is not None for b in self.rows]
-        halves = [(b[: len(b) // 2], b[len(b) // 2:]) if b is not None else None for b in self.rows]
-        self.halves = halves
-        order = [i for h in (0, 1) for half in halves if half is not None for i in half[h]]
+        rows = [pool.allocate(2 * n // chunk) if k else None for k, n in zip(keep, new)]
+        self.halves = [(b[: len(b) // 2], b[len(b) // 2:]) if b is not None else None for b in rows]
+        self.keep = [h is not None for h in self.halves]
+        order = [i for h in (0, 1) for half in self.halves if half is not None for i in half[h]]
         try:
             self.order = torch.tensor(order, dtype=torch.long, device=pool.kv.device)
         except BaseException:
@@ -112,9 +111,9 @@ class _Blocks:
             raise
 
     def release(self) -> None:
-        for b in self.rows:
-            if b is not None:
-                self.pool.release(b)
+        for half in self.halves:
+            if half is not None:
+                self.pool.release(half[0] + half[1])
 
 
 def _pool_for(flow, pool: FlowCachePool | None, requests: list) -> FlowCachePool:

@@ -124,7 +124,7 @@ class CosyVocoder(Vocoder):
         self.call_cost, self.hift_call_cost = call_cost, hift_call_cost
         self.flow_cache = flow_cache
         self.final_continued = final_continued and flow_cache
-        # the streams' flow caches, allocated at the first served hop (start-up has left what it needs)
+        # the streams' flow caches, allocated at the first served flow call (start-up has left what it needs)
         self.pool = FlowCachePool(cache_bytes if cache_bytes is not None else 2**62)
         self.references_ahead = 0  # references solved ahead of their streams' first hops (`prepare` windows)
         self.max_batch = max_batch
@@ -292,14 +292,12 @@ class CosyVocoder(Vocoder):
         out: list[Tensor] = [empty] * len(windows)
         flows: list[FlowCache | None] = [None] * len(windows)
         live = [i for i, job in enumerate(jobs) if job is not None]
-        frames = [0] * len(jobs)  # each job's conditioned mel frames
-        for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live])):
-            frames[i] = n
         keep = [self.flow_cache and not w.finished for w in windows]
         ratio = model.flow.config.token_mel_ratio
         # in tokens, as max_padded_frames counts them, but only those that make mel (no lookahead) and
         # (flow_cache) are not solved already
-        lengths = [(frames[i] - (given[i].frames if given[i] is not None else 0)) // ratio for i in live]
+        lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
+                   for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
             # no padding computed (not with graphs; with the cache, only by the varlen kernel)
