@@ -134,6 +134,6 @@ def test_running_totals_of_the_first_64_ranks_do_not_depend_on_the_shape_on_the_
     x = torch.rand(64, 4097, generator=torch.Generator().manual_seed(rows)).cuda()
     full = running_total(x)[:rows, :64]
     assert torch.equal(running_total(x[:rows, :64]), full)
-    assert torch.equal(running_total(x[:rows]), full)
+    assert torch.equal(running_total(x[:rows])[:, :64], full)
     assert torch.equal(running_total(x[:1, :64]), full[:1])  # a row alone: the same sums
     assert torch.allclose(full, torch.cumsum(x[:rows, :64], dim=-1))

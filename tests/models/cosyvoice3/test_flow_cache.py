@@ -151,9 +151,9 @@ def test_a_cache_continues_only_a_streamed_row_from_a_chunk_boundary(flow):
 def test_on_the_gpu_compiled_hops_in_bf16_stay_near_the_whole_prefix_solves(no_tf32, kernel):
     """As the stage runs it (compiled DiT, flex attention or the varlen kernel's packed hops, bf16 autocast
     without the cast cache): two streams' three hops continued from their caches against the eager SDPA
-    whole-prefix solves: the same mel to bf16 rounding, and no compile after the first call of each kind
-    (no cache, continued)."""
-    from intone.models.cosyvoice3.vocoder import compile_dit
+    whole-prefix solves: the same mel to bf16 rounding, and no compile once the server's start-up calls
+    (`warm_continued`) have compiled both kinds (no cache, continued)."""
+    from intone.models.cosyvoice3.vocoder import compile_batches, compile_dit, warm_continued
 
     flow = make_flow(torch.float32).cuda()
     g = torch.Generator().manual_seed(12)
@@ -165,13 +165,14 @@ def test_on_the_gpu_compiled_hops_in_bf16_stay_near_the_whole_prefix_solves(no_t
         want = [[flow.inference([job])[0] for job in stream] for stream in hops]
         flow.decoder.estimator.attention_kernel = kernel
         compile_dit(flow.decoder.estimator, "dit")
-        caches, got, graphs = [None, None], [[], []], []
+        warm_continued(flow, compile_batches(flow, torch.device("cuda"))[0][1])
+        caches, got, graphs = [None, None], [[], []], [torch._dynamo.utils.counters["stats"]["unique_graphs"]]
         for h in range(3):
             mels, caches = solve_continued(flow, [hops[0][h], hops[1][h]], caches, [True, True])
             for s in range(2):
                 got[s].append(mels[s])
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    assert graphs[1] == graphs[2]  # the third hop compiled nothing new
+    assert graphs == graphs[:1] * 4  # the served hops compiled nothing
     for s in range(2):
         solved = 0
         for h in range(3):

@@ -102,6 +102,20 @@ def compile_batches(flow, device) -> list[list[FlowRequest]]:
     return batches
 
 
+def warm_continued(flow, row: FlowRequest) -> None:
+    """Compile the flow cache's two solves (`solve_continued`) at start-up: three streams' first hops (no
+    cache; 200 mel frames), then their next (200 solved + 50 new). Sizes that differ from each other
+    (rows, frames, past frames, flex blocks), so the compiled code ties none of them (dynamic shapes equate
+    the sizes equal at their first compile, and a later call where they differ compiles again: real size,
+    a minute each). row: a streamed dummy hop of `compile_batches`."""
+    first, second = ([replace(row, tokens=torch.zeros(n, dtype=torch.long, device=row.tokens.device))] * 3
+                     for n in (73, 98))
+    # its own pool (the served pool is sized after start-up), with room for the three streams' caches
+    pool = FlowCachePool(2**62, max_blocks=40)
+    kept = solve_continued(flow, first, [None] * 3, [True] * 3, pool=pool)[1]
+    solve_continued(flow, second, kept, [True] * 3, pool=pool)
+
+
 class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
@@ -193,16 +207,7 @@ class CosyVocoder(Vocoder):
                 for batch in dummy:
                     self.model.flow.inference(batch)
             else:
-                # Three streams' first hops (no cache; 200 mel frames), then their next (200 solved + 50 new).
-                # Sizes that differ from each other (rows, frames, past frames, flex blocks), so the compiled
-                # code ties none of them (dynamic shapes equate the sizes equal at their first compile, and
-                # a later call where they differ compiles again: real size, a minute each).
-                first, second = ([replace(dummy[0][1], tokens=torch.zeros(n, dtype=torch.long, device=dev))] * 3
-                                 for n in (73, 98))
-                # its own (the served pool is sized after start-up), with room for the three streams' caches
-                pool = FlowCachePool(2**62, max_blocks=40)
-                kept = solve_continued(self.model.flow, first, [None] * 3, [True] * 3, pool=pool)[1]
-                solve_continued(self.model.flow, second, kept, [True] * 3, pool=pool)
+                warm_continued(self.model.flow, dummy[0][1])
 
     @property
     def gpu_seconds(self) -> float:
