@@ -186,3 +186,50 @@ def test_cosy_schedule_equals_the_official_loop(n, prompt, others):
             if c.request_id == "r":
                 got.append((c.start, c.end, c.finished))
     assert got == official_cosy_schedule(n, prompt)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    policy=st.builds(
+        ChunkPolicy, initial_chunk_frames=st.sampled_from([0, 1, 4, 9]), steady_chunk_frames=st.sampled_from([1, 6, 25]),
+        backlog_chunk_frames=st.sampled_from([0, 10, 50]), backlog_min_ready=st.just(1),
+        backlog_load_threshold=st.sampled_from([0.25, 1.0]), lookahead_frames=st.sampled_from([0, 3]),
+        ramp_factor=st.sampled_from([0.0, 1.5]), growth_factor=st.sampled_from([1, 2]),
+        max_chunk_frames=st.sampled_from([0, 20, 100]), align_first_chunk=st.sampled_from([0, 7, 25]),
+        whole_chunk_frames=st.sampled_from([0, 50])),
+    requests=st.lists(st.tuples(st.integers(0, 260), st.booleans(), st.integers(0, 40)), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_no_chunk_but_a_requests_only_one_is_longer_than_the_policys_longest(policy, requests, data):
+    """The codec's start-up warms the carried decode's shapes up to the policy's longest chunk
+    (`ChunkPolicy.longest_chunk`): whatever the load, the growth, the ramp, the alignment and the lookahead,
+    with frames coming at most one a step, every chunk that continues or precedes another is no longer."""
+    longest = policy.longest_chunk()
+    if longest is None:
+        assert policy.growth_factor > 1 and not policy.max_chunk_frames
+        return
+    planner = ChunkPlanner(policy, capacity=4)
+    fronts = {f"r{i}": planner.frontier(None, prompt, whole=not stream) for i, (_, stream, prompt) in enumerate(requests)}
+    target = {f"r{i}": n for i, (n, _, _) in enumerate(requests)}
+    made = dict.fromkeys(fronts, 0)
+    live = set(fronts)
+    while live:
+        for rid in sorted(live):
+            if made[rid] < target[rid] and data.draw(st.booleans(), label="frame"):
+                made[rid] += 1
+        finishing = [rid for rid in sorted(live) if made[rid] == target[rid]]
+        for chunk in planner.plan({rid: (fronts[rid], made[rid]) for rid in sorted(live)}, finishing):
+            if not (chunk.start == 0 and chunk.finished):
+                assert chunk.end - chunk.start <= longest, (chunk, policy)
+        live -= set(finishing)
+
+
+def test_a_finished_streams_tail_holds_its_lookahead_beyond_a_hop():
+    """The bound's lookahead term: a stream of 4 + 27 frames (hops of 25, 3 frames of lookahead) ends short of
+    its second hop's release, so its terminal chunk holds 27 frames, more than any hop."""
+    policy = ChunkPolicy(initial_chunk_frames=4, steady_chunk_frames=25, lookahead_frames=3)
+    planner = ChunkPlanner(policy, capacity=4)
+    front = planner.frontier()
+    chunks = [c for n in range(1, 32) for c in planner.plan({"r": (front, n)}, ["r"] if n == 31 else [])]
+    assert [(c.start, c.end) for c in chunks] == [(0, 4), (4, 31)]
+    assert chunks[-1].end - chunks[-1].start == 27 <= policy.longest_chunk()

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from intone.models.vocoder import CodecJob, WindowVocoder
+from intone.models.vocoder import CodecJob, CodecWindow, WindowVocoder
 from intone.ops.batching import FRAME_BUCKETS, bucket_frames, bucket_rows, group_jobs, row_buckets, with_buckets
 
 
@@ -125,6 +125,31 @@ def test_every_call_shape_is_one_the_warm_up_decodes(lengths, max_batch, max_pad
     for group in vocoder._groups(lengths):
         longest = max(lengths[i] for i in group)
         assert (vocoder._rows(len(group)), vocoder._frames(longest)) in warmed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=4), min_size=1, max_size=70),
+       st.sampled_from([8, 16, 64]), st.sampled_from([256, 1024, 4096]), st.sampled_from([0, 8]),
+       st.sampled_from([0, 3, 16]), st.sampled_from([(), (25, 29), (6, 9, 14, 21)]), st.sampled_from([None, 64]),
+       st.sampled_from([4, 25, 50, 60]))
+def test_every_carried_call_shape_is_one_the_warm_up_carries(requests, max_batch, max_padded, granule, exact,
+                                                             buckets, cost, longest):
+    """The carried decode warms only the shapes up to its longest chunk's bucket (`carried_shapes`): whatever
+    chunks of at most `longest` frames wait, several of a request in a row among them (joined into spans,
+    decoded in rounds), each carried call is padded to a (rows, frames) shape that start-up carried."""
+    vocoder = WindowVocoder(_ShapesOnly(), max_batch, max_padded, row_granule=granule, split_cost=cost,
+                            exact_rows=exact, frame_buckets=buckets)
+    warmed = set(vocoder.carried_shapes(512, longest))
+    windows = []
+    for key, chunks in enumerate(requests):
+        at = 0
+        for n in (min(n, longest) for n in chunks):
+            windows.append(CodecWindow(key, f"r{key}", torch.zeros(10, at + n), None, at, at + n, 0, False))
+            at += n
+    for round_ in vocoder.carried_rounds(windows):
+        lengths = [w.end - w.start for _, w in round_]
+        for group in vocoder._groups(lengths):
+            assert (vocoder._rows(len(group)), vocoder._frames(max(lengths[i] for i in group))) in warmed
 
 
 def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny_fish_dir):
@@ -329,3 +354,20 @@ def test_a_split_cost_keeps_long_chunks_from_padding_many_short_ones(tiny_fish_d
     spf = model.samples_per_frame
     for (req, chunk), audio in zip(items, out):
         assert abs(audio - model.decode(req.codes[None], 0)[0].numpy()[: chunk.end * spf]).max() < 1e-6
+
+
+def test_start_up_carries_the_shapes_chunks_reach_and_decodes_every_window_shape(tiny_fish_dir):
+    """Chunks of at most 25 frames against windows of up to 128 (Fish's shipped profile: 50 against 512): the
+    carried decode warms the shapes up to 25 frames' bucket, the plain decode (a request's only chunk: up to its
+    utterance) all of them."""
+    from intone.models.registry import load_model
+
+    model = load_model(str(tiny_fish_dir))
+    vocoder = WindowVocoder(model, max_batch=4, max_padded_frames=256, carry_state=True)
+    carried, plain = [], []
+    stream_decode, model_decode = vocoder.stream.decode, model.decode
+    vocoder.stream.decode = lambda codes, *a: carried.append(tuple(codes.shape[::2])) or stream_decode(codes, *a)
+    model.decode = lambda codes, *a: plain.append(tuple(codes.shape[::2])) or model_decode(codes, *a)
+    assert vocoder.warm_up(128, 25) == len(plain) == len(vocoder.warm_shapes(128))
+    assert sorted(carried) == sorted(vocoder.carried_shapes(128, 25)) and max(t for _, t in carried) == 32
+    assert set(carried) < set(plain) == set(vocoder.warm_shapes(128))

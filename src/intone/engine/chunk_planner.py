@@ -48,6 +48,17 @@ class ChunkPolicy:
         if self.listener_margin_s < 0 or (self.listener_margin_s > 0 and self.frame_seconds <= 0):
             raise ValueError("listener_margin_s must be >= 0, and needs frame_seconds > 0")
 
+    def longest_chunk(self) -> int | None:
+        """The most new frames a chunk other than a request's only one can hold, when frames come at most one
+        a step and `plan` runs every step (None: hops grow without a cap). A request's only chunk (a
+        whole response, or a stream that ends within its first hop) reaches its utterance's length."""
+        if self.growth_factor > 1 and not self.max_chunk_frames:
+            return None
+        first = self.steady_chunk_frames + max(self.align_first_chunk - 1, 0)
+        hops = (first, self.backlog_chunk_frames, self.whole_chunk_frames, self.max_chunk_frames)
+        # a finished request's tail: short of a hop, plus the lookahead it held back
+        return max(hops) + self.lookahead_frames
+
 
 @dataclass(frozen=True)
 class Chunk:

@@ -68,7 +68,8 @@ def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
     vocoder, c = stage.vocoder, profile.chunking
     chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames, c.whole_chunk_frames, c.max_chunk_frames) \
         + c.left_context_frames
-    vocoder.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len))
+    longest = c.policy(1, frame_seconds=1.0).longest_chunk()  # a bound on sizes: no capacity or timing read
+    vocoder.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len), longest)
     if vocoder.wants_graphs and vocoder.device.type == "cuda":
         graphs = FunctionGraphs()
         vocoder.capture_graphs(graphs)
