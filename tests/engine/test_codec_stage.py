@@ -1,5 +1,7 @@
 """The codec stage: grouping bounds, and batched decoding equal to decoding each window alone."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -127,29 +129,59 @@ def test_every_call_shape_is_one_the_warm_up_decodes(lengths, max_batch, max_pad
         assert (vocoder._rows(len(group)), vocoder._frames(longest)) in warmed
 
 
+class _RecordedDecodes(_ShapesOnly):
+    """The decodes' shapes, as `WindowVocoder.decode` sends them (zeros back; the planning is what is tested):
+    the plain decode's and, through its stream decoder, the carried one's."""
+
+    samples_per_frame = 2
+
+    def __init__(self):
+        self.plain, self.carried = [], []
+
+    def stream_decoder(self, lean=False):
+        return self
+
+    def decode(self, codes, *rest):
+        if len(rest) == 1:  # the plain decode: (codes, offsets)
+            self.plain.append((codes.shape[0], codes.shape[2]))
+            return torch.zeros(codes.shape[0], codes.shape[2] * self.samples_per_frame)
+        lengths, states = rest  # the stream decoder's: each row's state comes back at its new frame
+        self.carried.append((codes.shape[0], codes.shape[2]))
+        new = [SimpleNamespace(frames=(s.frames if s is not None else 0) + n) for s, n in zip(states, lengths)]
+        return torch.zeros(codes.shape[0], codes.shape[2] * self.samples_per_frame), new
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 60), min_size=1, max_size=4), min_size=1, max_size=70),
+@given(st.lists(st.tuples(st.lists(st.integers(1, 60), min_size=1, max_size=4), st.booleans()), min_size=1,
+                max_size=70),
        st.sampled_from([8, 16, 64]), st.sampled_from([256, 1024, 4096]), st.sampled_from([0, 8]),
        st.sampled_from([0, 3, 16]), st.sampled_from([(), (25, 29), (6, 9, 14, 21)]), st.sampled_from([None, 64]),
        st.sampled_from([4, 25, 50, 60]))
 def test_every_carried_call_shape_is_one_the_warm_up_carries(requests, max_batch, max_padded, granule, exact,
                                                              buckets, cost, longest):
     """The carried decode warms only the shapes up to its longest chunk's bucket (`carried_shapes`): whatever
-    chunks of at most `longest` frames wait, several of a request in a row among them (joined into spans,
-    decoded in rounds), each carried call is padded to a (rows, frames) shape that start-up carried."""
-    vocoder = WindowVocoder(_ShapesOnly(), max_batch, max_padded, row_granule=granule, split_cost=cost,
+    chunks of at most `longest` frames wait in one call, several of a request in a row among them (joined into
+    spans, decoded in rounds), each carried decode gets a shape start-up carried; a request's only chunk
+    (finished from frame 0, up to 120 frames here) takes the plain decode, whose shapes start-up decodes."""
+    model = _RecordedDecodes()
+    vocoder = WindowVocoder(model, max_batch, max_padded, carry_state=True, row_granule=granule, split_cost=cost,
                             exact_rows=exact, frame_buckets=buckets)
-    warmed = set(vocoder.carried_shapes(512, longest))
     windows = []
-    for key, chunks in enumerate(requests):
+    for key, (chunks, finished) in enumerate(requests):
+        if finished and len(chunks) == 1:  # a whole response
+            chunks = [2 * chunks[0]]
+        else:
+            chunks = [min(n, longest) for n in chunks]
         at = 0
-        for n in (min(n, longest) for n in chunks):
-            windows.append(CodecWindow(key, f"r{key}", torch.zeros(10, at + n), None, at, at + n, 0, False))
+        for i, n in enumerate(chunks):
+            last = finished and i == len(chunks) - 1
+            windows.append(CodecWindow(key, f"r{key}", torch.zeros(10, at + n, dtype=torch.long), None, at, at + n,
+                                       0, last))
             at += n
-    for round_ in vocoder.carried_rounds(windows):
-        lengths = [w.end - w.start for _, w in round_]
-        for group in vocoder._groups(lengths):
-            assert (vocoder._rows(len(group)), vocoder._frames(max(lengths[i] for i in group))) in warmed
+    vocoder.decode(windows, {})
+    assert set(model.carried) <= set(vocoder.carried_shapes(512, longest))
+    assert set(model.plain) <= set(vocoder.warm_shapes(512))
+    assert len(model.plain) > 0 or not any(f and len(c) == 1 for c, f in requests)
 
 
 def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny_fish_dir):

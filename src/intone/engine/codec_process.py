@@ -183,7 +183,7 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
     with torch.inference_mode():
         if model.device.type == "cuda":
             set_cudnn(profile)
-            warm_up_codec(stage, profile, model.max_seq_len)
+            warm_up_codec(stage, profile, model)
         push.send(pickle.dumps(("ready", None)))
         first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else None
         _loop(stage, ChunkQueue(c.call_size, first), pull, push)

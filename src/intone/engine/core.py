@@ -6,7 +6,6 @@ and `engine.client.Engine` talks to it by messages.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -21,7 +20,7 @@ from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
-from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
+from intone.engine.loading import chunk_policy, codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
 from intone.engine.loop_codec import LoopCodec
 from intone.engine.model_runner import ModelRunner
 from intone.engine.request import EngineRequest, Status, resolve_params
@@ -69,10 +68,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps)
-        policy = profile.chunking.policy(ar.max_num_seqs, model.samples_per_frame / model.sample_rate)
-        # A codec that reads frames beyond a chunk (CosyVoice3's flow) gets them, whatever the profile says.
-        self.policy = dataclasses.replace(
-            policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
+        self.policy = chunk_policy(profile, model)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         if profile.codec.carry_state and model.stream_decoder() is None:
             raise ValueError(f"codec.carry_state: {model.name} has no stream decoder")
@@ -119,7 +115,7 @@ class EngineCore:
             if self.codec is not None:
                 log.info("start-up: warming the codec's shapes (%.1f s so far; GPU memory peak %s)",
                          time.perf_counter() - start, gib_so_far(self.model.device))
-                warm_up_codec(self.codec, self.profile, self.model.max_seq_len)
+                warm_up_codec(self.codec, self.profile, self.model)
             log.info("start-up: capturing CUDA graphs (%.1f s so far; GPU memory peak %s)",
                      time.perf_counter() - start, gib_so_far(self.model.device))
         if isinstance(self.codec_worker, CodecProcess):  # its warm-up is GPU work too: done before the captures

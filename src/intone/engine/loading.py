@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 
 import torch
 
+from intone.engine.chunk_planner import ChunkPolicy
 from intone.engine.codec_stage import CodecStage
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
@@ -62,14 +64,21 @@ def codec_stage_for(model, profile: Profile) -> CodecStage:
     return CodecStage(model.make_vocoder(profile.codec, profile.options_for(model.name)))
 
 
-def warm_up_codec(stage, profile: Profile, max_seq_len: int) -> None:
+def chunk_policy(profile: Profile, model) -> ChunkPolicy:
+    """The engine's chunk policy: the profile's, with the frames a codec reads beyond a chunk (CosyVoice3's
+    flow) as its lookahead, whatever the profile says."""
+    policy = profile.chunking.policy(profile.ar.max_num_seqs, model.samples_per_frame / model.sample_rate)
+    return dataclasses.replace(policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
+
+
+def warm_up_codec(stage, profile: Profile, model) -> None:
     """Decode every bucketed window shape the profile's chunks can reach, and capture the codec's
     graphs where the profile asks for them (start-up, GPU: nothing else may use it meanwhile)."""
     vocoder, c = stage.vocoder, profile.chunking
     chunk = max(c.steady_chunk_frames, c.backlog_chunk_frames, c.whole_chunk_frames, c.max_chunk_frames) \
         + c.left_context_frames
-    longest = c.policy(1, frame_seconds=1.0).longest_chunk()  # a bound on sizes: no capacity or timing read
-    vocoder.warm_up(min(max(chunk, profile.codec.warm_up_frames), max_seq_len), longest)
+    window = min(max(chunk, profile.codec.warm_up_frames), model.max_seq_len)
+    vocoder.warm_up(window, chunk_policy(profile, model).longest_chunk())
     if vocoder.wants_graphs and vocoder.device.type == "cuda":
         graphs = FunctionGraphs()
         vocoder.capture_graphs(graphs)

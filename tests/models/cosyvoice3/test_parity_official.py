@@ -17,7 +17,6 @@ ulp, and the streamed audio, which the tiny random HiFT amplifies far beyond tha
 """
 
 import contextlib
-import dataclasses
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ import torch
 from intone.engine.chunk_planner import ChunkPlanner
 from intone.engine.codec_stage import CodecStage
 from intone.engine.config import load_profile
+from intone.engine.loading import chunk_policy
 from intone.engine.request import EngineRequest, resolve_params
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.prompt import SOS, TASK_ID
@@ -145,9 +145,7 @@ def our_stream(model, prompt, tokens: list[int]) -> list[tuple[int, int, np.ndar
     stage over the model's vocoder, fed one token per step as the engine core feeds them.
     [(start, end, audio)] per chunk."""
     profile = load_profile("cosyvoice3-streaming", device="cpu")
-    policy = profile.chunking.policy(1)
-    policy = dataclasses.replace(policy, lookahead_frames=max(policy.lookahead_frames, model.codec_lookahead_frames))
-    planner = PlannerTables(ChunkPlanner(policy, 1))
+    planner = PlannerTables(ChunkPlanner(chunk_policy(profile, model), 1))
     stage = CodecStage(model.make_vocoder(profile.codec, profile.cosyvoice3))
     planner.add("r", None, prompt.codec_prompt_frames)
     params = resolve_params(SamplingParams(max_new_tokens=len(tokens)), prompt, model.max_seq_len)

@@ -11,6 +11,7 @@ import torch
 from tests.procs import frame_audit_alongside
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
+from intone.engine.loading import chunk_policy
 from tests.offline import OfflineRequest, run_to_completion
 from intone.engine.trace import FrameTracer
 from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
@@ -203,6 +204,7 @@ def test_the_codec_lookahead_holds_whatever_the_profile_says(tiny_cosy):
     assert profile.chunking.lookahead_frames == 0
     core = EngineCore(tiny_cosy, profile)
     assert core.policy.lookahead_frames == 3
+    assert chunk_policy(profile, tiny_cosy) == core.policy  # the one the codec's warm-up bounds its chunks by
     params = SamplingParams(seed=3, min_new_tokens=40, max_new_tokens=40, mode="standard")
     core.add_request(SynthesisRequest("la", TEXTS[3], voices(1), params, initial_chunk_frames=10))
     chunks = []
