@@ -18,6 +18,9 @@ COSY_FULL=${COSY_FULL:-cosyvoice3-full-response}  # the profile of cosy-http, co
 TAG=${TAG:-}  # suffix of the bench output folders (e.g. -process), with SERVE_ARGS for `intone serve`
 INTONE="python3 -m intone.cli.main"
 summary=()
+healthy() {  # the server on port $1 answers /health with 200
+  python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$1/health', timeout=2).status_code != 200)" 2>/dev/null
+}
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
@@ -77,13 +80,12 @@ for stage in "$@"; do
         t0=$(date +%s)
         $INTONE serve --model "${PAIR_MODEL:-random:fish-s2}" --profile "${PAIR_PROFILE:-fish-s2-high-concurrency}" ${v#*:} \
           --host 127.0.0.1 --port $port --trace-frames "$d/frames.jsonl" > "$d/server.log" 2>&1 & pid=$!
-        until python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code != 200)" 2>/dev/null; do
+        until healthy $port; do
           kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt ${START_T:-300} ] || break; sleep 2; done
         echo "== $name: ready after $(( $(date +%s) - t0 )) s"; grep -i "warm\|graph\|shapes" "$d/server.log" | tail -4
         seed=0
         benches=${PAIR_BENCHES:-full stream}
-        python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$port/health', timeout=2).status_code != 200)" \
-          2>/dev/null || { echo "== $name: not ready, no bench"; tail -3 "$d/server.log"; benches=; }
+        healthy $port || { echo "== $name: not ready, no bench"; tail -3 "$d/server.log"; benches=; }
         for b in $benches; do  # each bench its own clips (seed): no reference cache hits
           flag=; [ "$b" = stream ] && flag=--stream; seed=$((seed + 100000))
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \

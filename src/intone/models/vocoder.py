@@ -123,10 +123,10 @@ class WindowVocoder(Vocoder):
     def warm_up(self, max_window_frames: int, longest_chunk: int | None = None) -> int:
         k = self.model.num_codebooks
         shapes = self.warm_shapes(max_window_frames)
-        carried = set(self.carried_shapes(max_window_frames, longest_chunk)) if self.stream is not None else set()
+        carried = _carried_bound(max_window_frames, longest_chunk) if self.stream is not None else 0
         for rows, t in shapes:
             codes = torch.zeros(rows, k, t, dtype=torch.long)
-            if (rows, t) in carried:
+            if t <= carried:
                 self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
             self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
         return len(shapes)
@@ -136,7 +136,7 @@ class WindowVocoder(Vocoder):
         bucket of their longest chunk (`carried_rounds`), and only a request's only chunk, which takes the
         plain decode, is longer than the policy's longest (Fish's shipped profile: 50 frames against windows
         of up to 512; the carried decode's warm-up was ~90% of its frame-rows on shapes no call reaches)."""
-        bound = bucket_frames(min(longest_chunk or max_window_frames, max_window_frames))
+        bound = _carried_bound(max_window_frames, longest_chunk)
         return [(rows, t) for rows, t in self.warm_shapes(max_window_frames) if t <= bound]
 
     def warm_shapes(self, max_window_frames: int) -> list[tuple[int, int]]:
@@ -292,6 +292,11 @@ class WindowVocoder(Vocoder):
             out.append(np.ascontiguousarray(audio[row, : n * spf], dtype=np.float32))
             states[w.key] = new[row]
         return out
+
+
+def _carried_bound(max_window_frames: int, longest_chunk: int | None) -> int:
+    """The longest padded span a carried call can reach: the built-in bucket of the longest chunk."""
+    return bucket_frames(min(longest_chunk or max_window_frames, max_window_frames))
 
 
 def _contiguous_spans(windows: list[CodecWindow], order: list[int], longest: int) -> list[tuple[list[int], CodecWindow]]:

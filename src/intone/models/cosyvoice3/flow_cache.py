@@ -253,10 +253,15 @@ def _keep_step(kvs: list, seqs: tuple, step: int, new: list[int], blocks: _Block
     kept = tails.kept
     if not kept:
         return
-    both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, 2 * rows, H, T, d]
+    both = _stacked(kvs)  # [layers, 2, 2 * rows, H, T, d]
     parts = [both[:, :, at + b, :, : new[b]].transpose(2, 3) for at in (0, rows) for b in kept]
     blocks.pool.store(step, blocks.order, torch.cat(parts, dim=2))
     tails.store(step, torch.stack([seq[tails.doubled[:, None], tail_frames] for seq in seqs]))
+
+
+def _stacked(kvs: list) -> Tensor:
+    """Each layer's (keys, values) as one tensor [layers, 2, ...]."""
+    return torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))
 
 
 def _mels(requests: list, starts: list[int], new_mels: list[Tensor]) -> list[Tensor]:
@@ -327,6 +332,6 @@ def _keep_packed_step(kvs: list, layouts: list, step: int, blocks: _Blocks, slot
     """`_keep_step` from packed keys and values [S, heads, size] and the convolutions' input layouts."""
     if not tails.kept:
         return
-    both = torch.stack([t for kv in kvs for t in kv]).unflatten(0, (len(kvs), 2))  # [layers, 2, S, H, d]
+    both = _stacked(kvs)  # [layers, 2, S, H, d]
     blocks.pool.store(step, blocks.order, both.index_select(2, slots))
     tails.store(step, torch.stack([layout[0, tail_slots] for layout in layouts]))
