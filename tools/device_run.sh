@@ -72,14 +72,16 @@ for stage in "$@"; do
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-')
         N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" "${AB_STAGE:-cosy-stream}"; done ;;
     # pair: one `intone serve` per AB variant (PAIR_MODEL, PAIR_PROFILE), and PAIR_BENCHES (full, stream) against
-    # it in turn: a variant's non-streamed and streamed rows for one start-up (no frame audit: --base-url)
+    # it in turn: a variant's non-streamed and streamed rows for one start-up (no frame audit: --base-url);
+    # PROFILE_S=4: each bench's level under a profiler window of that many seconds (its GPU timeline; the
+    # traces stay on the machine, their summaries come back; the rows are then diagnostics)
     pair) IFS=';' read -ra variants <<< "${AB:?}"
       for v in "${variants[@]}"; do
         [[ $v == *:* ]] || v="$v:"
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-'); d="$OUT/pair-$name"; mkdir -p "$d"; port=$((18000 + RANDOM % 1000))
         t0=$(date +%s)
         $INTONE serve --model "${PAIR_MODEL:-random:fish-s2}" --profile "${PAIR_PROFILE:-fish-s2-high-concurrency}" ${v#*:} \
-          --host 127.0.0.1 --port $port --trace-frames "$d/frames.jsonl" > "$d/server.log" 2>&1 & pid=$!
+          --host 127.0.0.1 --port $port --trace-frames "$d/frames.jsonl" --profile-dir "$d/profile" > "$d/server.log" 2>&1 & pid=$!
         until healthy $port; do
           kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt ${START_T:-300} ] || break; sleep 2; done
         echo "== $name: ready after $(( $(date +%s) - t0 )) s"; grep -i "warm\|graph\|shapes" "$d/server.log" | tail -4
@@ -89,11 +91,13 @@ for stage in "$@"; do
         for b in $benches; do  # each bench its own clips (seed): no reference cache hits
           flag=; [ "$b" = stream ] && flag=--stream; seed=$((seed + 100000))
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
-            --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
+            --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${PROFILE_S:+--profile-seconds $PROFILE_S} \
+            ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
           grep "^| 64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
+          sed -n '/^## GPU timeline/,/^```$/p' "$d/$b/report.md" | tail -n +3 | head -40
         done
         kill $pid; wait $pid
-        rm -rf "$d"/*/dataset "$d"/*/*.png; tar czf "$d.tgz" -C "$OUT" "pair-$name" && rm -rf "$d"; done ;;  # kept if the call is cut
+        rm -rf "$d"/*/dataset "$d"/*/*.png "$d"/profile/*/*.json.gz; tar czf "$d.tgz" -C "$OUT" "pair-$name" && rm -rf "$d"; done ;;  # kept if the call is cut
     # The same stages on an older commit's tree (.before/, carried) and on this one, alternating on one machine.
     before-after) [ -d .before/src ] || { echo "no .before/: run tools/before_tree.sh COMMIT and carry .before"; exit 2; }
       for s in ${BEFORE_STAGES:-fish-http cosy-stream}; do

@@ -95,8 +95,10 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
     """`intone serve` flags of the servers that tests share, by fixture name."""
     if name == "server":
         # A short --engine-silence-seconds, for the hung-engine test (/health is all it changes); the
-        # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores).
-        return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody")
+        # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores); the
+        # profiler's routes on.
+        return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody",
+                "--profile-dir", str(tmp / "profiles"))
     if name == "strict_server":
         # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue; its codec in the engine
         # loop, pieces gathered and playing streams' chunks held for their listeners (engine/loop_codec.py).

@@ -122,6 +122,14 @@ def test_api_key(strict_server):
     assert httpx.get(strict_server.url("/health")).status_code == 200
 
 
+def test_the_profiler_routes_take_the_api_key_and_are_off_without_a_directory(strict_server):
+    refused = httpx.post(strict_server.url("/start_profile"))
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+    off = httpx.post(strict_server.url("/start_profile"), headers=AUTH)
+    assert off.status_code == 404 and "--profile-dir" in off.json()["error"]["message"]
+    assert httpx.post(strict_server.url("/stop_profile"), headers=AUTH).status_code == 404
+
+
 def test_sglang_dialect(strict_server):
     events = []
     with httpx.stream("POST", strict_server.url("/v1/audio/speech"), headers=AUTH, timeout=120,

@@ -138,3 +138,34 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
         assert "cannot capture" not in log and "Traceback" not in log
     finally:
         stop_server(server)
+
+
+def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(tiny_cache, tmp_path):
+    """/start_profile and /stop_profile on a GPU server under concurrent requests with their own voices: every
+    kernel's launch is found (CUPTI records the CUDA calls of every thread), and the loop's, the codec
+    worker's and the frontend's kernels each show under their thread."""
+    server = start_server(tmp_path, tiny_cache, "--model", "tiny:fish-s2", "--profile", "fish-s2-high-concurrency",
+                          "--device", "cuda", "--profile-dir", str(tmp_path / "profiles"))
+    try:
+        assert httpx.post(server.url("/start_profile"), timeout=60).status_code == 200
+
+        def speak(i: int) -> httpx.Response:
+            t = np.arange(int((1.5 + 0.3 * i) * 24000)) / 24000
+            wav = server.media / f"voice{i}.wav"
+            sf.write(wav, 0.3 * np.sin(2 * np.pi * (150 + 17 * i) * t), 24000)
+            return httpx.post(server.url("/v1/audio/speech"), timeout=300, json={
+                "input": f"Sentence {i}.", "ref_audio": str(wav), "ref_text": "A voice.", "seed": i,
+                "max_new_tokens": 60, "stream": i % 2 == 1, "response_format": "wav" if i % 2 == 0 else "pcm"})
+
+        with ThreadPoolExecutor(8) as pool:
+            assert [r.status_code for r in pool.map(speak, range(8))] == [200] * 8
+        stopped = httpx.post(server.url("/stop_profile"), timeout=600)
+        assert stopped.status_code == 200, stopped.text
+        summary = stopped.json()["engines"][0]["summary"]
+        gpu, threads = summary["gpu"], {r["thread"]: r for r in summary["threads"]}
+        assert gpu["items"] > 0 and 0 < gpu["busy_share"] <= 1
+        assert {"engine loop", "intone-codec", "intone-frontend"} <= set(threads), sorted(threads)
+        unattributed = threads.get("unattributed", {}).get("items", 0)
+        assert unattributed <= 0.05 * gpu["items"], (unattributed, gpu["items"])
+    finally:
+        stop_server(server)

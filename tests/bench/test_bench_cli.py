@@ -17,7 +17,8 @@ def bench_args(name: str, tmp_path) -> list[str]:
                 "--output-dir", str(tmp_path / "out"), "--save-audio", str(tmp_path / "wavs")]
     if name == "forced":
         return ["--model", "tiny:fish-s2", "--device", "cpu", "--num-requests", "3", "--concurrency", "3",
-                "--force-output-frames", "7", "--warmup", "0", "--output-dir", str(tmp_path / "out")]
+                "--force-output-frames", "7", "--warmup", "0", "--output-dir", str(tmp_path / "out"),
+                "--profile-seconds", "60", "--profile-delay", "0"]
     arm = "--model tiny:fish-s2 --device cpu"
     return ["abba", "--a", arm, "--b", arm + " --profile fish-s2-default", "--num-requests", "2",
             "--concurrency", "2", "--warmup", "0", "--max-new-tokens", "8", "--output-dir", str(tmp_path / "abba")]
@@ -85,6 +86,14 @@ def test_forced_lengths_and_failures_are_counted(benches):
     assert all(rec["completion_tokens"] == 7 for rec in level["records"])
     assert len({rec["server_id"] for rec in level["records"]}) == 3  # a whole file's reply names its request too
     assert level["summary"]["mean_audio_s"] == 7 * 2048 / 44100
+    # the level ran under a profiler window on the server (its own, given --profile-dir): the window's trace
+    # beside the report, its summary in it, and the level's figures marked as diagnostics
+    [engine] = level["profile"]["engines"]
+    assert engine["trace"].startswith(str(out / "profile" / "engine-0")) and engine["wall_s"] > 0
+    assert "engine loop" in [h["thread"] for h in engine["summary"]["host"]]
+    report = (out / "report.md").read_text()
+    assert "**Profiled: C3 ran under a profiler window" in report and "## GPU timeline, C3" in report
+    assert "host engine loop:" in report
 
 
 def test_abba(benches):

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from intone.api.encoding import CONTENT_TYPES
 from intone.api.engine_pool import EnginePool, EngineSlot, merge_stats, place_engines
 from intone.api.media import MediaPolicy
+from intone.api.profiling import PROFILE_PATHS, install_profile_routes
 from intone.api.metrics import ServerMetrics
 from intone.api.schema import ErrorBody, SpeechRequest, error_body
 from intone.api.speech import answer
@@ -57,6 +58,7 @@ class Settings:
     text_workers: int | None = None  # processes for the text frontend (None: text_workers.default_workers())
     data_parallel: int = 1  # engine cores behind this server (api/engine_pool.py)
     devices: list[str] | None = None  # engine k's device: devices[k % len] ("cpu" or a GPU index); None: the profile's
+    profile_dir: Path | None = None  # where /start_profile's windows go (engine k's in engine-k/); None: off
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -103,6 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
     _document_errors(app)
     _install_guards(app, settings)
     _install_routes(app)
+    install_profile_routes(app)
     return app
 
 
@@ -224,9 +227,9 @@ class Guard:
                 return _replay([body], receive), None
 
     def _key_given(self, headers: Headers, path: str) -> bool:
-        """The API key, when the server has one, guards every /v1/ route (HTTP and WebSocket)."""
+        """The API key, when the server has one, guards every /v1/ route (HTTP and WebSocket) and the profiler's."""
         key = self.settings.api_key
-        if not key or not path.startswith("/v1/"):
+        if not key or not (path.startswith("/v1/") or path in PROFILE_PATHS):
             return True
         return hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {key}".encode())
 

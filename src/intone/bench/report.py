@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from intone.bench.profile_window import profile_lines, profiled_note
 from intone.bench.tail import tail_lines
 from intone.protocol import REQUEST_STAGES as STAGES
 
@@ -186,6 +187,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for level in results["levels"]:
         lines.append("| " + " | ".join(table_row(level)) + " |")
+    lines += profiled_note(results)
     lines += ["", "Latency percentiles (s):", "",
               "| concurrency | completion p50 | p90 | p99 | first audio p50 | p90 | p99 | RTF p50 | underrun streams |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -201,6 +203,8 @@ def write_report(results: dict, out_dir: Path) -> Path:
     lines += [""] + stage_tables(results) + memory_table(results)
     for level in results["levels"]:
         lines += tail_lines(level.get("tail"), level["concurrency"])
+    for level in results["levels"]:
+        lines += profile_lines(level)
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))

@@ -18,6 +18,7 @@ from intone.bench.client import LoadSpec, ReferencePlan, run_load
 from intone.bench.dataset import synthetic_items
 from intone.bench.metrics import summarize
 from intone.bench.presets import apply_preset
+from intone.bench.profile_window import with_profile
 from intone.bench.report import after_run_line, write_plots, write_report
 from intone.bench.server_metrics import level_breakdown, scrape
 from intone.bench.server_process import GpuMemorySampler, ServerProcess
@@ -126,10 +127,15 @@ def sweep(args, base_url: str, out_dir: Path, tag: str = "") -> dict:
             if failed:
                 raise IntoneError(f"warm-up failed ({len(failed)} of {len(records)}): {failed[0].error}")
         before = scrape(base_url, headers)
-        records, wall = asyncio.run(_measured(base_url, measured, c, spec, rate, headers, f"{tag}c{c}-"))
+        load = _measured(base_url, measured, c, spec, rate, headers, f"{tag}c{c}-")
+        seconds = getattr(args, "profile_seconds", None)
+        if seconds:
+            (records, wall), profile = asyncio.run(with_profile(load, base_url, headers, args.profile_delay, seconds))
+        else:
+            (records, wall), profile = asyncio.run(load), None
         after = scrape(base_url, headers)
         levels.append(dict(concurrency=c, summary=summarize(records, wall, args.stream),
-                           server=level_breakdown(before, after),
+                           server=level_breakdown(before, after), profile=profile,
                            records=[r.to_dict() for r in records], audio_dir=str(save) if save else None))
         s = levels[-1]["summary"]
         print(f"concurrency {c}: {s['completed']}/{s['requests']} ok, {s['requests_per_s']:.3f} req/s, "
@@ -158,6 +164,8 @@ def serve_args(args) -> list[str]:
     for flag, value in (("--profile", args.profile), ("--device", args.device), ("--api-key", args.api_key)):
         if value:
             out += [flag, value]
+    if getattr(args, "profile_seconds", None):  # our own server: its profiler's windows go beside the report
+        out += ["--profile-dir", str(Path(args.output_dir) / "profile")]
     return out + (args.serve_args.split() if args.serve_args else [])
 
 

@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
     load.add_argument("--max-new-tokens", type=int, default=None)
     load.add_argument("--force-output-frames", default=None, metavar="SPEC",
                       help="exact output lengths for random-weight runs: N, uniform:A:B or normal:MEAN:STD")
+    load.add_argument("--profile-seconds", type=float, default=None, metavar="S",
+                      help="a profiler window of S seconds on the server during each measured level (the server "
+                           "needs `intone serve --profile-dir`; given with --model, it gets one): the report's GPU "
+                           "timeline says how busy the GPU was and whose kernels held it (the level's figures are "
+                           "then diagnostics: profiling slows the engine)")
+    load.add_argument("--profile-delay", type=float, default=2.0, metavar="S",
+                      help="with --profile-seconds: the window opens this long into the level")
     load.add_argument("--sample-rate", type=int, default=None, help="if the server does not report one")
     out = p.add_argument_group("output")
     out.add_argument("--output-dir", required=True)

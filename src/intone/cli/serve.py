@@ -51,6 +51,10 @@ def add_parser(sub) -> None:
                         "repeatable")
     p.add_argument("--trace-frames", default=None, metavar="FILE",
                    help="one JSON line per chunk sent (with several cores, core k writes FILE's stem.k.suffix)")
+    p.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="enable POST /start_profile and /stop_profile: a torch profiler window over the served load "
+                        "in each engine core, its trace and summary (GPU busy time per thread and stream) written "
+                        "under DIR/engine-K/ (diagnostics: profiling slows the engine)")
     p.add_argument("--engine-silence-seconds", type=float, default=10.0,
                    help="/health answers 503 once the engine core has been silent this long (hung)")
     p.add_argument("--engine-restart", choices=["restart", "exit"], default="restart",
@@ -109,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         engine_silence_s=args.engine_silence_seconds, engine_restart=args.engine_restart,
         engine_hang_s=args.engine_hang_seconds, text_workers=args.text_workers,
         data_parallel=args.data_parallel or (len(args.devices) if args.devices else 1), devices=args.devices,
+        profile_dir=Path(args.profile_dir) if args.profile_dir else None,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=args.drain_seconds)

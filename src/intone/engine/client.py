@@ -35,6 +35,11 @@ from intone.protocol import AudioChunk, SynthesisRequest
 log = logging.getLogger("intone.engine")
 STARTUP_TIMEOUT_S = 600
 STATS_TIMEOUT_S = 2.0
+PROFILE_TIMEOUT_S = 300.0  # a stop writes the window's trace: seconds to minutes for a busy GPU's
+
+
+class ProfileRefused(IntoneError):
+    """The core refused a profile action (a start while a window runs, a stop with none)."""
 
 
 class EngineDead(IntoneError):
@@ -49,6 +54,7 @@ class Engine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._stats_waiters: list[asyncio.Future] = []
         self._encode_waiters: dict[str, asyncio.Future] = {}
+        self._profile_waiters: dict[str, asyncio.Future] = {}
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.dead: str | None = None
         self._closed = False
@@ -118,11 +124,12 @@ class Engine:
                     if self._stats_waiters:
                         self._stats_waiters.pop(0).set_result(payload)
                     continue
-                if kind == "encoded":
-                    token, features, error = payload
-                    waiter = self._encode_waiters.pop(token, None)
+                if kind in ("encoded", "profiled"):
+                    token, result, error = payload
+                    waiters = self._encode_waiters if kind == "encoded" else self._profile_waiters
+                    waiter = waiters.pop(token, None)
                     if waiter is not None and not waiter.done():
-                        waiter.set_result((features, error))
+                        waiter.set_result((result, error))
                     continue
                 for chunk in payload:
                     queue = self._queues.get(chunk.request_id)
@@ -139,7 +146,7 @@ class Engine:
                 log.error("engine core died: %s", self.dead)
             for queue in self._queues.values():
                 queue.put_nowait(e)
-            for waiter in [*self._stats_waiters, *self._encode_waiters.values()]:
+            for waiter in [*self._stats_waiters, *self._encode_waiters.values(), *self._profile_waiters.values()]:
                 if not waiter.done():
                     waiter.set_exception(EngineDead(self.dead))
 
@@ -201,6 +208,26 @@ class Engine:
         if error:
             raise IntoneError(f"cannot encode the reference audio: {error}")
         return features
+
+    async def profile_window(self, action: str, directory: str | None = None,
+                             timeout: float = PROFILE_TIMEOUT_S) -> dict:
+        """action "start" (a torch profiler window, its trace to go in `directory`) or "stop" (the window's
+        trace file, length and thread names; engine/profiling.py). ProfileRefused: a start while a window
+        runs, a stop with none; IntoneError: the profiler failed."""
+        if self.dead:
+            raise EngineDead(f"engine core is dead: {self.dead}")
+        token = uuid.uuid4().hex
+        waiter = asyncio.get_running_loop().create_future()
+        self._profile_waiters[token] = waiter
+        self._post(("profile", token, action, directory))
+        try:
+            result, error = await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._profile_waiters.pop(token, None)
+        if error is not None:
+            kind, message = error
+            raise (ProfileRefused if kind == "refused" else IntoneError)(message)
+        return result
 
     def kill(self) -> None:
         """Stop a hung core at once: the reader then sees it exit and ends every stream with EngineDead."""

@@ -1,11 +1,13 @@
 """The engine core's own process: a loop over ZeroMQ messages and engine steps.
 
 In:  ("add", SynthesisRequest) | ("abort", request_id) | ("stats",) | ("encode", token, audio, rate)
-     | ("shutdown",)
+     | ("profile", token, "start" | "stop", directory) | ("shutdown",)
 Out: ("ready", info) once, then ("chunks", [AudioChunk, ...]) per step with output,
      ("alive", {request_id: frames generated}) about every second from the loop,
      ("stats", dict) per stats request, ("encoded", (token, features | None, error | None)) per
-     encode, ("fatal", message) if the loop dies.
+     encode, ("profiled", (token, result | None, (kind, message) | None)) per profile message
+     (engine/profiling.py),
+     ("fatal", message) if the loop dies.
 Messages are pickled; nothing else is shared with the client.
 """
 
@@ -23,6 +25,7 @@ import zmq
 
 from intone.engine.child import parent_sockets, watch_parent
 from intone.engine.config import Profile
+from intone.errors import IntoneError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,7 @@ def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_fr
     # After the watch: torch and the models take seconds to import, and a parent that dies
     # meanwhile must still take this process with it.
     from intone.engine.core import EngineCore
+    from intone.engine.profiling import WindowProfiler
 
     with parent_sockets(inbox, outbox) as (pull, push):
         core = EngineCore.build(model_spec, Profile.model_validate(profile_data), trace_frames)
@@ -45,14 +49,15 @@ def serve(model_spec: str, profile_data: dict, inbox: str, outbox: str, trace_fr
             model=model_spec, name=m.name, sample_rate=m.sample_rate, samples_per_frame=m.samples_per_frame,
             device=str(m.device), capacity=core.profile.ar.max_num_seqs, profile=core.profile.name,
         ))))
-        _loop(core, pull, push)
+        _loop(core, pull, push, WindowProfiler())
 
 
-def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
+def _loop(core, pull: zmq.Socket, push: zmq.Socket, profiler) -> None:
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     beat = 0.0
     while True:
+        profiler.poll()
         if time.monotonic() - beat > HEARTBEAT_S:  # from the loop itself: a hung step stops it
             push.send(pickle.dumps(("alive", core.progress())))
             beat = time.monotonic()
@@ -68,7 +73,10 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
             elif msg[0] == "encode":  # encoded by the frontend stage; answered after a later step
                 _, token, audio, rate = msg
                 core.submit_encode(token, audio, rate)
+            elif msg[0] == "profile":
+                push.send(pickle.dumps(("profiled", _profile(profiler, *msg[1:]))))
             elif msg[0] == "shutdown":
+                profiler.close()
                 for rid in core.request_ids():
                     core.abort(rid)
                 push.send(pickle.dumps(("chunks", core.step())))
@@ -83,6 +91,19 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket) -> None:
                 push.send(pickle.dumps(("chunks", chunks)))
             for encoded in core.take_encoded():
                 push.send(pickle.dumps(("encoded", encoded)))
+
+
+def _profile(profiler, token: str, action: str, directory: str | None) -> tuple:
+    """(token, result, None) or (token, None, (kind, message)): "refused" for a start while a window runs or a
+    stop with none, "failed" where the profiler or the trace's file failed (the loop serves on either way)."""
+    try:
+        result = profiler.start(directory) if action == "start" else profiler.stop()
+    except IntoneError as e:
+        return token, None, ("refused", str(e))
+    except Exception as e:  # noqa: BLE001 - a diagnostic's failure must not end the engine
+        log.exception("profile %s failed", action)
+        return token, None, ("failed", f"{type(e).__name__}: {e}")
+    return token, result, None
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,175 @@
+"""Where a profiled window of the served load spent the GPU: a summary of a torch profiler (Kineto)
+chrome trace, per launching thread and per CUDA stream.
+
+The engine's loop, codec worker and frontend workers share one GPU. The question a served level
+raises is whether the GPU itself is full (then only less work, or cheaper kernels, go faster) or
+waits for the host between launches (then host work, the GIL, or the schedule is the bound), and
+whose kernels hold it. Each GPU item (kernel, memcpy, memset) is tied to the thread that launched
+it through its CUDA runtime or driver call (their `correlation` ids); CUPTI records those calls for
+every thread of the process, so the attribution holds for threads the profiler's CPU side never saw.
+Host (CPU op) time appears only for the threads whose ops the profiler recorded.
+
+`python -m intone.engine.timeline TRACE.json[.gz] [--threads JSON]` prints the same summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
+HOST_CATEGORY = "cpu_op"
+TOP_KERNELS = 8
+
+
+@dataclass(frozen=True)
+class Span:
+    start: float  # microseconds, the trace's clock
+    end: float
+    name: str = ""
+    stream: int | None = None
+    correlation: int | None = None
+    tid: int | None = None
+
+
+def union_seconds(spans: list[Span]) -> float:
+    """Seconds covered by at least one span (overlaps counted once)."""
+    total, reach = 0.0, None
+    for s in sorted(spans, key=lambda s: s.start):
+        if reach is None or s.start > reach:
+            total += s.end - s.start
+            reach = s.end
+        elif s.end > reach:
+            total += s.end - reach
+            reach = s.end
+    return total / 1e6
+
+
+def _span(event: dict) -> Span:
+    args = event.get("args") or {}
+    start = float(event["ts"])
+    return Span(start, start + float(event.get("dur", 0.0)), event.get("name", ""), args.get("stream"),
+                args.get("correlation"), event.get("tid"))
+
+
+def read_trace(path: str | Path) -> dict:
+    """A chrome trace, gzipped or not."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _thread_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[dict]:
+    by_thread: dict[str, list[Span]] = defaultdict(list)
+    for item in items:
+        launch = launches.get(item.correlation)
+        by_thread[name_of(launch.tid) if launch is not None else "unattributed"].append(item)
+    rows = []
+    for thread, spans in by_thread.items():
+        first: dict[int, float] = {}  # per launch, its first item's start: how long the work queued
+        for s in spans:
+            if s.correlation in launches:
+                first[s.correlation] = min(first.get(s.correlation, s.start), s.start)
+        waits = [max(0.0, start - launches[c].end) / 1e3 for c, start in first.items()]
+        kernels: dict[str, list[float]] = defaultdict(list)
+        for s in spans:
+            kernels[s.name].append((s.end - s.start) / 1e6)
+        top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+        rows.append(dict(
+            thread=thread, items=len(spans), item_s=sum(s.end - s.start for s in spans) / 1e6,
+            busy_s=union_seconds(spans), streams=sorted({s.stream for s in spans if s.stream is not None}),
+            launches=len(first),
+            queue_ms=dict(mean=sum(waits) / len(waits), p50=_percentile(waits, 0.5), p90=_percentile(waits, 0.9))
+            if waits else None,
+            top=[dict(name=name[:120], s=sum(d), items=len(d)) for name, d in top]))
+    return sorted(rows, key=lambda r: -r["item_s"])
+
+
+def _stream_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[dict]:
+    by_stream: dict[int | None, list[Span]] = defaultdict(list)
+    for item in items:
+        by_stream[item.stream].append(item)
+    rows = []
+    for stream, spans in by_stream.items():
+        owners: dict[str, int] = defaultdict(int)
+        for s in spans:
+            launch = launches.get(s.correlation)
+            owners[name_of(launch.tid) if launch is not None else "unattributed"] += 1
+        rows.append(dict(stream=stream, items=len(spans), busy_s=union_seconds(spans),
+                         thread=max(owners, key=owners.get)))
+    return sorted(rows, key=lambda r: -r["busy_s"])
+
+
+def summarize(trace: dict, threads: dict[int, str] | None = None, wall_s: float | None = None) -> dict:
+    """The trace's GPU items and host ops, per thread and stream. threads: native thread id -> name
+    (the profiled process's own names; others show as `thread <id>`); wall_s: the window's length
+    (default: from its first event to its last)."""
+    names = {int(k): v for k, v in (threads or {}).items()}
+
+    def name_of(tid) -> str:
+        return names.get(tid, f"thread {tid}") if isinstance(tid, int) else str(tid)
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
+    items = [_span(e) for e in events if e.get("cat") in GPU_CATEGORIES]
+    launches = {s.correlation: s for s in (_span(e) for e in events if e.get("cat") in LAUNCH_CATEGORIES)
+                if s.correlation is not None}
+    host = [_span(e) for e in events if e.get("cat") == HOST_CATEGORY]
+    if wall_s is None:
+        spans = [*items, *host, *launches.values()]
+        wall_s = (max(s.end for s in spans) - min(s.start for s in spans)) / 1e6 if spans else 0.0
+    busy = union_seconds(items)
+    item_s = sum(s.end - s.start for s in items) / 1e6
+    host_rows = defaultdict(list)
+    for s in host:
+        host_rows[name_of(s.tid)].append(s)
+    return dict(
+        wall_s=wall_s,
+        gpu=dict(items=len(items), busy_s=busy, busy_share=busy / wall_s if wall_s > 0 else None,
+                 item_s=item_s, concurrency=item_s / busy if busy > 0 else None),
+        threads=_thread_rows(items, launches, name_of),
+        streams=_stream_rows(items, launches, name_of),
+        host=sorted((dict(thread=t, ops=len(s), op_s=union_seconds(s)) for t, s in host_rows.items()),
+                    key=lambda r: -r["op_s"]))
+
+
+def render(summary: dict) -> str:
+    """The summary as text: the GPU's use of the window, then per thread and per stream."""
+    gpu, wall = summary["gpu"], summary["wall_s"]
+    lines = [f"window {wall:.2f} s: GPU busy {gpu['busy_s']:.2f} s"
+             + (f" ({100 * gpu['busy_share']:.1f}%)" if gpu["busy_share"] is not None else "")
+             + f", {gpu['items']} GPU items, {gpu['item_s']:.2f} s of item time"
+             + (f" (x{gpu['concurrency']:.2f} overlap)" if gpu["concurrency"] else "")]
+    for r in summary["threads"]:
+        queue = r["queue_ms"]
+        lines.append(f"  {r['thread']}: busy {r['busy_s']:.2f} s, {r['items']} items in {r['launches']} launches "
+                     f"on streams {r['streams']}" + (f", queued mean {queue['mean']:.2f} / p90 {queue['p90']:.2f} ms"
+                                                     if queue else ""))
+        lines += [f"      {k['s']:8.3f} s {k['items']:7d}x  {k['name']}" for k in r["top"]]
+    lines += [f"  stream {r['stream']}: busy {r['busy_s']:.2f} s, {r['items']} items, mostly {r['thread']}"
+              for r in summary["streams"]]
+    lines += [f"  host {r['thread']}: {r['op_s']:.2f} s in {r['ops']} ops" for r in summary["host"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m intone.engine.timeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace")
+    ap.add_argument("--threads", default=None, help="JSON object: native thread id -> name")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = ap.parse_args(argv)
+    summary = summarize(read_trace(args.trace), json.loads(args.threads) if args.threads else None)
+    print(json.dumps(summary, indent=1) if args.json else render(summary))
+
+
+if __name__ == "__main__":
+    main()
