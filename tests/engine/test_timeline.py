@@ -39,8 +39,12 @@ def traces(draw):
     return {"traceEvents": events}
 
 
+def covered(events) -> set[int]:
+    return {t for e in events for t in range(e["ts"], e["ts"] + e["dur"])}
+
+
 def covered_us(events) -> int:
-    return len({t for e in events for t in range(e["ts"], e["ts"] + e["dur"])})
+    return len(covered(events))
 
 
 def gpu_events(trace):
@@ -70,6 +74,9 @@ def test_busy_time_and_attribution_match_brute_force(trace):
             continue
         row = by_thread[name]
         assert row["items"] == len(mine) and abs(row["busy_s"] - covered_us(mine) / 1e6) < 1e-9
+        others = [e for e in items if owners.get(e["args"]["correlation"], "unattributed") != name]
+        only_mine = len(covered(mine) - covered(others))
+        assert abs(row["alone_s"] - only_mine / 1e6) < 1e-9
         assert row["streams"] == sorted({e["args"]["stream"] for e in mine})
         assert sum(k["items"] for k in row["top"]) == len(mine)  # three names: all of them within the top
         launch_ends = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in trace["traceEvents"]
@@ -102,6 +109,7 @@ def test_the_command_line_reads_a_gzipped_trace(tmp_path):
                           json.dumps({"202": "intone-codec", "101": "engine loop"})],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "GPU busy 0.00 s (94.3%)" in out  # 500 us of the 530 us from the first event to the last
-    assert "intone-codec: busy 0.00 s, 1 items in 1 launches on streams [7], queued mean 0.02" in out
+    assert "intone-codec: busy 0.00 s (0.00 s with no other thread's work), 1 items in 1 launches on streams [7], " \
+        "queued mean 0.02" in out
     assert "host engine loop: 0.00 s in 1 ops" in out
     assert render(summarize(trace)).startswith("window 0.00 s")

@@ -70,11 +70,29 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def alone_seconds(by_thread: dict[str, list[Span]]) -> dict[str, float]:
+    """Per thread, the seconds its GPU items ran while no other thread's did (the rest of its busy time it
+    shared the GPU's SMs with another thread's work)."""
+    edges = sorted((t, step, name) for name, spans in by_thread.items()
+                   for s in spans for t, step in ((s.start, 1), (s.end, -1)))
+    active: dict[str, int] = defaultdict(int)
+    alone: dict[str, float] = defaultdict(float)
+    last = None
+    for t, step, name in edges:
+        running = [n for n, k in active.items() if k > 0]
+        if last is not None and len(running) == 1:
+            alone[running[0]] += (t - last) / 1e6
+        active[name] += step
+        last = t
+    return {name: alone.get(name, 0.0) for name in by_thread}
+
+
 def _thread_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[dict]:
     by_thread: dict[str, list[Span]] = defaultdict(list)
     for item in items:
         launch = launches.get(item.correlation)
         by_thread[name_of(launch.tid) if launch is not None else "unattributed"].append(item)
+    alone = alone_seconds(by_thread)
     rows = []
     for thread, spans in by_thread.items():
         first: dict[int, float] = {}  # per launch, its first item's start: how long the work queued
@@ -88,7 +106,7 @@ def _thread_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[
         top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
         rows.append(dict(
             thread=thread, items=len(spans), item_s=sum(s.end - s.start for s in spans) / 1e6,
-            busy_s=union_seconds(spans), streams=sorted({s.stream for s in spans if s.stream is not None}),
+            busy_s=union_seconds(spans), alone_s=alone[thread], streams=sorted({s.stream for s in spans if s.stream is not None}),
             launches=len(first),
             queue_ms=dict(mean=sum(waits) / len(waits), p50=_percentile(waits, 0.5), p90=_percentile(waits, 0.9))
             if waits else None,
@@ -151,7 +169,8 @@ def render(summary: dict) -> str:
              + (f" (x{gpu['concurrency']:.2f} overlap)" if gpu["concurrency"] else "")]
     for r in summary["threads"]:
         queue = r["queue_ms"]
-        lines.append(f"  {r['thread']}: busy {r['busy_s']:.2f} s, {r['items']} items in {r['launches']} launches "
+        lines.append(f"  {r['thread']}: busy {r['busy_s']:.2f} s ({r['alone_s']:.2f} s with no other thread's work), "
+                     f"{r['items']} items in {r['launches']} launches "
                      f"on streams {r['streams']}" + (f", queued mean {queue['mean']:.2f} / p90 {queue['p90']:.2f} ms"
                                                      if queue else ""))
         lines += [f"      {k['s']:8.3f} s {k['items']:7d}x  {k['name']}" for k in r["top"]]
