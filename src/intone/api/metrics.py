@@ -76,6 +76,12 @@ ENGINE_COUNTERS = {
                                  "CosyVoice3: rows x mel frames HiFT's calls computed, padding included"),
     "codec_hift_useful_frames": ("intone_codec_hift_useful_frames",
                                  "CosyVoice3: the real part of intone_codec_hift_padded_frames"),
+    "codec_references_ahead": ("intone_codec_references_ahead",
+                               "CosyVoice3: streams' references solved ahead of their first hops "
+                               "(cosyvoice3.flow.reference_ahead)"),
+    "codec_prepares_skipped": ("intone_codec_prepares_skipped",
+                               "Streams' prepare chunks left undone: their first hops went to a call first and "
+                               "solved the reference themselves"),
     "codec_flow_cache_refused": ("intone_codec_flow_cache_refused",
                                  "CosyVoice3: streamed hops that kept no flow cache for want of room "
                                  "(cosyvoice3.flow.cache_gb)"),

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.cuda import green_contexts
 
@@ -46,6 +47,12 @@ def ended_batch(items: list) -> DecodedBatch:
     """Waiting chunks of a request that ended, handed back undecoded so the loop's counts come down."""
     return DecodedBatch(items, [RuntimeError("the request ended")] * len(items), 0.0, [0] * len(items),
                         dropped=True)
+
+
+def skipped_prepares(items: list) -> DecodedBatch:
+    """Waiting `prepare` chunks whose streams' first chunks went to a call first: those solve the reference
+    themselves, so these are handed back undone (no audio, no state, no error)."""
+    return DecodedBatch(items, [np.zeros(0, np.float32)] * len(items), 0.0, [0] * len(items), dropped=True)
 
 
 def decode_batch(stage, items: list, pause=None) -> list:
@@ -151,8 +158,9 @@ def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
 
 
 def opens_a_stream(item) -> bool:
-    """A streamed request's first chunk (a whole response's one chunk is also its last)."""
-    return item[1].start == 0 and not item[1].finished
+    """A streamed request's first chunk (a whole response's one chunk is also its last; a `prepare` chunk
+    only readies the codec's state ahead of it)."""
+    return item[1].start == 0 and not item[1].finished and not item[1].prepare
 
 
 def is_piece(item) -> bool:
@@ -167,8 +175,10 @@ def is_midstream(item) -> bool:
 
 def is_first_chunk(item) -> bool:
     """A chunk someone waits on first: a new stream's first, or a whole response's only one (a
-    non-streamed request's earlier pieces are not: its client waits for the last)."""
-    return item[1].start == 0 and (item[1].finished or not is_piece(item))
+    non-streamed request's earlier pieces are not: its client waits for the last; nor is a stream's
+    `prepare` chunk, work done ahead while the codec has room, which nobody waits on: as a first
+    chunk it made calls of its own and preempted the backlog's, session 32)."""
+    return item[1].start == 0 and not item[1].prepare and (item[1].finished or not is_piece(item))
 
 
 def decode_timed(stage, items: list, tokens: list[int], pause=None, preempted: bool = False) -> DecodedBatch:
@@ -210,8 +220,11 @@ class Preemption:
     of its kernels (the stage would otherwise queue its whole call at once), so the first chunks'
     kernels wait behind one step of the call, not behind the rest of it."""
 
-    def __init__(self, worker: "CodecWorker", stream):
+    def __init__(self, worker: "CodecWorker", stream, items: list):
+        """items: the call's own; a first chunk of one of their requests waits for the call to end (its
+        `prepare` is among them: the first chunk goes on from the state the call commits)."""
         self.worker, self.stream = worker, stream
+        self.in_call = {id(req) for req, _ in items}
         self.behind = None  # the stream's mark at the previous pause point
         self.seconds = self.gpu_seconds = self.flow_seconds = 0.0  # of the calls made at the pause points
 
@@ -222,7 +235,7 @@ class Preemption:
             if self.behind is not None:
                 self.behind.synchronize()
             self.behind = mark
-        items, tokens = self.worker.take_first_chunks()
+        items, tokens = self.worker.take_first_chunks(self.in_call)
         if items:
             decoded = self.worker._decode(items, tokens, self.stream, preempted=True)
             self.seconds += decoded.seconds
@@ -253,6 +266,7 @@ class CodecWorker:
         self._ready = threading.Event()
         self._stop = False
         self.in_flight = 0  # chunks handed over and not yet collected
+        self.prepares_skipped = 0  # `_skip_prepares`
         stream, self._green_context = codec_stream(device, sms, shared_stream)
         self._thread = threading.Thread(target=self._work, args=(stream,), name="intone-codec", daemon=True)
         self._thread.start()
@@ -269,10 +283,15 @@ class CodecWorker:
                 self._oldest = time.perf_counter()
             self._wake.notify_all()
 
-    def take_first_chunks(self) -> tuple[list, list[int]]:
-        """The first chunks waiting (up to a call's worth), taken off the queue."""
+    def take_first_chunks(self, busy: set[int] = frozenset()) -> tuple[list, list[int]]:
+        """The first chunks waiting (up to a call's worth), taken off the queue, but none of the requests
+        in `busy` (ids)."""
         with self._wake:
-            return self._waiting.take(is_first_chunk) if self._waiting else ([], [])
+            if not self._waiting:
+                return [], []
+            items, tokens = self._waiting.take(lambda item: is_first_chunk(item) and id(item[0]) not in busy)
+            self._skip_prepares(items)
+            return items, tokens
 
     @property
     def calls(self) -> int:
@@ -319,13 +338,26 @@ class CodecWorker:
                     hold = self._hold() if self._waiting else None
                     if hold == 0.0:
                         items, tokens = self._waiting.take()
+                        self._skip_prepares(items)
                         self._oldest = self._oldest if self._waiting else None  # a capped call's leftovers stay due
                         if items:
                             break
                     self._wake.wait(hold)
             # a call of first chunks is what the pause points would run: it pauses for nothing
             backlog = self._preempt and not all(is_first_chunk(item) for item in items)
-            self._decode(items, tokens, stream, Preemption(self, stream) if backlog else None)
+            self._decode(items, tokens, stream, Preemption(self, stream, items) if backlog else None)
+
+    def _skip_prepares(self, items: list) -> None:
+        """The waiting `prepare` chunks of streams whose first chunks were just taken leave the queue undone
+        (under the lock)."""
+        opening = {id(req) for req, chunk in items if chunk.start == 0 and not chunk.prepare}
+        if not opening or not self._waiting:
+            return
+        skipped = self._waiting.drop(lambda item: not (item[1].prepare and id(item[0]) in opening))
+        if skipped:
+            self.prepares_skipped += len(skipped)
+            self._done.append(skipped_prepares(skipped))
+            self._ready.set()
 
     def _hold(self) -> float:
         return hold_seconds(self._waiting, self._oldest, self._gather_s, self._full, self._lead_s)

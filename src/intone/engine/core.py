@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # a vocoder's own counters (CosyVoice3's), exported as codec_<name>
 CODEC_PIECE_COUNTERS = ("padded_tokens", "useful_tokens", "flow_seconds", "vocoder_seconds", "hift_padded_frames",
                         "hift_useful_frames", "flow_cache_bytes", "flow_cache_pool_bytes",
-                        "flow_cache_refused")
+                        "flow_cache_refused", "references_ahead")
 
 DEFAULT_CPU_KV_TOKENS_PER_SEAT = 4096
 CUDA_KV_MEMORY_FRACTION = 0.5  # of the memory free after loading, when the profile sets no size
@@ -288,6 +288,7 @@ class EngineCore:
             codec_first_call_gpu_seconds=self.stats.first_call_gpu_seconds,
             codec_first_call_flow_seconds=self.stats.first_call_flow_seconds,
             codec_first_call_chunks=self.stats.first_call_chunks, codec_preempted_calls=self.stats.preempted_calls,
+            codec_prepares_skipped=getattr(self.codec_worker, "prepares_skipped", 0),
             reference_cache_hits=cache.hits, reference_cache_misses=cache.misses,
             reference_cache_entries=len(cache), reference_cache_bytes=cache.bytes,
             frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
