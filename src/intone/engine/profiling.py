@@ -4,7 +4,8 @@ Started and stopped from the core's loop, between steps, by the API's /start_pro
 It records the GPU's kernels, copies and the CUDA calls that launched them for every thread of the
 process (the loop, the codec worker, the frontend workers; `engine.timeline` ties each kernel to its
 thread), and the host ops of the loop's thread. A window that is never stopped ends by itself after
-`max_seconds`, so its buffers stay bounded; its trace then waits for the next stop.
+`max_seconds`, so its buffers stay bounded; its trace then waits for the next stop. A codec in a process
+of its own (`codec.process`) is outside the window.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class WindowProfiler:
         self._directory: Path | None = None
         self._started = 0.0
         self._finished: dict | None = None  # a window that ended by itself, for the next stop
+        self._names: dict[int, str] = {}  # the threads at the window's start (some may end in it)
 
     @property
     def running(self) -> bool:
@@ -63,6 +65,7 @@ class WindowProfiler:
         self._directory.mkdir(parents=True, exist_ok=True)
         window.start()
         self._profile, self._started, self._finished = window, time.perf_counter(), None
+        self._names = thread_names()
         return dict(pid=os.getpid(), max_seconds=self.max_seconds)
 
     def poll(self) -> None:
@@ -91,5 +94,5 @@ class WindowProfiler:
         wall = time.perf_counter() - self._started
         path = self._directory / f"engine-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.json.gz"
         window.export_chrome_trace(str(path))
-        return dict(trace=str(path), wall_s=wall, threads=thread_names(), pid=os.getpid(),
+        return dict(trace=str(path), wall_s=wall, threads={**self._names, **thread_names()}, pid=os.getpid(),
                     ended_by_itself=wall > self.max_seconds)
