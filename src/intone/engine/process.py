@@ -57,7 +57,8 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, profiler) -> None:
     poller.register(pull, zmq.POLLIN)
     beat = 0.0
     while True:
-        profiler.poll()
+        for reply in profiler.poll():
+            push.send(pickle.dumps(("profiled", reply)))
         if time.monotonic() - beat > HEARTBEAT_S:  # from the loop itself: a hung step stops it
             push.send(pickle.dumps(("alive", core.progress())))
             beat = time.monotonic()
@@ -73,10 +74,12 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, profiler) -> None:
             elif msg[0] == "encode":  # encoded by the frontend stage; answered after a later step
                 _, token, audio, rate = msg
                 core.submit_encode(token, audio, rate)
-            elif msg[0] == "profile":
-                push.send(pickle.dumps(("profiled", _profile(profiler, *msg[1:]))))
+            elif msg[0] == "profile":  # a stop is answered by profiler.poll once its trace is written
+                reply = _profile(profiler, *msg[1:])
+                if reply is not None:
+                    push.send(pickle.dumps(("profiled", reply)))
             elif msg[0] == "shutdown":
-                profiler.close()
+                profiler.close()  # a trace still being written is dropped with the process
                 for rid in core.request_ids():
                     core.abort(rid)
                 push.send(pickle.dumps(("chunks", core.step())))
@@ -93,11 +96,15 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, profiler) -> None:
                 push.send(pickle.dumps(("encoded", encoded)))
 
 
-def _profile(profiler, token: str, action: str, directory: str | None) -> tuple:
+def _profile(profiler, token: str, action: str, directory: str | None) -> tuple | None:
     """(token, result, None) or (token, None, (kind, message)): "refused" for a start while a window runs or a
-    stop with none, "failed" where the profiler or the trace's file failed (the loop serves on either way)."""
+    stop with none, "failed" where the profiler failed (the loop serves on either way); None for a stop taken
+    (`WindowProfiler.poll` answers it)."""
     try:
-        result = profiler.start(directory) if action == "start" else profiler.stop()
+        if action == "stop":
+            profiler.stop(token)
+            return None
+        result = profiler.start(directory)
     except IntoneError as e:
         return token, None, ("refused", str(e))
     except Exception as e:  # noqa: BLE001 - a diagnostic's failure must not end the engine
