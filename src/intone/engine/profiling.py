@@ -39,9 +39,15 @@ def _all_threads_config():
 
 
 def thread_names() -> dict[int, str]:
-    """This process's threads by native id; the main thread is the engine's loop."""
-    return {t.native_id: "engine loop" if t is threading.main_thread() else t.name
-            for t in threading.enumerate() if t.native_id is not None}
+    """This process's threads by native id (what Kineto's trace calls a thread), and by pthread id, whole and
+    cut to 32 bits (what CUPTI reports for a thread Kineto never registered); the main thread is the loop."""
+    names = {}
+    for t in threading.enumerate():
+        name = "engine loop" if t is threading.main_thread() else t.name
+        for key in (t.ident, t.ident & 0xFFFFFFFF if t.ident else None, t.native_id):
+            if key is not None:
+                names[key] = name
+    return names
 
 
 class WindowProfiler:
