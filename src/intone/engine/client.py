@@ -196,14 +196,18 @@ class Engine:
                 self._stats_waiters.remove(waiter)
             raise
 
-    async def encode_reference(self, audio, sample_rate: int):
-        """Mono float32 audio -> the model's reference features (numpy arrays by name)."""
+    def _ask(self, waiters: dict, kind: str, *args) -> tuple[str, asyncio.Future]:
+        """Post (kind, token, *args) under a fresh token; the future gets the core's (result, error) for it."""
         if self.dead:
             raise EngineDead(f"engine core is dead: {self.dead}")
         token = uuid.uuid4().hex
-        waiter = asyncio.get_running_loop().create_future()
-        self._encode_waiters[token] = waiter
-        self._post(("encode", token, audio, sample_rate))
+        waiter = waiters[token] = asyncio.get_running_loop().create_future()
+        self._post((kind, token, *args))
+        return token, waiter
+
+    async def encode_reference(self, audio, sample_rate: int):
+        """Mono float32 audio -> the model's reference features (numpy arrays by name)."""
+        _, waiter = self._ask(self._encode_waiters, "encode", audio, sample_rate)
         features, error = await waiter
         if error:
             raise IntoneError(f"cannot encode the reference audio: {error}")
@@ -214,12 +218,7 @@ class Engine:
         """action "start" (a torch profiler window, its trace to go in `directory`) or "stop" (the window's
         trace file, length and thread names; engine/profiling.py). ProfileRefused: a start while a window
         runs, a stop with none; IntoneError: the profiler failed."""
-        if self.dead:
-            raise EngineDead(f"engine core is dead: {self.dead}")
-        token = uuid.uuid4().hex
-        waiter = asyncio.get_running_loop().create_future()
-        self._profile_waiters[token] = waiter
-        self._post(("profile", token, action, directory))
+        token, waiter = self._ask(self._profile_waiters, "profile", action, directory)
         try:
             result, error = await asyncio.wait_for(waiter, timeout)
         finally:
