@@ -73,8 +73,9 @@ for stage in "$@"; do
         N=${AB_N:-256} TAG=-$name SERVE_ARGS="${v#*:}" T=${T:-190} bash "$0" "${AB_STAGE:-cosy-stream}"; done ;;
     # pair: one `intone serve` per AB variant (PAIR_MODEL, PAIR_PROFILE), and PAIR_BENCHES (full, stream) against
     # it in turn: a variant's non-streamed and streamed rows for one start-up (no frame audit: --base-url);
-    # PROFILE_S=4: each bench's level under a profiler window of that many seconds (its GPU timeline; the
-    # traces stay on the machine, their summaries come back; the rows are then diagnostics)
+    # a bench named full+tl or stream+tl runs under a profiler window of PROFILE_S (4) seconds: its GPU timeline
+    # (the traces stay on the machine, their summaries come back; that row is a diagnostic), e.g.
+    # PAIR_BENCHES="stream stream+tl"
     pair) IFS=';' read -ra variants <<< "${AB:?}"
       for v in "${variants[@]}"; do
         [[ $v == *:* ]] || v="$v:"
@@ -89,12 +90,12 @@ for stage in "$@"; do
         benches=${PAIR_BENCHES:-full stream}
         healthy $port || { echo "== $name: not ready, no bench"; tail -3 "$d/server.log"; benches=; }
         for b in $benches; do  # each bench its own clips (seed): no reference cache hits
-          flag=; [ "$b" = stream ] && flag=--stream; seed=$((seed + 100000))
+          flag=; [ "${b%+tl}" = stream ] && flag=--stream; seed=$((seed + 100000))
+          [ "$b" != "${b%+tl}" ] && flag="$flag --profile-seconds ${PROFILE_S:-4}"  # full+tl, stream+tl: a timeline
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
-            --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${PROFILE_S:+--profile-seconds $PROFILE_S} \
-            ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
+            --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
           grep "^| 64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
-          sed -n '/^## GPU timeline/,/^```$/p' "$d/$b/report.md" | tail -n +3 | head -40
+          sed -n '/^## GPU timeline/,$p' "$d/$b/report.md" | sed -n '/^```$/,/^```$/p' | head -40
         done
         kill $pid; wait $pid
         rm -rf "$d"/*/dataset "$d"/*/*.png "$d"/profile/*/*.json.gz; tar czf "$d.tgz" -C "$OUT" "pair-$name" && rm -rf "$d"; done ;;  # kept if the call is cut
