@@ -8,6 +8,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -23,7 +24,9 @@ LONG = {"input": "A long one.", "seed": 1, "max_new_tokens": 2000, "ignore_eos":
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("dp"), tiny_cache, "--data-parallel", "2", "--drain-seconds", "60")
+    tmp = tmp_path_factory.mktemp("dp")
+    s = start_server(tmp, tiny_cache, "--data-parallel", "2", "--drain-seconds", "60",
+                     "--profile-dir", str(tmp / "profiles"))
     t = np.arange(24000) / 16000
     sf.write(s.media / "ref.wav", 0.3 * np.sin(2 * np.pi * 170 * t) * (1 + 0.4 * np.sin(2 * np.pi * 4 * t)), 16000)
     yield s
@@ -192,6 +195,24 @@ def test_a_stored_voice_is_encoded_once_and_both_engines_speak_it_alike(dp_serve
     assert all(r.status_code == 200 for r in replies)
     assert replies[0].content == replies[1].content  # the same audio from either engine
     assert sum(per_engine(s, "intone_engine_reference_cache_misses_total").values()) == misses + 1  # never re-encoded
+
+
+def test_a_profiled_window_covers_both_engines(dp_server):
+    s = dp_server
+    started = httpx.post(s.url("/start_profile"), timeout=60)
+    assert started.status_code == 200 and started.json()["engines"] == 2
+    body = {"input": "Profiled.", "seed": 3, "max_new_tokens": 12, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        assert [r.status_code for r in pool.map(lambda _: httpx.post(s.url("/v1/audio/speech"), json=body,
+                                                                     timeout=60), range(2))] == [200, 200]
+    stopped = httpx.post(s.url("/stop_profile"), timeout=300)
+    assert stopped.status_code == 200, stopped.text
+    rows = stopped.json()["engines"]
+    assert [r["engine"] for r in rows] == [0, 1]
+    for r in rows:  # each core's window in its own folder, its loop's host ops in its summary
+        assert f"engine-{r['engine']}" in r["trace"] and "error" not in r
+        assert "engine loop" in {h["thread"] for h in r["summary"]["host"]}
+    assert httpx.post(s.url("/stop_profile"), timeout=60).status_code == 409
 
 
 def test_one_engine_dies_its_requests_fail_cleanly_the_other_serves_and_it_returns(dp_server):

@@ -52,7 +52,9 @@ class EngineSupervisor:
             engine: Engine = self.slot.engine
             while not engine.dead:
                 await asyncio.sleep(POLL_S)
-                if self.hang_s > 0 and engine.silent_for() > self.hang_s and not engine.dead:
+                # a core closing a profiler window may pause its loop for a while: not a hang
+                if self.hang_s > 0 and engine.silent_for() > self.hang_s and not engine.dead \
+                        and not engine.profile_stops:
                     log.error("%s: engine core silent for %.0f s: killing it", name, engine.silent_for())
                     engine.kill()
             if self.policy == "exit":

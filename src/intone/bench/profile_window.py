@@ -30,19 +30,24 @@ async def with_profile(load, base_url: str, headers: dict | None, delay_s: float
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=STOP_TIMEOUT_S) as client:
         await asyncio.wait({task}, timeout=delay_s)
         if task.done():
-            return task.result(), {"error": f"the level ended within the window's {delay_s} s delay"}
-        started = await client.post("/start_profile")
-        if started.status_code != 200:
-            return await task, {"error": f"/start_profile: {_error(started)}"}
-        await asyncio.wait({task}, timeout=seconds)
-        stopped = await client.post("/stop_profile")
-        profile = stopped.json() if stopped.status_code == 200 else {"error": f"/stop_profile: {_error(stopped)}"}
+            return task.result(), {"error": f"the level ended within the window's {delay_s} s delay", "ran": False}
+        try:
+            started = await client.post("/start_profile")
+            if started.status_code != 200:
+                return await task, {"error": f"/start_profile: {_error(started)}", "ran": False}
+            await asyncio.wait({task}, timeout=seconds)
+            stopped = await client.post("/stop_profile")
+        except httpx.HTTPError as e:  # the level's own results still count
+            return await task, {"error": f"the profiler's request failed: {type(e).__name__}: {e}", "ran": True}
+        profile = stopped.json() if stopped.status_code == 200 else \
+            {"error": f"/stop_profile: {_error(stopped)}", "ran": True}
     return await task, profile
 
 
 def profiled_note(results: dict) -> list[str]:
     """A line under the main table for the levels that ran under a profiler window."""
-    levels = [f"C{lvl['concurrency']}" for lvl in results["levels"] if lvl.get("profile") is not None]
+    levels = [f"C{lvl['concurrency']}" for lvl in results["levels"]
+              if lvl.get("profile") is not None and lvl["profile"].get("ran", True)]
     return ["", f"**Profiled: {', '.join(levels)} ran under a profiler window (see GPU timeline): diagnostics, "
                 "not figures to quote.**"] if levels else []
 
@@ -52,11 +57,15 @@ def profile_lines(level: dict) -> list[str]:
     profile = level.get("profile")
     if profile is None:
         return []
-    head = f"## GPU timeline, C{level['concurrency']} (a profiled window: this level's figures are diagnostics)"
+    head = f"## GPU timeline, C{level['concurrency']}" + \
+        (" (a profiled window: this level's figures are diagnostics)" if profile.get("ran", True) else "")
     if "error" in profile:
-        return [head, "", f"No window: {profile['error']}", ""]
+        return [head, "", f"No timeline: {profile['error']}", ""]
     lines = [head, ""]
     for engine in profile["engines"]:
+        if "error" in engine:
+            lines += [f"Engine {engine['engine']}: no window ({engine['error']})", ""]
+            continue
         lines += [f"Engine {engine['engine']}: trace `{engine['trace']}`", "", "```", render(engine["summary"]),
                   "```", ""]
     return lines

@@ -55,6 +55,7 @@ class Engine:
         self._stats_waiters: list[asyncio.Future] = []
         self._encode_waiters: dict[str, asyncio.Future] = {}
         self._profile_waiters: dict[str, asyncio.Future] = {}
+        self.profile_stops = 0  # stops waiting for their trace: the core's loop may pause to close a window
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.dead: str | None = None
         self._closed = False
@@ -219,10 +220,12 @@ class Engine:
         trace file, length and thread names; engine/profiling.py). ProfileRefused: a start while a window
         runs, a stop with none; IntoneError: the profiler failed."""
         token, waiter = self._ask(self._profile_waiters, "profile", action, directory)
+        self.profile_stops += action == "stop"
         try:
             result, error = await asyncio.wait_for(waiter, timeout)
         finally:
             self._profile_waiters.pop(token, None)
+            self.profile_stops -= action == "stop"
         if error is not None:
             kind, message = error
             raise (ProfileRefused if kind == "refused" else IntoneError)(message)

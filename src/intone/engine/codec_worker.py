@@ -289,9 +289,8 @@ class CodecWorker:
         with self._wake:
             if not self._waiting:
                 return [], []
-            items, tokens = self._waiting.take(lambda item: is_first_chunk(item) and id(item[0]) not in busy)
-            self._skip_prepares(items)
-            return items, tokens
+            taken = self._waiting.take(lambda item: is_first_chunk(item) and id(item[0]) not in busy)
+            return self._skip_prepares(*taken)
 
     @property
     def calls(self) -> int:
@@ -337,8 +336,7 @@ class CodecWorker:
                         return
                     hold = self._hold() if self._waiting else None
                     if hold == 0.0:
-                        items, tokens = self._waiting.take()
-                        self._skip_prepares(items)
+                        items, tokens = self._skip_prepares(*self._waiting.take())
                         self._oldest = self._oldest if self._waiting else None  # a capped call's leftovers stay due
                         if items:
                             break
@@ -347,17 +345,23 @@ class CodecWorker:
             backlog = self._preempt and not all(is_first_chunk(item) for item in items)
             self._decode(items, tokens, stream, Preemption(self, stream, items) if backlog else None)
 
-    def _skip_prepares(self, items: list) -> None:
-        """The waiting `prepare` chunks of streams whose first chunks were just taken leave the queue undone
-        (under the lock)."""
+    def _skip_prepares(self, items: list, tokens: list[int]) -> tuple[list, list[int]]:
+        """items and tokens less the `prepare` chunks of streams whose first chunks they hold; those, and such
+        prepares still waiting, are handed back undone (under the lock)."""
         opening = {id(req) for req, chunk in items if chunk.start == 0 and not chunk.prepare}
-        if not opening or not self._waiting:
-            return
-        skipped = self._waiting.drop(lambda item: not (item[1].prepare and id(item[0]) in opening))
+        if not opening:
+            return items, tokens
+
+        def stale(item) -> bool:
+            return item[1].prepare and id(item[0]) in opening
+        skipped = [item for item in items if stale(item)] + self._waiting.drop(lambda item: not stale(item))
         if skipped:
             self.prepares_skipped += len(skipped)
             self._done.append(skipped_prepares(skipped))
             self._ready.set()
+            kept = [(item, n) for item, n in zip(items, tokens) if not stale(item)]
+            items, tokens = [item for item, _ in kept], [n for _, n in kept]
+        return items, tokens
 
     def _hold(self) -> float:
         return hold_seconds(self._waiting, self._oldest, self._gather_s, self._full, self._lead_s)

@@ -75,6 +75,7 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, profiler) -> None:
                 _, token, audio, rate = msg
                 core.submit_encode(token, audio, rate)
             elif msg[0] == "profile":  # a stop is answered by profiler.poll once its trace is written
+                push.send(pickle.dumps(("alive", core.progress())))  # closing a window may pause the loop
                 reply = _profile(profiler, *msg[1:])
                 if reply is not None:
                     push.send(pickle.dumps(("profiled", reply)))

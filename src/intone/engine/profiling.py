@@ -4,7 +4,7 @@ Started and stopped from the core's loop, between steps, by the API's /start_pro
 It records the GPU's kernels, copies and the CUDA calls that launched them for every thread of the
 process (the loop, the codec worker, the frontend workers; `engine.timeline` ties each kernel to its
 thread), and the host ops of the threads running torch in it (where torch can record other threads than the
-loop's). A window that is never stopped ends by itself after `max_seconds`, so its buffers stay bounded; its
+loop's). A window that is never stopped ends by itself after `max_seconds` (30), so its buffers stay bounded; its
 trace then waits for the next stop. A trace is written off the loop (a busy GPU's takes seconds, and a loop
 silent past --engine-hang-seconds is killed). A codec in a process of its own (`codec.process`) is outside the
 window.
@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from intone.errors import IntoneError
 
-MAX_SECONDS = 120.0
+MAX_SECONDS = 30.0  # a window's own end: its trace (and the loop's pause to close it) grows with its length
 
 
 class ProfileStateError(IntoneError):
@@ -38,16 +38,29 @@ def _all_threads_config():
         return None
 
 
+def _thread_keys(t: threading.Thread) -> list[int]:
+    """The ids a trace may give thread t: its native id (what Kineto calls a thread it registered), and its
+    pthread id, whole and as CUPTI's 32 bits (signed as Kineto writes them) for a thread it never registered."""
+    keys = [t.native_id] if t.native_id is not None else []
+    if t.ident:
+        low = t.ident & 0xFFFFFFFF
+        keys += [t.ident, low, (low ^ 0x80000000) - 0x80000000]
+    return keys
+
+
 def thread_names() -> dict[int, str]:
-    """This process's threads by native id (what Kineto's trace calls a thread), and by pthread id, whole and
-    cut to 32 bits (what CUPTI reports for a thread Kineto never registered); the main thread is the loop."""
-    names = {}
-    for t in threading.enumerate():
-        name = "engine loop" if t is threading.main_thread() else t.name
-        for key in (t.ident, t.ident & 0xFFFFFFFF if t.ident else None, t.native_id):
-            if key is not None:
-                names[key] = name
-    return names
+    """This process's threads by every id a trace may give them (`_thread_keys`); the main thread is the loop."""
+    return {key: "engine loop" if t is threading.main_thread() else t.name
+            for t in threading.enumerate() for key in _thread_keys(t)}
+
+
+def _keep_cupti() -> None:
+    """Before CUDA 12.6, tearing CUPTI down after a window can crash a later one in a process that replays
+    CUDA graphs (pytorch#112507); torch keeps it up only for its own graphs' sake, so it is asked here."""
+    version = torch.version.cuda
+    if version and tuple(int(x) for x in version.split(".")[:2]) < (12, 6):
+        os.environ.setdefault("TEARDOWN_CUPTI", "0")
+        os.environ.setdefault("DISABLE_CUPTI_LAZY_REINIT", "1")
 
 
 class WindowProfiler:
@@ -64,14 +77,17 @@ class WindowProfiler:
         self._writer: threading.Thread | None = None  # writing the last window's trace
         self._written: tuple | None = None  # (result, error) of the last window, for the stop that takes it
         self._stops: list[str] = []  # tokens of the stops waiting for the trace being written
+        self._windows = 0  # windows started (each trace's name carries its number)
 
     @property
     def running(self) -> bool:
         return self._profile is not None
 
     def start(self, directory: str) -> dict:
+        """A new window (a finished one that no stop took is dropped: its trace stays on disk)."""
         if self._profile is not None or self._writer is not None:
             raise ProfileStateError("a profile is already running (or its trace is being written): stop it first")
+        _keep_cupti()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         config = _all_threads_config()
         window = profile(activities=activities, **({"experimental_config": config} if config is not None else {}))
@@ -79,6 +95,7 @@ class WindowProfiler:
         self._directory.mkdir(parents=True, exist_ok=True)
         window.start()
         self._profile, self._started, self._written = window, time.perf_counter(), None
+        self._windows += 1
         self._names = thread_names()
         return dict(pid=os.getpid(), max_seconds=self.max_seconds)
 
@@ -94,7 +111,10 @@ class WindowProfiler:
         """Ends a window that has run for max_seconds; (token, result, None) or (token, None, ("failed", why))
         for each stop whose trace is written (called from the loop between steps)."""
         if self._profile is not None and time.perf_counter() - self._started > self.max_seconds:
-            self._end()
+            try:
+                self._end()
+            except Exception as e:  # noqa: BLE001 - a diagnostic's failure must not end the engine
+                self._written = (None, ("failed", f"{type(e).__name__}: {e}"))
         if self._writer is not None and not self._writer.is_alive():
             self._writer = None
         if self._writer is not None or self._written is None or not self._stops:
@@ -115,7 +135,7 @@ class WindowProfiler:
         window, self._profile = self._profile, None
         window.stop()
         wall = time.perf_counter() - self._started
-        path = self._directory / f"engine-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.json.gz"
+        path = self._directory / f"engine-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}-{self._windows}.json.gz"
         names = self._names
 
         def write() -> None:

@@ -9,7 +9,8 @@ it through its CUDA runtime or driver call (their `correlation` ids); CUPTI reco
 every thread of the process, so the attribution holds for threads the profiler's CPU side never saw.
 Host (CPU op) time appears only for the threads whose ops the profiler recorded.
 
-`python -m intone.engine.timeline TRACE.json[.gz] [--threads JSON]` prints the same summary.
+`python -m intone.engine.timeline TRACE.json[.gz] [--threads JSON] [--json FILE]` prints (or writes) the same
+summary; the API server runs it so, as a process of its own: reading a big trace holds an interpreter for seconds.
 """
 
 from __future__ import annotations
@@ -184,10 +185,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m intone.engine.timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--threads", default=None, help="JSON object: native thread id -> name")
-    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument("--wall-s", type=float, default=None, help="the window's length (default: its events' span)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="write the summary as JSON there instead")
     args = ap.parse_args(argv)
-    summary = summarize(read_trace(args.trace), json.loads(args.threads) if args.threads else None)
-    print(json.dumps(summary, indent=1) if args.json else render(summary))
+    summary = summarize(read_trace(args.trace), json.loads(args.threads) if args.threads else None, args.wall_s)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    else:
+        print(render(summary))
 
 
 if __name__ == "__main__":

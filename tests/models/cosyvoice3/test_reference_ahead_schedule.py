@@ -5,6 +5,7 @@ stream (its state would be overwritten by the older one that call commits). Ever
 
 import threading
 
+import pytest
 import torch
 
 from intone.engine.chunk_planner import Chunk
@@ -48,11 +49,14 @@ def _collect(worker, count):
     return got
 
 
-def test_a_stream_whose_first_hop_is_taken_first_skips_its_prepare(cosy64):
+@pytest.mark.parametrize("preempt", [True, False])
+def test_a_stream_whose_first_hop_is_taken_first_skips_its_prepare(cosy64, preempt):
+    """Handed over together: under preempt the first hop is the only first chunk and its call takes it alone;
+    in order (fifo) one call takes both. Either way the prepare is handed back undone."""
     stage = _stage(cosy64)
     req, [first], [audio] = _stream(cosy64, 1, 1)
-    worker = CodecWorker(stage, cosy64.device, preempt=True)
-    try:  # handed over together: the first hop is the only first chunk, so its call takes it alone
+    worker = CodecWorker(stage, cosy64.device, preempt=preempt)
+    try:
         worker.submit([(req, Chunk(req.request_id, 0, 0, 0, False, prepare=True)), (req, first)], [0, first.end])
         got = _collect(worker, 2)
     finally:
