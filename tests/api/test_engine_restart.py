@@ -62,3 +62,21 @@ def test_with_exit_policy_the_server_stops_when_its_engine_dies(tiny_cache, tiny
     finally:
         if s.process.poll() is None:
             stop_server(s)
+
+
+def test_a_core_with_a_profiler_window_open_is_not_taken_for_hung(tiny_cache, tiny_fish_dir, tmp_path):
+    """Closing a profiler window pauses the core's loop; while one is open the supervisor allows more silence
+    than --engine-hang-seconds (a bounded grace), so the core, and its window, survive the pause."""
+    s = start_server(tmp_path, tiny_cache, "--engine-hang-seconds", "2", "--profile-dir", str(tmp_path / "p"))
+    try:
+        assert httpx.post(s.url("/start_profile"), timeout=30).status_code == 200
+        core = _engine_pid(s.process.pid)
+        os.kill(core, signal.SIGSTOP)  # silent for twice the hang limit
+        time.sleep(4.5)
+        os.kill(core, signal.SIGCONT)
+        stopped = httpx.post(s.url("/stop_profile"), timeout=120)
+        assert stopped.status_code == 200, stopped.text
+        assert _engine_pid(s.process.pid) == core
+        assert "intone_engine_restarts_total 0.0" in httpx.get(s.url("/metrics"), timeout=10).text
+    finally:
+        stop_server(s)

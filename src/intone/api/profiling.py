@@ -22,6 +22,7 @@ from intone.engine.client import EngineDead, ProfileRefused
 from intone.errors import IntoneError
 
 PROFILE_PATHS = ("/start_profile", "/stop_profile")  # guarded by the API key like /v1/
+SUMMARY_TIMEOUT_S = 600.0
 
 
 def _off() -> JSONResponse:
@@ -48,7 +49,12 @@ async def summarized(window: dict) -> dict:
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "intone.engine.timeline", str(trace), "--threads", json.dumps(window["threads"]),
         "--wall-s", str(window["wall_s"]), "--json", str(path), stderr=asyncio.subprocess.PIPE)
-    _, err = await child.communicate()
+    try:
+        _, err = await asyncio.wait_for(child.communicate(), SUMMARY_TIMEOUT_S)
+    finally:  # timed out, or the request was cancelled
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
     if child.returncode != 0:
         raise IntoneError(f"summarizing {trace.name} failed: {err.decode(errors='replace')[-500:]}")
     return dict(trace=window["trace"], summary_file=str(path), wall_s=window["wall_s"],
@@ -80,12 +86,11 @@ def install_profile_routes(app: FastAPI) -> None:
         stopped = await asyncio.gather(*(s.engine.profile_window("stop") for s in slots), return_exceptions=True)
         if all(isinstance(r, BaseException) for r in stopped):
             return _refused(stopped[0])
-        out = []  # an engine whose window failed (or had none) says so in its row
-        for slot, window in zip(slots, stopped):
+        async def row(slot, window) -> dict:  # an engine whose window failed (or had none) says so in its row
             try:
                 if isinstance(window, BaseException):
                     raise window
-                out.append({"engine": slot.index, **await summarized(window)})
-            except (IntoneError, TimeoutError) as e:
-                out.append({"engine": slot.index, "error": str(e) or type(e).__name__})
-        return {"engines": out}
+                return {"engine": slot.index, **await summarized(window)}
+            except (IntoneError, TimeoutError, OSError, ValueError) as e:
+                return {"engine": slot.index, "error": str(e) or type(e).__name__}
+        return {"engines": list(await asyncio.gather(*(row(s, w) for s, w in zip(slots, stopped))))}

@@ -20,6 +20,7 @@ from intone.engine.client import Engine
 
 log = logging.getLogger("intone.server")
 POLL_S = 0.25
+PROFILE_GRACE_S = 120.0  # more silence allowed while a profiler window is open or closing (its loop pauses)
 
 
 class EngineSupervisor:
@@ -52,9 +53,9 @@ class EngineSupervisor:
             engine: Engine = self.slot.engine
             while not engine.dead:
                 await asyncio.sleep(POLL_S)
-                # a core closing a profiler window may pause its loop for a while: not a hang
-                if self.hang_s > 0 and engine.silent_for() > self.hang_s and not engine.dead \
-                        and not engine.profile_stops:
+                # a core closing a profiler window pauses its loop for a while: not a hang, up to a bound
+                limit = self.hang_s + (PROFILE_GRACE_S if engine.profile_open or engine.profile_stops else 0)
+                if self.hang_s > 0 and engine.silent_for() > limit and not engine.dead:
                     log.error("%s: engine core silent for %.0f s: killing it", name, engine.silent_for())
                     engine.kill()
             if self.policy == "exit":

@@ -35,6 +35,9 @@ async def with_profile(load, base_url: str, headers: dict | None, delay_s: float
             started = await client.post("/start_profile")
             if started.status_code != 200:
                 return await task, {"error": f"/start_profile: {_error(started)}", "ran": False}
+            limit = started.json().get("max_seconds")
+            if limit is not None and seconds > limit:
+                print(f"--profile-seconds {seconds}: the server ends a window after {limit} s", flush=True)
             await asyncio.wait({task}, timeout=seconds)
             stopped = await client.post("/stop_profile")
         except httpx.HTTPError as e:  # the level's own results still count
@@ -66,6 +69,7 @@ def profile_lines(level: dict) -> list[str]:
         if "error" in engine:
             lines += [f"Engine {engine['engine']}: no window ({engine['error']})", ""]
             continue
-        lines += [f"Engine {engine['engine']}: trace `{engine['trace']}`", "", "```", render(engine["summary"]),
-                  "```", ""]
+        ended = " (the window reached the server's limit and ended by itself)" if engine.get("ended_by_itself") else ""
+        lines += [f"Engine {engine['engine']}: trace `{engine['trace']}`{ended}", "", "```",
+                  render(engine["summary"]), "```", ""]
     return lines

@@ -56,6 +56,7 @@ class Engine:
         self._encode_waiters: dict[str, asyncio.Future] = {}
         self._profile_waiters: dict[str, asyncio.Future] = {}
         self.profile_stops = 0  # stops waiting for their trace: the core's loop may pause to close a window
+        self.profile_open = False  # a window started and no stop answered yet (it may close by itself)
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.dead: str | None = None
         self._closed = False
@@ -226,6 +227,7 @@ class Engine:
         finally:
             self._profile_waiters.pop(token, None)
             self.profile_stops -= action == "stop"
+        self.profile_open = action == "start" and error is None
         if error is not None:
             kind, message = error
             raise (ProfileRefused if kind == "refused" else IntoneError)(message)

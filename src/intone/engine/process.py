@@ -57,11 +57,11 @@ def _loop(core, pull: zmq.Socket, push: zmq.Socket, profiler) -> None:
     poller.register(pull, zmq.POLLIN)
     beat = 0.0
     while True:
-        for reply in profiler.poll():
-            push.send(pickle.dumps(("profiled", reply)))
         if time.monotonic() - beat > HEARTBEAT_S:  # from the loop itself: a hung step stops it
             push.send(pickle.dumps(("alive", core.progress())))
             beat = time.monotonic()
+        for reply in profiler.poll():  # after the heartbeat: closing an overdue window pauses the loop
+            push.send(pickle.dumps(("profiled", reply)))
         timeout = 0 if core.has_work() else POLL_IDLE_MS
         while poller.poll(timeout):
             msg = pickle.loads(pull.recv())
