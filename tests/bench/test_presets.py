@@ -82,3 +82,26 @@ def test_the_memory_table_appears_only_when_the_server_reports_gpu_memory():
     assert "| 64 | 60.0 | 80.0 | 90.5 | 95.0 | 99.0 |" in lines
     cpu = {"kv_cache_bytes": gib, "gpu_allocated_peak_bytes": None}
     assert memory_table({"levels": [{"concurrency": 2, "server": {"available": True, "gauges": cpu}}]}) == []
+
+
+def test_references_solved_ahead_go_from_the_servers_metrics_to_the_report():
+    """The engine's prepare counters as the API exports them, scraped before and after a level, and said in
+    the report (CosyVoice3's reference_ahead); a level without them says nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from intone.api.metrics import ServerMetrics
+
+    def scraped(counters: dict) -> dict:
+        snapshot = {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8, **counters}
+        metrics = ServerMetrics()
+        metrics.stage_times({"total_s": 1.0})
+        metrics.engine_states([(0, True, 0, snapshot)], snapshot)
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    server = level_breakdown(scraped({"codec_references_ahead": 3, "codec_prepares_skipped": 1}),
+                             scraped({"codec_references_ahead": 40, "codec_prepares_skipped": 9}))
+    assert server["counters"]["codec_references_ahead"] == 37 and server["counters"]["codec_prepares_skipped"] == 8
+    lines = stage_tables({"levels": [{"concurrency": 64, "server": server}]})
+    assert "- C64: references solved ahead 37, prepares skipped 8 (their first hops came first)" in lines
+    plain = level_breakdown(scraped({}), scraped({}))
+    assert not any("solved ahead" in line for line in stage_tables({"levels": [{"concurrency": 64, "server": plain}]}))

@@ -88,6 +88,7 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(_per_call(k, 'codec_first_call_flow_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))}"
             + f" | {_count(k.get('prefix_cache_blocks'))} | {_count(k.get('compiled_graphs'))} |")
+    lines += _ahead_lines(levels)
     return lines + ["rows per step: frames made per AR step over the level (its seats filled, of ar.max_num_seqs). "
                     "frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
@@ -98,6 +99,19 @@ def stage_tables(results: dict) -> list[str]:
                     "its call to start; their GPU span (CosyVoice3) against their length, how much of a call was "
                     "host time; flow s of it: the flow's part of that span (the rest is HiFT). preempted calls: made at a backlog call's pause points. compiles: graphs torch.compile "
                     "compiled during the level (a request waited for each; 0 when start-up compiled everything).", ""]
+
+
+def _ahead_lines(levels: list[dict]) -> list[str]:
+    """CosyVoice3 with `cosyvoice3.flow.reference_ahead`: how many streams' references were solved ahead of their
+    first hops, and how many prepares were left undone (their first hops came first)."""
+    out = []
+    for lvl in levels:
+        k = (lvl.get("server") or {}).get("counters") or {}
+        ahead, skipped = k.get("codec_references_ahead"), k.get("codec_prepares_skipped")
+        if ahead or skipped:
+            out.append(f"- C{lvl['concurrency']}: references solved ahead {_count(ahead)}, prepares skipped "
+                       f"{_count(skipped)} (their first hops came first)")
+    return [""] + out if out else []
 
 
 MEMORY_GAUGES = ("kv_cache_bytes", "gpu_allocated_peak_at_ready_bytes", "gpu_allocated_peak_bytes",

@@ -47,6 +47,8 @@ COUNTERS = {
     "codec_useful_tokens": "intone_codec_useful_tokens_total",
     "codec_hift_padded_frames": "intone_codec_hift_padded_frames_total",
     "codec_hift_useful_frames": "intone_codec_hift_useful_frames_total",
+    "codec_references_ahead": "intone_codec_references_ahead_total",
+    "codec_prepares_skipped": "intone_codec_prepares_skipped_total",
 }
 GAUGES = {
     "reference_cache_entries": "intone_reference_cache_entries",
