@@ -94,7 +94,7 @@ for stage in "$@"; do
           [ "$b" != "${b%+tl}" ] && flag="$flag --profile-seconds ${PROFILE_S:-4}"  # full+tl, stream+tl: a timeline
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
-          grep "^| 64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
+          grep "^| 64\|^- C64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
           sed -n '/^## GPU timeline/,/^Plots:/p' "$d/$b/report.md" | grep -v '^Plots:\|^```$\|^$' | head -40
         done
         kill $pid; wait $pid
