@@ -359,8 +359,8 @@ class CodecWorker:
             self.prepares_skipped += len(skipped)
             self._done.append(skipped_prepares(skipped))
             self._ready.set()
-            kept = [(item, n) for item, n in zip(items, tokens) if not stale(item)]
-            items, tokens = [item for item, _ in kept], [n for _, n in kept]
+            kept = [i for i, item in enumerate(items) if not stale(item)]
+            items, tokens = [items[i] for i in kept], [tokens[i] for i in kept]
         return items, tokens
 
     def _hold(self) -> float:

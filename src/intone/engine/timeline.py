@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,11 +88,10 @@ def alone_seconds(by_thread: dict[str, list[Span]]) -> dict[str, float]:
     return {name: alone.get(name, 0.0) for name in by_thread}
 
 
-def _thread_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[dict]:
+def _thread_rows(items: list[Span], owners: list[str], launches: dict[int, Span]) -> list[dict]:
     by_thread: dict[str, list[Span]] = defaultdict(list)
-    for item in items:
-        launch = launches.get(item.correlation)
-        by_thread[name_of(launch.tid) if launch is not None else "unattributed"].append(item)
+    for item, owner in zip(items, owners):
+        by_thread[owner].append(item)
     alone = alone_seconds(by_thread)
     rows = []
     for thread, spans in by_thread.items():
@@ -107,26 +106,23 @@ def _thread_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[
         top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
         rows.append(dict(
             thread=thread, items=len(spans), item_s=sum(s.end - s.start for s in spans) / 1e6,
-            busy_s=union_seconds(spans), alone_s=alone[thread], streams=sorted({s.stream for s in spans if s.stream is not None}),
-            launches=len(first),
+            busy_s=union_seconds(spans), alone_s=alone[thread],
+            streams=sorted({s.stream for s in spans if s.stream is not None}), launches=len(first),
             queue_ms=dict(mean=sum(waits) / len(waits), p50=_percentile(waits, 0.5), p90=_percentile(waits, 0.9))
             if waits else None,
             top=[dict(name=name[:120], s=sum(d), items=len(d)) for name, d in top]))
     return sorted(rows, key=lambda r: -r["item_s"])
 
 
-def _stream_rows(items: list[Span], launches: dict[int, Span], name_of) -> list[dict]:
-    by_stream: dict[int | None, list[Span]] = defaultdict(list)
-    for item in items:
-        by_stream[item.stream].append(item)
+def _stream_rows(items: list[Span], owners: list[str]) -> list[dict]:
+    by_stream: dict[int | None, list[tuple[Span, str]]] = defaultdict(list)
+    for item, owner in zip(items, owners):
+        by_stream[item.stream].append((item, owner))
     rows = []
-    for stream, spans in by_stream.items():
-        owners: dict[str, int] = defaultdict(int)
-        for s in spans:
-            launch = launches.get(s.correlation)
-            owners[name_of(launch.tid) if launch is not None else "unattributed"] += 1
-        rows.append(dict(stream=stream, items=len(spans), busy_s=union_seconds(spans),
-                         thread=max(owners, key=owners.get)))
+    for stream, pairs in by_stream.items():
+        counts = Counter(owner for _, owner in pairs)
+        rows.append(dict(stream=stream, items=len(pairs), busy_s=union_seconds([s for s, _ in pairs]),
+                         thread=counts.most_common(1)[0][0]))
     return sorted(rows, key=lambda r: -r["busy_s"])
 
 
@@ -143,6 +139,8 @@ def summarize(trace: dict, threads: dict[int, str] | None = None, wall_s: float 
     launches = {s.correlation: s for s in (_span(e) for e in events if e.get("cat") in LAUNCH_CATEGORIES)
                 if s.correlation is not None}
     host = [_span(e) for e in events if e.get("cat") == HOST_CATEGORY]
+    # each GPU item's thread: the one whose CUDA call launched it
+    owners = [name_of(launches[s.correlation].tid) if s.correlation in launches else "unattributed" for s in items]
     if wall_s is None:
         spans = [*items, *host, *launches.values()]
         wall_s = (max(s.end for s in spans) - min(s.start for s in spans)) / 1e6 if spans else 0.0
@@ -155,8 +153,8 @@ def summarize(trace: dict, threads: dict[int, str] | None = None, wall_s: float 
         wall_s=wall_s,
         gpu=dict(items=len(items), busy_s=busy, busy_share=busy / wall_s if wall_s > 0 else None,
                  item_s=item_s, concurrency=item_s / busy if busy > 0 else None),
-        threads=_thread_rows(items, launches, name_of),
-        streams=_stream_rows(items, launches, name_of),
+        threads=_thread_rows(items, owners, launches),
+        streams=_stream_rows(items, owners),
         host=sorted((dict(thread=t, ops=len(s), op_s=union_seconds(s)) for t, s in host_rows.items()),
                     key=lambda r: -r["op_s"]))
 
