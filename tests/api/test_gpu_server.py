@@ -3,6 +3,7 @@ captured at start-up, concurrent requests each bringing its own reference voice.
 
 from concurrent.futures import ThreadPoolExecutor
 import io
+import itertools
 import re
 
 import httpx
@@ -39,10 +40,11 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
           {}, {},
           {"ar": {"async_steps": False},
            "chunking": {"whole_chunk_frames": 20, "listener_margin_s": 0.5, "ramp_factor": 1.5}}),
-         ("tiny:cosyvoice3", "cosyvoice3-streaming", {}, {"cuda_graphs": True, "compile": True, "attention": "flex"},
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {},
+          {"cuda_graphs": True, "compile": True, "attention": "flex", "cache": False},
           {"cuda_graphs": True}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"sms": 32, "schedule": "preempt"},
-          {"compile": True, "attention": "flex"}, {"dtype": "float16"}, {}),
+          {"compile": True, "attention": "flex", "cache": False}, {"dtype": "float16"}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"stream": "loop", "stream_lead_ms": 300},
           {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cache": True}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-full-response", {"stream": "loop"},
@@ -143,7 +145,7 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
 def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(tiny_cache, tmp_path):
     """/start_profile and /stop_profile on a GPU server under concurrent requests with their own voices: every
     kernel's launch is found (CUPTI records the CUDA calls of every thread), and the loop's, the codec
-    worker's and the frontend's kernels each show under their thread."""
+    worker's and the frontend's kernels each show under their thread, on streams no other thread uses."""
     server = start_server(tmp_path, tiny_cache, "--model", "tiny:fish-s2", "--profile", "fish-s2-high-concurrency",
                           "--device", "cuda", "--profile-dir", str(tmp_path / "profiles"))
     try:
@@ -167,5 +169,8 @@ def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(ti
         assert {"engine loop", "intone-codec", "intone-frontend"} <= set(threads), sorted(threads)
         unattributed = threads.get("unattributed", {}).get("items", 0)
         assert unattributed <= 0.05 * gpu["items"], (unattributed, gpu["items"])
+        launching = [r for name, r in threads.items() if name != "unattributed"]
+        for a, b in itertools.combinations(launching, 2):  # no thread's kernels queue behind another's
+            assert not set(a["streams"]) & set(b["streams"]), (a["thread"], b["thread"], a["streams"], b["streams"])
     finally:
         stop_server(server)

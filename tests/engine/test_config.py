@@ -87,25 +87,28 @@ def test_the_loops_stream_is_for_the_in_process_codec_worker(other):
 
 
 def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_does_not():
-    flow = load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.cuda_graphs": True}).cosyvoice3.flow
+    uncached = {"cosyvoice3.flow.attention": "flex", "cosyvoice3.flow.cache": False}
+    flow = load_profile("cosyvoice3-streaming", device="cpu",
+                        **{"cosyvoice3.flow.cuda_graphs": True, **uncached}).cosyvoice3.flow
     assert flow.attention == "flex" and flow.cuda_graphs
-    with pytest.raises(ProfileError, match="cosyvoice3.flow.cache"):
+    with pytest.raises(ProfileError, match="cosyvoice3.flow.cache"):  # the shipped profile keeps a flow cache
         load_profile("cosyvoice3-streaming", device="cpu",
-                     **{"cosyvoice3.flow.cuda_graphs": True, "cosyvoice3.flow.cache": True})
+                     **{"cosyvoice3.flow.cuda_graphs": True, "cosyvoice3.flow.attention": "flex"})
 
 
 @pytest.mark.parametrize("padded", ["cosyvoice3.flow.cuda_graphs", "cosyvoice3.flow.cache"])
 def test_packed_flow_rows_are_refused_with_the_solves_that_stay_padded(padded):
-    assert load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.packed": True}).cosyvoice3.flow.packed
+    plain = {"cosyvoice3.flow.packed": True, "cosyvoice3.flow.cache": False, "cosyvoice3.flow.attention": "flex"}
+    assert load_profile("cosyvoice3-streaming", device="cpu", **plain).cosyvoice3.flow.packed
     with pytest.raises(ProfileError, match="cosyvoice3.flow.packed"):
-        load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.packed": True, padded: True})
+        load_profile("cosyvoice3-streaming", device="cpu", **{**plain, padded: True})
 
 
 def test_a_familys_knobs_live_in_its_section_and_another_familys_profile_is_refused():
     """CosyVoice3's flow knobs are under `cosyvoice3:`, Fish's reference batching under `fish_s2:`; a key that
     moved names its new place, and a profile that sets a section is refused for the other family's model
     before anything loads."""
-    assert load_profile("cosyvoice3-streaming").options_for("cosyvoice3").flow.attention == "flex"
+    assert load_profile("cosyvoice3-streaming").options_for("cosyvoice3").flow.attention == "varlen"
     assert load_profile("fish-s2-high-concurrency").options_for("fish-s2").reference_rows == 16
     assert load_profile("fish-s2-default").options_for("some-other-family") is None
     with pytest.raises(ProfileError, match="codec.flow_cache is now cosyvoice3.flow.cache"):

@@ -35,6 +35,11 @@ def traces(draw):
                            "name": draw(st.sampled_from(["gemm", "attn", "copy"])), "ts": start, "dur": dur,
                            "pid": 0, "tid": stream, "args": {"stream": stream, "correlation": correlation}})
             start += dur + draw(st.integers(0, 5))
+    for other in range(draw(st.integers(0, 6))):  # calls that launch nothing, some of them waiting for the GPU
+        at = draw(st.integers(0, 400))
+        events.append({"ph": "X", "cat": "cuda_runtime", "ts": at, "dur": draw(st.integers(1, 80)), "pid": 7,
+                       "name": draw(st.sampled_from(["cudaStreamSynchronize", "cudaMemcpyAsync", "cudaEventRecord"])),
+                       "tid": draw(st.sampled_from(sorted(THREADS))), "args": {"correlation": 10_000 + other}})
     events.append({"ph": "M", "name": "thread_name", "pid": 7, "tid": 101, "args": {"name": "thread 101"}})
     return {"traceEvents": events}
 
@@ -94,6 +99,13 @@ def test_busy_time_and_attribution_match_brute_force(trace):
     for row in s["streams"]:
         mine = [e for e in items if e["args"]["stream"] == row["stream"]]
         assert abs(row["busy_s"] - covered_us(mine) / 1e6) < 1e-9
+    calls = [e for e in trace["traceEvents"] if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    assert {r["thread"] for r in s["host"]} == {THREADS[e["tid"]] for e in calls}
+    for row in s["host"]:
+        mine = [e for e in calls if THREADS[e["tid"]] == row["thread"]]
+        waits = [e for e in mine if e["name"] in ("cudaStreamSynchronize", "cudaMemcpyAsync")]
+        assert abs(row["cuda_call_s"] - covered_us(mine) / 1e6) < 1e-9
+        assert abs(row["wait_s"] - covered_us(waits) / 1e6) < 1e-9
 
 
 def test_the_command_line_reads_a_gzipped_trace(tmp_path):
@@ -111,5 +123,5 @@ def test_the_command_line_reads_a_gzipped_trace(tmp_path):
     assert "GPU busy 0.00 s (94.3%)" in out  # 500 us of the 530 us from the first event to the last
     assert "intone-codec: busy 0.00 s (0.00 s with no other thread's work), 1 items in 1 launches on streams [7], " \
         "queued mean 0.02" in out
-    assert "host engine loop: 0.00 s in 1 ops" in out
+    assert "host engine loop: 0.00 s in 1 ops; CUDA calls 0.00 s, 0.00 s of them waiting for the GPU" in out
     assert render(summarize(trace)).startswith("window 0.00 s")

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch.cuda import green_contexts
 
+from intone.engine.streams import own_stream
+
 log = logging.getLogger(__name__)
 
 
@@ -140,7 +142,7 @@ def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
     if shared:
         return torch.cuda.current_stream(device), None
     if sms is None:
-        return torch.cuda.Stream(device), None
+        return own_stream(device, "codec worker"), None
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from intone.engine.streams import own_stream
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
@@ -246,7 +247,7 @@ class StepGraphs:
     def _capture(self, buffers: _Capturable, key) -> None:
         try:
             if self._capture_stream is None:
-                self._capture_stream = torch.cuda.Stream()
+                self._capture_stream = own_stream(None, "AR graphs' capture")
             buffers.capture(self._pool, self._capture_stream)
             self._pool = buffers.graph.pool()
             self.report.graphs += 1
@@ -282,7 +283,7 @@ class _GraphSet:
 
     def capture(self, key: tuple, fn: Callable, inputs) -> None:
         if self.capture_stream is None:
-            self.capture_stream = torch.cuda.Stream(priority=self.priority)
+            self.capture_stream = own_stream(None, "graph set's capture", self.priority)
         static = [t.clone() for t in inputs]
         graph, out = capture_graph(lambda: fn(*static), self.pool, self.capture_stream)
         self.pool = graph.pool()

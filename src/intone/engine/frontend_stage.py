@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from intone.engine.streams import own_stream
 from intone.models.base import Prompt, TTSModel
 from intone.protocol import VoiceReference, clip_key
 
@@ -288,7 +289,7 @@ class FrontendStage:
             return None
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(self.model.device, priority=self.priority)
+            stream = self._local.stream = own_stream(self.model.device, "frontend worker", self.priority)
         return stream
 
     def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:

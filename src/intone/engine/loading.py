@@ -13,10 +13,21 @@ from intone.engine.chunk_planner import ChunkPolicy
 from intone.engine.codec_stage import CodecStage
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
+from intone.engine.streams import own_stream
 from intone.models import cache_dir, family_of, resolve_model_dir
 from intone.models.registry import load_model
 
 log = logging.getLogger(__name__)
+
+_loop_streams: dict[tuple[torch.device, int], torch.cuda.Stream] = {}  # held while the process lives
+
+
+def _loop_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """The engine loop's stream on this device (one per process and priority: a later load reuses it)."""
+    key = (device, priority)
+    if key not in _loop_streams:
+        _loop_streams[key] = own_stream(device, "engine loop", priority)
+    return _loop_streams[key]
 
 
 def load_for_profile(model_spec: str, profile: Profile):
@@ -45,7 +56,7 @@ def load_for_profile(model_spec: str, profile: Profile):
             torch.set_num_threads(profile.host_threads)
         # A stream of its own, so the other threads' streams can overlap it (the legacy default
         # stream would serialise them); CUDA clamps -100 to its highest priority.
-        torch.cuda.set_stream(torch.cuda.Stream(torch.device(device), priority=-100 if profile.ar.high_priority else 0))
+        torch.cuda.set_stream(_loop_stream(torch.device(device), -100 if profile.ar.high_priority else 0))
     if not model_spec.startswith(("tiny:", "random:")):
         resolve_model_dir(model_spec)  # a path that is not there is named as such, before anything else
     profile.options_for(family_of(model_spec))  # another family's section is refused before the load

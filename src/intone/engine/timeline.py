@@ -25,6 +25,7 @@ from pathlib import Path
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 HOST_CATEGORY = "cpu_op"
+WAITING_CALLS = ("Synchronize", "cudaMemcpy")  # CUDA calls whose thread waits for the GPU (by name; also memcpys)
 TOP_KERNELS = 8
 
 
@@ -139,6 +140,7 @@ def summarize(trace: dict, threads: dict[int, str] | None = None, wall_s: float 
     launches = {s.correlation: s for s in (_span(e) for e in events if e.get("cat") in LAUNCH_CATEGORIES)
                 if s.correlation is not None}
     host = [_span(e) for e in events if e.get("cat") == HOST_CATEGORY]
+    calls = [_span(e) for e in events if e.get("cat") in LAUNCH_CATEGORIES]
     # each GPU item's thread: the one whose CUDA call launched it
     owners = [name_of(launches[s.correlation].tid) if s.correlation in launches else "unattributed" for s in items]
     if wall_s is None:
@@ -146,17 +148,30 @@ def summarize(trace: dict, threads: dict[int, str] | None = None, wall_s: float 
         wall_s = (max(s.end for s in spans) - min(s.start for s in spans)) / 1e6 if spans else 0.0
     busy = union_seconds(items)
     item_s = sum(s.end - s.start for s in items) / 1e6
-    host_rows = defaultdict(list)
-    for s in host:
-        host_rows[name_of(s.tid)].append(s)
     return dict(
         wall_s=wall_s,
         gpu=dict(items=len(items), busy_s=busy, busy_share=busy / wall_s if wall_s > 0 else None,
                  item_s=item_s, concurrency=item_s / busy if busy > 0 else None),
         threads=_thread_rows(items, owners, launches),
         streams=_stream_rows(items, owners),
-        host=sorted((dict(thread=t, ops=len(s), op_s=union_seconds(s)) for t, s in host_rows.items()),
-                    key=lambda r: -r["op_s"]))
+        host=_host_rows(host, calls, name_of))
+
+
+def _host_rows(ops: list[Span], calls: list[Span], name_of) -> list[dict]:
+    """Per thread, the seconds of its recorded ops, of its CUDA calls, and of those that waited for the GPU
+    (synchronizations, copies): a thread that is always "busy" but whose kernels leave the GPU idle is either
+    waiting here or running Python between its calls."""
+    by_thread: dict[str, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+    for s in ops:
+        by_thread[name_of(s.tid)][0].append(s)
+    for s in calls:
+        mine = by_thread[name_of(s.tid)]
+        mine[1].append(s)
+        if any(w in s.name for w in WAITING_CALLS):
+            mine[2].append(s)
+    rows = [dict(thread=t, ops=len(o), op_s=union_seconds(o), cuda_call_s=union_seconds(c), wait_s=union_seconds(w))
+            for t, (o, c, w) in by_thread.items()]
+    return sorted(rows, key=lambda r: -(r["op_s"] + r["cuda_call_s"]))
 
 
 def render(summary: dict) -> str:
@@ -175,7 +190,8 @@ def render(summary: dict) -> str:
         lines += [f"      {k['s']:8.3f} s {k['items']:7d}x  {k['name']}" for k in r["top"]]
     lines += [f"  stream {r['stream']}: busy {r['busy_s']:.2f} s, {r['items']} items, mostly {r['thread']}"
               for r in summary["streams"]]
-    lines += [f"  host {r['thread']}: {r['op_s']:.2f} s in {r['ops']} ops" for r in summary["host"]]
+    lines += [f"  host {r['thread']}: {r['op_s']:.2f} s in {r['ops']} ops; CUDA calls {r['cuda_call_s']:.2f} s, "
+              f"{r['wait_s']:.2f} s of them waiting for the GPU" for r in summary["host"]]
     return "\n".join(lines)
 
 

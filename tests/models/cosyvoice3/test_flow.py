@@ -317,7 +317,8 @@ def test_split_calls_are_priced_at_their_graph_shape_when_graphed(cosy64):
     from intone.engine.config import load_profile
 
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.cuda_graphs": True,
-                                                                    "cosyvoice3.flow.attention": "sdpa"})
+                                                                    "cosyvoice3.flow.attention": "sdpa",
+                                                                    "cosyvoice3.flow.cache": False})
     graphed = cosy64.make_vocoder(profile.codec, profile.cosyvoice3)
     plain = cosy64.make_vocoder(profile.codec, load_profile("cosyvoice3-streaming", device="cpu").cosyvoice3)
     assert graphed._graph_cost(3, 100) == 4 * 256 // 2  # 3 rows -> 4; 200 mel frames -> 256

@@ -1,0 +1,52 @@
+"""CUDA streams that belong to one long-lived role each (the engine loop, the codec worker, a frontend
+worker, a set of captured graphs).
+
+`torch.cuda.Stream()` hands out the streams of a fixed pool round-robin (32 per device and priority), so
+after 32 draws it hands out one that an earlier caller still runs on. Start-up's graph captures each
+draw one for their warm-up run, so a stream drawn after them may be the engine loop's or the codec's:
+session 34's GPU timeline found the frontend workers' kernels on those two streams (each role then
+waits for the other's kernels), and two graph sets captured on one stream would share its cuBLAS
+workspace (`cuda_graphs.capture_graph`). `own_stream` skips the streams a live role holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+POOL_STREAMS = 32  # torch's pool: streams per device and priority, handed out round-robin
+
+_held: dict[int, str] = {}  # a held stream's handle -> its role
+_lock = threading.Lock()
+
+
+def own_stream(device: torch.device | str | int | None, role: str, priority: int = 0,
+               draw: Callable[..., torch.cuda.Stream] | None = None) -> torch.cuda.Stream:
+    """A stream from the pool that no other live role holds, held for `role` until the returned object
+    is collected (keep it as long as the role runs on it). draw: the pool (torch.cuda.Stream)."""
+    draw = draw or torch.cuda.Stream
+    with _lock:
+        for _ in range(POOL_STREAMS):
+            stream = draw(device, priority=priority)
+            handle = stream.cuda_stream
+            if handle not in _held:
+                _held[handle] = role
+                weakref.finalize(stream, _release, handle)
+                return stream
+        roles = sorted(set(_held.values()))
+    raise RuntimeError(f"no CUDA stream of priority {priority} left for the {role}: every stream of torch's pool "
+                       f"is held ({len(_held)} in all, by {', '.join(roles)})")
+
+
+def held_roles() -> dict[int, str]:
+    """The streams held now: handle -> role."""
+    with _lock:
+        return dict(_held)
+
+
+def _release(handle: int) -> None:
+    with _lock:
+        _held.pop(handle, None)
