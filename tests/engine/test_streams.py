@@ -48,9 +48,17 @@ def test_a_stream_goes_back_when_its_role_ends_and_a_full_pool_names_its_holders
     with pytest.raises(RuntimeError, match="every stream of torch's pool is held .*role 0, role 1"):
         own_stream(None, "frontend worker", draw=pool)
     freed = held.pop(5).cuda_stream
-    gc.collect()
     again = own_stream(None, "frontend worker", draw=pool)
     assert again.cuda_stream == freed and held_roles()[freed] == "frontend worker"
+    gc.disable()
+    try:  # a role gone in a reference cycle: only a collection gives its stream back, and a full pool runs one
+        cycle = {"stream": held.pop(7)}
+        cycle["self"], lost = cycle, cycle["stream"].cuda_stream
+        del cycle
+        assert lost in held_roles()
+        assert own_stream(None, "codec worker", draw=pool).cuda_stream == lost
+    finally:
+        gc.enable()
     del held, again
     gc.collect()
     assert held_roles() == {}  # nothing held once every role is gone

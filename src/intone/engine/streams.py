@@ -11,6 +11,7 @@ workspace (`cuda_graphs.capture_graph`). `own_stream` skips the streams a live r
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import torch
 POOL_STREAMS = 32  # torch's pool: streams per device and priority, handed out round-robin
 
 _held: dict[int, str] = {}  # a held stream's handle -> its role
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a collection inside `own_stream` may run `_release` on this thread
 
 
 def own_stream(device: torch.device | str | int | None, role: str, priority: int = 0,
@@ -28,17 +29,20 @@ def own_stream(device: torch.device | str | int | None, role: str, priority: int
     """A stream from the pool that no other live role holds, held for `role` until the returned object
     is collected (keep it as long as the role runs on it). draw: the pool (torch.cuda.Stream)."""
     draw = draw or torch.cuda.Stream
-    with _lock:
-        for _ in range(POOL_STREAMS):
-            stream = draw(device, priority=priority)
-            handle = stream.cuda_stream
-            if handle not in _held:
-                _held[handle] = role
-                weakref.finalize(stream, _release, handle)
-                return stream
-        roles = sorted(set(_held.values()))
+    for attempt in range(2):
+        with _lock:
+            for _ in range(POOL_STREAMS):
+                stream = draw(device, priority=priority)
+                handle = stream.cuda_stream
+                if handle not in _held:
+                    _held[handle] = role
+                    weakref.finalize(stream, _release, handle)
+                    return stream
+        if attempt == 0:
+            gc.collect()  # roles gone but not yet collected (an engine's reference cycles) give theirs back
+    held = held_roles()
     raise RuntimeError(f"no CUDA stream of priority {priority} left for the {role}: every stream of torch's pool "
-                       f"is held ({len(_held)} in all, by {', '.join(roles)})")
+                       f"is held ({len(held)} in all, by {', '.join(sorted(set(held.values())))})")
 
 
 def held_roles() -> dict[int, str]:
