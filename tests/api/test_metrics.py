@@ -58,6 +58,9 @@ def test_bench_reports_where_the_time_goes(server, tmp_path):
     assert stages["first_hop"] + stages["first_codec"] <= stages["total"]
     assert srv["counters"]["reference_cache_hits"] == 0 and srv["counters"]["reference_cache_misses"] == 6
     assert srv["counters"]["codec_calls"] >= 1 and srv["counters"]["codec_busy_seconds"] > 0
+    k = srv["counters"]  # the loop's wait for its steps' tokens is part of its steps; no GPU: no spans
+    assert 0 < k["step_wait_seconds"] <= k["engine_steps"] * srv["mean_step_ms"] / 1000 + 1e-6
+    assert k["gpu_timed_steps"] == 0 and k["step_gpu_seconds"] == 0
     report = (tmp_path / "unique" / "report.md").read_text()
     assert "## Where the time goes" in report and "a distinct clip for every request" in report
     assert "| concurrency | api_in s | frontend s | queue s | prefill s | first_hop s | first_codec s | decode s " \

@@ -84,20 +84,23 @@ def test_the_memory_table_appears_only_when_the_server_reports_gpu_memory():
     assert memory_table({"levels": [{"concurrency": 2, "server": {"available": True, "gauges": cpu}}]}) == []
 
 
-def test_references_solved_ahead_go_from_the_servers_metrics_to_the_report():
-    """The engine's prepare counters as the API exports them, scraped before and after a level, and said in
-    the report (CosyVoice3's reference_ahead); a level without them says nothing."""
+def scraped(counters: dict) -> dict:
+    """What /metrics gives for an engine snapshot with these keys (the API's own exporter)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from intone.api.metrics import ServerMetrics
 
-    def scraped(counters: dict) -> dict:
-        snapshot = {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8, **counters}
-        metrics = ServerMetrics()
-        metrics.stage_times({"total_s": 1.0})
-        metrics.engine_states([(0, True, 0, snapshot)], snapshot)
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    snapshot = {"running": 0, "waiting": 0, "kv_blocks_total": 8, "kv_blocks_free": 8, **counters}
+    metrics = ServerMetrics()
+    metrics.stage_times({"total_s": 1.0})
+    metrics.engine_states([(0, True, 0, snapshot)], snapshot)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+
+
+def test_references_solved_ahead_go_from_the_servers_metrics_to_the_report():
+    """The engine's prepare counters as the API exports them, scraped before and after a level, and said in
+    the report (CosyVoice3's reference_ahead); a level without them says nothing."""
     server = level_breakdown(scraped({"codec_references_ahead": 3, "codec_prepares_skipped": 1}),
                              scraped({"codec_references_ahead": 40, "codec_prepares_skipped": 9}))
     assert server["counters"]["codec_references_ahead"] == 37 and server["counters"]["codec_prepares_skipped"] == 8
@@ -105,3 +108,17 @@ def test_references_solved_ahead_go_from_the_servers_metrics_to_the_report():
     assert "- C64: references solved ahead 37, prepares skipped 8 (their first hops came first)" in lines
     plain = level_breakdown(scraped({}), scraped({}))
     assert not any("solved ahead" in line for line in stage_tables({"levels": [{"concurrency": 64, "server": plain}]}))
+
+
+def test_an_ar_steps_wait_and_gpu_span_go_from_the_servers_metrics_to_the_report():
+    """Over a level: the mean step, the loop's wait for tokens per step, and the steps' GPU span (a GPU server)."""
+    before = scraped({"steps": 100, "mean_step_ms": 10.0, "step_wait_seconds": 0.2, "step_gpu_seconds": 0.5,
+                      "gpu_timed_steps": 100})
+    after = scraped({"steps": 300, "mean_step_ms": 11.0, "step_wait_seconds": 1.4, "step_gpu_seconds": 2.5,
+                     "gpu_timed_steps": 290})
+    lines = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, after)}]})
+    assert "- C64: an AR step 11.50 ms, 6.00 ms of it the loop waiting for its tokens (the rest host work); " \
+        "on the GPU 10.53 ms a step (the loop's stream, SM waits included)" in lines
+    cpu = scraped({"steps": 300, "mean_step_ms": 11.0, "step_wait_seconds": 1.4, "gpu_timed_steps": 0})
+    assert "- C64: an AR step 11.50 ms, 6.00 ms of it the loop waiting for its tokens (the rest host work)" in \
+        stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, cpu)}]})

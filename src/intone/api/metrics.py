@@ -50,6 +50,12 @@ ENGINE_COUNTERS = {
                          "Codec calls with graphs on that ran eagerly (a shape beyond them; CosyVoice3: flow "
                          "solves and HiFT calls)"),
     "steps": ("intone_engine_steps", "Engine steps"),
+    "step_wait_seconds": ("intone_engine_step_wait_seconds",
+                          "Seconds the engine loop waited for its AR steps' tokens (the rest of a step is host work)"),
+    "step_gpu_seconds": ("intone_engine_step_gpu_seconds",
+                         "GPU: the AR steps' spans on the loop's CUDA stream, each from the end of the step before "
+                         "(waits for SMs that other streams' kernels hold included)"),
+    "gpu_timed_steps": ("intone_engine_gpu_timed_steps", "AR steps in intone_engine_step_gpu_seconds"),
     "frames": ("intone_engine_frames", "Frames the AR steps made (one per request a step: steps x filled seats)"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
     "codec_seconds": ("intone_codec_busy_seconds", "Seconds the codec spent in decode calls (its worker's wall time)"),

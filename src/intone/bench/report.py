@@ -88,7 +88,7 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(_per_call(k, 'codec_first_call_flow_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))}"
             + f" | {_count(k.get('prefix_cache_blocks'))} | {_count(k.get('compiled_graphs'))} |")
-    lines += _ahead_lines(levels)
+    lines += _ahead_lines(levels) + _step_lines(levels)
     return lines + ["rows per step: frames made per AR step over the level (its seats filled, of ar.max_num_seqs). "
                     "frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
@@ -99,6 +99,25 @@ def stage_tables(results: dict) -> list[str]:
                     "its call to start; their GPU span (CosyVoice3) against their length, how much of a call was "
                     "host time; flow s of it: the flow's part of that span (the rest is HiFT). preempted calls: made at a backlog call's pause points. compiles: graphs torch.compile "
                     "compiled during the level (a request waited for each; 0 when start-up compiled everything).", ""]
+
+
+def _step_lines(levels: list[dict]) -> list[str]:
+    """Where an AR step's time went: the loop waiting for its tokens (the rest is host work), and the step's span
+    on the GPU (the loop's stream; it stretches when other streams' kernels hold the SMs)."""
+    out = []
+    for lvl in levels:
+        srv = lvl.get("server") or {}
+        k, step = srv.get("counters") or {}, srv.get("mean_step_ms")
+        wait, steps = k.get("step_wait_seconds"), k.get("engine_steps")
+        if step is None or wait is None or not steps:
+            continue
+        line = f"- C{lvl['concurrency']}: an AR step {step:.2f} ms, {1000 * wait / steps:.2f} ms of it the loop " \
+               "waiting for its tokens (the rest host work)"
+        gpu, timed = k.get("step_gpu_seconds"), k.get("gpu_timed_steps")
+        if gpu is not None and (timed or 0) > 0:
+            line += f"; on the GPU {1000 * gpu / timed:.2f} ms a step (the loop's stream, SM waits included)"
+        out.append(line)
+    return out
 
 
 def _ahead_lines(levels: list[dict]) -> list[str]:

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from intone.engine.device_lost import check_device
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import EngineRequest, Status
@@ -35,6 +37,7 @@ class InFlight:
     batch: list[EngineRequest]  # in the order of the step's output rows
     copy: HostCopy
     start: float
+    span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # the step's kernels on the loop's stream (GPU)
 
 
 class ARLoop:
@@ -45,6 +48,7 @@ class ARLoop:
         self.forwards_frame, self.fail = forwards_frame, fail
         self.keep_in_flight = in_flight
         self.pending: InFlight | None = None
+        self.timed = runner.model.device.type == "cuda"  # the steps' GPU spans (events on the loop's stream)
 
     @property
     def busy(self) -> bool:
@@ -67,29 +71,41 @@ class ARLoop:
 
     def _launch(self, batch: list[EngineRequest], start: float) -> InFlight | None:
         rows = {r.request_id: i for i, r in enumerate(self.pending.batch)} if self.pending is not None else {}
+        span = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.timed else None
         try:
+            if span:
+                span[0].record()  # reached once the step before is done: the span is this step's own
             out = self.runner.run([
                 StepInput(r.request_id, r.prompt, r.params, r.tokens, r.last_codes, r.block_table, r.cached_tokens,
                           rows.get(r.request_id, -1))
                 for r in batch
             ])
+            if span:
+                span[1].record()  # before the copy, so the copy's completion implies this one's
+            waited = time.perf_counter()
             copy = out.copy_to_host(asynchronous=self.keep_in_flight)
+            self.stats.step_wait_seconds += time.perf_counter() - waited  # in order: the copy waits for the step
         except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
             self._failed(batch, e)
             return None
         for req in batch:
             req.steps_in_flight += 1
-        return InFlight(batch, copy, start)
+        return InFlight(batch, copy, start, span)
 
     def _collect(self, step: InFlight, finished: list[str]) -> None:
         for req in step.batch:
             req.steps_in_flight -= 1
+        waited = time.perf_counter()
         try:
             tokens, stopped, codes = step.copy.wait()
         except Exception as e:
             self._failed(step.batch, e)
             return
         now = time.perf_counter()
+        self.stats.step_wait_seconds += now - waited
+        if step.span:
+            self.stats.step_gpu_seconds += step.span[0].elapsed_time(step.span[1]) / 1000
+            self.stats.gpu_timed_steps += 1
         prefilled = False
         for i, req in enumerate(step.batch):
             if req.status is not Status.RUNNING:  # ended while its step ran (in flight: a stop seen one step late)

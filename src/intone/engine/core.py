@@ -281,6 +281,8 @@ class EngineCore:
             compiled_graphs=compiled_graphs(),
             steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
+            step_seconds=self.stats.step_seconds, step_wait_seconds=self.stats.step_wait_seconds,
+            step_gpu_seconds=self.stats.step_gpu_seconds, gpu_timed_steps=self.stats.gpu_timed_steps,
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=self.codec_worker.calls,
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,

@@ -14,6 +14,9 @@ from intone.engine.codec_worker import DecodedBatch, opens_a_stream
 class EngineStats:
     steps: int = 0
     step_seconds: float = 0.0
+    step_wait_seconds: float = 0.0  # the loop waiting for its steps' tokens (the rest of a step is host work)
+    step_gpu_seconds: float = 0.0  # the steps' spans on the loop's CUDA stream (GPU; SM waits included)
+    gpu_timed_steps: int = 0
     frames: int = 0
     backlog_steps: int = 0
     chunk_sizes: Counter = field(default_factory=Counter)
