@@ -54,7 +54,7 @@ ENGINE_COUNTERS = {
                           "Seconds the engine loop waited for its AR steps' tokens (the rest of a step is host work)"),
     "step_gpu_seconds": ("intone_engine_step_gpu_seconds",
                          "GPU: the AR steps' spans on the loop's CUDA stream, each from the end of the step before "
-                         "(waits for SMs that other streams' kernels hold included)"),
+                         "(waits for SMs that other streams' kernels hold, and gaps while the host launches, included)"),
     "gpu_timed_steps": ("intone_engine_gpu_timed_steps", "AR steps in intone_engine_step_gpu_seconds"),
     "frames": ("intone_engine_frames", "Frames the AR steps made (one per request a step: steps x filled seats)"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
