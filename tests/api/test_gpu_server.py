@@ -172,5 +172,8 @@ def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(ti
         launching = [r for name, r in threads.items() if name != "unattributed"]
         for a, b in itertools.combinations(launching, 2):  # no thread's kernels queue behind another's
             assert not set(a["streams"]) & set(b["streams"]), (a["thread"], b["thread"], a["streams"], b["streams"])
+        metrics = httpx.get(server.url("/metrics"), timeout=30).text  # the steps timed on the loop's stream
+        assert 0 < _metric(metrics, "intone_engine_gpu_timed_steps") <= _metric(metrics, "intone_engine_steps")
+        assert _metric(metrics, "intone_engine_step_gpu_seconds") > 0
     finally:
         stop_server(server)
