@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from intone.models.cosyvoice3.flow import FlowRequest
 from intone.models.cosyvoice3.flow_cache import reference_ahead, solve_continued
+from intone.models.cosyvoice3.packing import continued_packing
 
 from .official_stream import bounded_final_mel
 from .test_flow import CHUNK, TINY, make_flow, request
@@ -267,3 +268,29 @@ def test_on_the_gpu_a_compiled_continued_final_hop_stays_near_its_definition(no_
     expected = want[:, cache.frames - 22:]
     assert mel.shape == expected.shape
     assert (mel - expected).abs().max() < 5e-2
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 120), st.integers(1, 130), st.integers(0, 150)), min_size=1, max_size=6),
+       chunk=st.sampled_from([0, 7, CHUNK]))
+def test_each_continued_query_sees_its_rows_past_and_its_chunk_masked_new_frames(rows, chunk):
+    """The packed continued solve's attention, against the chunk mask's definition: a new frame o of a row whose
+    first `chunked` new frames are chunk-masked sees the row's whole past, then its new frames up to the end of
+    o's chunk (at most `chunked`); a frame past `chunked` sees all its row's new frames. Keys in that order."""
+    past, new, chunked = (list(c) for c in zip(*rows))
+    packing = continued_packing(past, new, chunked, 300, chunk, 4, torch.device("cpu"))
+    spans = packing.mask
+    q_starts, k_starts, keys = spans.starts.tolist(), spans.keys.tolist(), spans.key_index.tolist()
+    past_at = [sum(past[:r]) for r in range(len(new))]
+    new_at = [sum(past) + sum(new[:r]) for r in range(len(new))]
+    q = 0
+    for r, n in enumerate(new):
+        masked = min(chunked[r], n) if chunk > 0 else 0
+        for o in range(n):
+            end = min((o // chunk + 1) * chunk, masked) if o < masked else n
+            seg = max(i for i, start in enumerate(q_starts[:-1]) if start <= q)
+            seen = keys[k_starts[seg]:k_starts[seg + 1]]
+            assert seen == [*range(past_at[r], past_at[r] + past[r]), *range(new_at[r], new_at[r] + end)], (r, o)
+            assert spans.bound.shape[0] >= q_starts[seg + 1] - q_starts[seg]  # the kernel's query bound
+            q += 1
+    assert q == q_starts[-1] == sum(new)

@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT
 from intone.models.cosyvoice3.flow import FlowRequest, cosine_euler_steps
 from intone.models.cosyvoice3.flow_cache_pool import FlowCache, FlowCachePool
-from intone.models.cosyvoice3.packing import continued_packing
+from intone.models.cosyvoice3.packing import concatenated_ranges, continued_packing
 
 DEFAULT_POOL_BYTES = 2**30  # a flow's own pool, where the caller gives none (tests, tools)
 
@@ -323,8 +323,8 @@ def _kept_slots(new: list[int], keep: list[bool], device) -> Tensor:
     the conditioned rows', then the unconditioned rows' (a row's at the same offset in the second half)."""
     starts, half = torch.tensor([0, *new]).cumsum(0).tolist(), sum(new)
     kept = [b for b, k in enumerate(keep) if k]
-    slots = [at + i for at in (0, half) for b in kept for i in range(starts[b], starts[b] + new[b])]
-    return torch.tensor(slots, dtype=torch.long, device=device)
+    return concatenated_ranges([at + starts[b] for at in (0, half) for b in kept],
+                               [new[b] for _ in (0, half) for b in kept]).to(device)
 
 
 def _keep_packed_step(kvs: list, layouts: list, step: int, blocks: _Blocks, slots: Tensor, tails: _Tails,

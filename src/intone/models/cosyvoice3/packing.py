@@ -137,19 +137,13 @@ def continued_packing(past: list[int], new: list[int], chunked: list[int], width
     rows = torch.repeat_interleave(torch.arange(rows_n), torch.tensor(new))
     offsets = torch.arange(used) - torch.tensor(starts[:-1])[rows]
     positions = torch.tensor(past)[rows] + offsets
-    q_starts, k_starts, key_index, longest = [0], [0], [], 1
-    for r in range(rows_n):
-        masked = min(chunked[r], new[r]) if chunk > 0 else 0
-        ends = [*(min(e, masked) for e in range(chunk, masked + chunk, chunk)), new[r]] if masked else [new[r]]
-        lo = 0
-        for end in ends:
-            if end <= lo:
-                continue
-            key_index += [*range(past_starts[r], past_starts[r + 1]),
-                          *range(past_total + starts[r], past_total + starts[r] + end)]
-            q_starts.append(starts[r] + end)
-            k_starts.append(len(key_index))
-            longest, lo = max(longest, end - lo), end
+    segments = query_segments(new, chunked, chunk)
+    # a segment's keys: its row's past keys, then the row's new frames' keys up to the segment's end
+    key_index = concatenated_ranges([s for r, _, _ in segments for s in (past_starts[r], past_total + starts[r])],
+                                    [n for r, _, end in segments for n in (past[r], end)])
+    q_starts = [0, *(starts[r] + end for r, _, end in segments)]
+    k_starts = torch.tensor([0, *(past[r] + end for r, _, end in segments)]).cumsum(0)
+    longest = max([1, *(end - lo for _, lo, end in segments)])
     gapped = offsets + torch.tensor(starts[:-1])[rows] + pad * (rows + 1)
     kept = torch.zeros(used + pad * rows_n, dtype=torch.bool)
     kept[gapped] = True
@@ -158,7 +152,7 @@ def continued_packing(past: list[int], new: list[int], chunked: list[int], width
     ends = (first + torch.tensor(new))[:, None] + torch.arange(pad)[None]
     frames = rows * width + positions
     host = (rows, frames, positions, gapped, kept.long(), context.flatten(), ends.flatten(),
-            torch.tensor(key_index, dtype=torch.long), torch.tensor(q_starts), torch.tensor(k_starts))
+            key_index, torch.tensor(q_starts), k_starts)
     rows, frames, positions, gapped, kept, context, ends, key_index, q_starts, k_starts = \
         torch.cat(host).to(device).split([len(t) for t in host])
     # the kernel's query bound, rounded up to its block: few distinct lengths (the compiled code's symbols)
@@ -166,3 +160,27 @@ def continued_packing(past: list[int], new: list[int], chunked: list[int], width
     spans = RowSpans(q_starts.int(), key_starts=k_starts.int(), key_index=key_index, bound=bound)
     return Packing(rows, frames, positions, torch.ones(1, used, dtype=torch.bool, device=device), gapped,
                    kept.bool()[None, :, None], spans, context.view(rows_n, pad), ends.view(rows_n, pad))
+
+
+def query_segments(new: list[int], chunked: list[int], chunk: int) -> list[tuple[int, int, int]]:
+    """(row, first, end) of each query segment of `continued_packing`, new frames counted from the row's first:
+    a row's first `chunked` new frames chunk by chunk (ends on the chunk grid, the last at `chunked`), then the
+    rest at once; no empty segment."""
+    out = []
+    for r, n in enumerate(new):
+        masked = min(chunked[r], n) if chunk > 0 else 0
+        lo = 0
+        for end in [*range(chunk, masked, chunk), masked, n] if masked else [n]:
+            if end > lo:
+                out.append((r, lo, end))
+                lo = end
+    return out
+
+
+def concatenated_ranges(starts: list[int], lengths: list[int]) -> Tensor:
+    """range(starts[i], starts[i] + lengths[i]) for each i, end to end, as one int64 tensor (no Python list of
+    every element: a C64 call's keys are ~160 thousand)."""
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    before = lengths_t.cumsum(0) - lengths_t
+    return torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - before, lengths_t) + \
+        torch.arange(int(lengths_t.sum()))
