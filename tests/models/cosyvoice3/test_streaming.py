@@ -64,14 +64,14 @@ def alone_tokens(model, text, ref, params):
     return [int(t) for t in r.codes[0]], r.tokens, prompt
 
 
-@pytest.mark.parametrize("schedule, packed, kernel", [("first", False, "sdpa"), ("preempt", False, "flex"),
-                                                      ("preempt", True, "flex"), ("first", False, "varlen")])
-def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, packed, kernel):
+@pytest.mark.parametrize("schedule, kernel, cache", [("preempt", "varlen", True), ("preempt", "flex", False),
+                                                     ("first", "sdpa", True)])
+def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, kernel, cache):
     """Interleaved requests with different references and modes: every chunk's span and samples
     equal the official loop run for that request alone (float64: to 1e-9), with first chunks decoded at the
-    Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first,
-    here with cosyvoice3.flow.cache: later hops solved against the flow state their earlier ones kept), and
-    with the DiT on the calls' rows packed end to end (cosyvoice3.flow.packed)."""
+    Euler steps of the backlog's flow calls (codec.schedule: preempt, shipped) or only between calls (first),
+    and with later hops solved against the flow state their earlier ones kept (cosyvoice3.flow.cache, shipped;
+    with the varlen kernel, each call's new frames packed over their rows' past) or over the whole prefix."""
     refs = voices(4)
     # Standard mode keeps every stop id out below min_new_tokens (RAS, as officially, only sos),
     # so request 3 surely runs long enough for the hop to reach 100.
@@ -81,14 +81,11 @@ def test_streams_release_exactly_the_official_streaming_audio(cosy64, schedule, 
     reqs = [SynthesisRequest(f"r{i}", TEXTS[i], [refs[i]], params[i]) for i in range(4)]
     # call_cost 64: the chunks that share a codec worker batch go in flow calls of similar lengths (some
     # of several padded rows, some alone); the audio must not change.
-    # the shipped profile's flex attention with its schedule (preempt); SDPA with the other (the order does not
-    # depend on the kernel, and SDPA is the faster one uncompiled), and with each stream's flow continued from
-    # its earlier hops (cosyvoice3.flow.cache; with the varlen kernel, each call's new frames packed over
-    # their rows' past)
+    # the shipped profile (preempt, varlen, the flow cache); the whole-prefix hops under flex's block mask; the
+    # cache on padded rows under SDPA's mask (the DiT on packed rows, `flow.packed`, is test_flow's)
     profile = load_profile("cosyvoice3-streaming", device="cpu", **{
         "ar.max_num_seqs": 4, "cosyvoice3.flow.call_cost": 64, "codec.schedule": schedule,
-        "cosyvoice3.flow.attention": kernel, "cosyvoice3.flow.cache": schedule == "first",
-        "cosyvoice3.flow.packed": packed})
+        "cosyvoice3.flow.attention": kernel, "cosyvoice3.flow.cache": cache})
     chunks = run_engine(cosy64, profile, reqs)
     hops_seen = set()
     for i in range(4):
