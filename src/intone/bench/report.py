@@ -88,7 +88,8 @@ def stage_tables(results: dict) -> list[str]:
             + f" | {_fmt(_per_call(k, 'codec_first_call_flow_seconds'), 3)}"
             + f" | {_fmt(_per_call(k, 'codec_first_call_chunks'), 1)} | {_count(k.get('codec_preempted_calls'))}"
             + f" | {_count(k.get('prefix_cache_blocks'))} | {_count(k.get('compiled_graphs'))} |")
-    lines += _ahead_lines(levels) + _step_lines(levels)
+    level_lines = _ahead_lines(levels) + _step_lines(levels)
+    lines += [""] + level_lines if level_lines else []
     return lines + ["rows per step: frames made per AR step over the level (its seats filled, of ar.max_num_seqs). "
                     "frontend busy s: the workers' time on batches over the level, summed over the workers (near "
                     "workers x the level's wall time: saturated); queued: a request's wait for a worker before its "
@@ -130,7 +131,7 @@ def _ahead_lines(levels: list[dict]) -> list[str]:
         if ahead or skipped:
             out.append(f"- C{lvl['concurrency']}: references solved ahead {_count(ahead)}, prepares skipped "
                        f"{_count(skipped)} (their first hops came first)")
-    return [""] + out if out else []
+    return out
 
 
 MEMORY_GAUGES = ("kv_cache_bytes", "gpu_allocated_peak_at_ready_bytes", "gpu_allocated_peak_bytes",

@@ -137,10 +137,9 @@ def summarize(trace: dict, threads: dict[int, str] | None = None, wall_s: float 
         return names.get(tid, f"thread {tid}") if isinstance(tid, int) else str(tid)
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
     items = [_span(e) for e in events if e.get("cat") in GPU_CATEGORIES]
-    launches = {s.correlation: s for s in (_span(e) for e in events if e.get("cat") in LAUNCH_CATEGORIES)
-                if s.correlation is not None}
-    host = [_span(e) for e in events if e.get("cat") == HOST_CATEGORY]
     calls = [_span(e) for e in events if e.get("cat") in LAUNCH_CATEGORIES]
+    launches = {s.correlation: s for s in calls if s.correlation is not None}
+    host = [_span(e) for e in events if e.get("cat") == HOST_CATEGORY]
     # each GPU item's thread: the one whose CUDA call launched it
     owners = [name_of(launches[s.correlation].tid) if s.correlation in launches else "unattributed" for s in items]
     if wall_s is None:
