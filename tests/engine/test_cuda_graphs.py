@@ -29,9 +29,11 @@ def _new(blocks, rid: str, prompt: Prompt, params: SamplingParams) -> StepInput:
     return StepInput(rid, prompt, params, [], None, blocks.grow([], len(prompt) + 1))
 
 
-def _decodes(model, runner, blocks, lens, g, top_k_step=1):
-    """Prefill len(lens) requests through `runner`, then return their decode inputs (top_k 7, 7 + step, ...)."""
-    reqs = [_new(blocks, f"r{i}", _prompt(model, n, g), SamplingParams(seed=i, top_k=7 + i * top_k_step))
+def _decodes(model, runner, blocks, lens, g, top_k_step=1, modes=(None,)):
+    """Prefill len(lens) requests through `runner`, then return their decode inputs (top_k 7, 7 + step, ...;
+    sampling modes from `modes` in turn)."""
+    reqs = [_new(blocks, f"r{i}", _prompt(model, n, g),
+                 SamplingParams(seed=i, top_k=7 + i * top_k_step, mode=modes[i % len(modes)]))
             for i, n in enumerate(lens)]
     tokens, _, codes = runner.run(reqs).to_host()
     return [StepInput(r.request_id, r.prompt, r.params, [t], c, r.block_table) for r, t, c in zip(reqs, tokens, codes)]
@@ -47,11 +49,14 @@ def test_replayed_step_equals_the_eager_static_step_bitwise(name, tiny_cache):
     assert report.failed == 0 and report.graphs == len(graphed.graphs.captured) > 0
     eager = ModelRunner(model, kv, cuda_graphs=True)  # same padded buffers, nothing captured
     g = torch.Generator().manual_seed(0)
-    if model.head_takes_candidates:  # a head per bound on the rows' top_k (ar.sample_candidates, every token)
-        assert {("head", 8, 64), ("head", 8, None)} <= set(graphed.graphs.captured)
+    # a head per bound on the rows' top_k (Fish: ar.sample_candidates, every token) and per sampling-mode mix
+    # the head runs fewer kernels for (CosyVoice3: one mode's batch, both modes')
+    assert len(graphed.head_bounds) == (2 if model.head_takes_candidates else 1)
+    assert {("head", 8, c, m) for c in graphed.head_bounds for m in model.head_modes} <= set(graphed.graphs.captured)
+    modes = [(None,), ("standard",), ("standard", "ras")] if model.head_modes != ("both",) else [(None,)] * 3
     # the second batch's top_k reach 127: its head sorts every token, the others' 64
-    for lens, step in (([5, 40, 17], 1), ([3, 90, 4, 61, 8], 30), ([33] * 8, 1)):
-        batch = _decodes(model, graphed, blocks, lens, g, step)
+    for (lens, step), mix in zip((([5, 40, 17], 1), ([3, 90, 4, 61, 8], 30), ([33] * 8, 1)), modes):
+        batch = _decodes(model, graphed, blocks, lens, g, step, mix)
         k0, v0 = kv.k.clone(), kv.v.clone()
         a = graphed.run(batch)
         kv.k.copy_(k0), kv.v.copy_(v0)

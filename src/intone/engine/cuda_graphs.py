@@ -122,11 +122,12 @@ class _DecodeBuffers(_Capturable):
 
 
 _SAMPLING_TENSORS = [f.name for f in fields(SamplingBatch) if f.name not in (
-    "max_top_k", "has_penalty", "has_standard", "all_standard")]
+    "max_top_k", "has_penalty", "modes")]
 
 
 class _HeadBuffers(_Capturable):
-    def __init__(self, fn, rows: int, candidates: int | None, out_shape, out_dtype, history_width: int, device):
+    def __init__(self, fn, rows: int, candidates: int | None, modes: str, out_shape, out_dtype, history_width: int,
+                 device):
         self.fn, self.candidates = fn, candidates
         self.hidden = torch.zeros(rows, *out_shape, dtype=out_dtype, device=device)
         self.history = torch.full((rows, history_width), -1, dtype=torch.int64, device=device)
@@ -135,8 +136,8 @@ class _HeadBuffers(_Capturable):
                      ban_stop=torch.bool, below_min=torch.bool, ras=torch.bool)
         values = {name: torch.ones(rows, dtype=kinds[name], device=device) for name in _SAMPLING_TENSORS}
         values["ban_stop"].zero_(), values["below_min"].zero_()
-        # Host-side flags of a static head are never read; max_top_k is a placeholder.
-        self.sampling = SamplingBatch(max_top_k=1, has_penalty=True, **values)
+        # max_top_k is a placeholder (a static head never reads it); the graph runs the samplers of `modes`
+        self.sampling = SamplingBatch(max_top_k=1, has_penalty=True, modes=modes, **values)
 
     def run(self):
         return self.fn(self.hidden, self.sampling, self.history, self.candidates)
@@ -163,13 +164,15 @@ class StepGraphs:
     """The decode and head graphs of one model runner (CUDA only)."""
 
     def __init__(self, decode_fn: Callable, head_fn: Callable | None, kv: KVCache, width: int, dtype,
-                 out_shape, out_dtype, history_width: int, head_bounds: tuple = (None,)):
+                 out_shape, out_dtype, history_width: int, head_bounds: tuple = (None,), head_modes: tuple = ("both",)):
+        """head_modes: the `SamplingBatch.modes` the head has graphs of its own for (the model's
+        `head_modes`); any other batch replays the "both" graph."""
         self.decode_fn, self.head_fn, self.kv = decode_fn, head_fn, kv
-        self.head_bounds = head_bounds
+        self.head_bounds, self.head_modes = head_bounds, head_modes
         self.width, self.dtype = width, dtype
         self.out_shape, self.out_dtype, self.history_width = out_shape, out_dtype, history_width
         self._decode: dict[tuple[int, int], _DecodeBuffers] = {}
-        self._head: dict[tuple[int, int | None], _HeadBuffers] = {}
+        self._head: dict[tuple[int, int | None, str], _HeadBuffers] = {}
         self._pool = None
         self._capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
         self.replays = 0  # steps whose decode ran from a graph
@@ -190,10 +193,10 @@ class StepGraphs:
             self._decode[key] = _DecodeBuffers(self.decode_fn, self.kv, rows, self.width, self.dtype, kv_tokens)
         return self._decode[key]
 
-    def _head_buffers(self, rows: int, candidates: int | None) -> _HeadBuffers:
-        key = rows, candidates
+    def _head_buffers(self, rows: int, candidates: int | None, modes: str) -> _HeadBuffers:
+        key = rows, candidates, modes
         if key not in self._head:
-            self._head[key] = _HeadBuffers(self.head_fn, rows, candidates, self.out_shape, self.out_dtype,
+            self._head[key] = _HeadBuffers(self.head_fn, rows, candidates, modes, self.out_shape, self.out_dtype,
                                            self.history_width, self.kv.k.device)
         return self._head[key]
 
@@ -217,7 +220,8 @@ class StepGraphs:
         rows = bucket(hidden.shape[0])
         if self.head_fn is None or rows is None:
             return None
-        buffers = self._head_buffers(rows, head_bound(self.head_bounds, sampling.max_top_k))
+        modes = sampling.modes if sampling.modes in self.head_modes else "both"
+        buffers = self._head_buffers(rows, head_bound(self.head_bounds, sampling.max_top_k), modes)
         buffers.load(hidden, sampling, history)
         n = hidden.shape[0]
         return tuple(t[:n].clone() for t in buffers.execute())
@@ -239,7 +243,9 @@ class StepGraphs:
             if self.head_fn is not None:
                 for rows in sorted(row_keys, reverse=True):
                     for candidates in self.head_bounds:
-                        self._capture(self._head_buffers(rows, candidates), ("head", rows, candidates))
+                        for modes in self.head_modes:
+                            self._capture(self._head_buffers(rows, candidates, modes),
+                                          ("head", rows, candidates, modes))
         torch.cuda.synchronize()
         self.report.seconds = time.perf_counter() - start
         return self.report
@@ -260,8 +266,8 @@ class StepGraphs:
     @property
     def captured(self) -> list:
         decode = sorted(k for k, b in self._decode.items() if b.graph is not None)
-        head = sorted((("head", r, c) for (r, c), b in self._head.items() if b.graph is not None),
-                      key=lambda k: (k[1], k[2] is None, k[2] or 0))
+        head = sorted((("head", r, c, m) for (r, c, m), b in self._head.items() if b.graph is not None),
+                      key=lambda k: (k[1], k[2] is None, k[2] or 0, k[3]))
         return decode + head
 
 

@@ -83,7 +83,7 @@ class ModelRunner:
             out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,
                                        torch.full((1, 1), self.kv.num_blocks, device=dev), one, self.kv)
         return StepGraphs(model.forward_decode, head, self.kv, width, model.dtype, tuple(out.shape[1:]), out.dtype,
-                          CAPACITY, self.head_bounds)
+                          CAPACITY, self.head_bounds, model.head_modes)
 
     def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
         """Size the static step and, with cuda_graphs, capture every graph this runner may replay
@@ -260,9 +260,14 @@ def sampling_from(params: list[SamplingParams], f: torch.Tensor, i: torch.Tensor
         max_top_k=max(p.top_k for p in params),
         has_penalty=any(p.repetition_penalty != 1.0 for p in params),
         ban_stop=i[:, 3].bool(), below_min=i[:, 4].bool(), ras=i[:, 5].bool(),
-        has_standard=any(p.mode == "standard" for p in params),
-        all_standard=all(p.mode == "standard" for p in params),
+        modes=sampling_modes(params),
     )
+
+
+def sampling_modes(params: list[SamplingParams]) -> str:
+    """`SamplingBatch.modes` of these rows."""
+    standard = sum(p.mode == "standard" for p in params)
+    return "standard" if standard == len(params) else "ras" if standard == 0 else "both"
 
 
 def sampling_batch(params: list[SamplingParams], steps: list[int], device) -> SamplingBatch:

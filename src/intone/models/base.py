@@ -223,6 +223,8 @@ class TTSModel(abc.ABC):
     head_is_static: bool = False
     # head() sorts only `candidates` tokens per draw when given a bound (else it ignores it)
     head_takes_candidates: bool = False
+    # the `SamplingBatch.modes` for which head() runs fewer kernels than for "both" (each gets a graph)
+    head_modes: tuple[str, ...] = ("both",)
 
     def check_speed(self, speed: float) -> None:
         """Refuse a tempo this model cannot give (the range is the OpenAI API's)."""

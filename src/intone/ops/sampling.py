@@ -85,8 +85,9 @@ class SamplingBatch:
     ban_stop: Tensor | None = None  # [R] bool: rows that must not sample the stop token
     below_min: Tensor | None = None  # [R] bool: rows still short of their min_new_tokens
     ras: Tensor | None = None  # [R] bool: rows in the model's repetition-aware mode (the default)
-    has_standard: bool = False  # host-side: some rows use mode "standard" ...
-    all_standard: bool = False  # ... or all of them
+    # host-side: which of a two-mode head's samplers the rows need ("standard", "ras" or "both"); a head
+    # may skip the other's kernels (the draws are per row, so the tokens stay the same)
+    modes: str = "both"
 
     def with_overrides(self, temperature: float | None = None, top_p: float | None = None) -> "SamplingBatch":
         def fill(t, value):

@@ -1,9 +1,12 @@
 """CosyVoice3 sampling: the official RAS rule on hand-made histories, and the standard mode."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from intone.engine.model_runner import sampling_batch
 from intone.models.cosyvoice3.sampling import SPEECH_TOKENS, sample_speech_tokens
@@ -115,3 +118,22 @@ def test_mixed_modes_in_one_batch_equal_each_mode_alone(mode):
     for i, m in enumerate(["ras", "standard", "ras", "standard"]):
         if m == mode:
             assert out[i] == draw([rows[i]], [hists[i]], [i], mode=m)[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(modes=st.lists(st.sampled_from(["ras", "standard", None]), min_size=1, max_size=6), seed=st.integers(0, 2**31))
+def test_a_batch_of_one_mode_skips_the_other_sampler_and_draws_the_same_tokens(modes, seed):
+    """The head runs one sampler for a batch of one mode (`SamplingBatch.modes`): every row's token is the
+    one it draws in a batch that computes both."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(len(modes), VOCAB, generator=g) * 3
+    hists = [[int(t) for t in torch.randint(0, SPEECH_TOKENS, (n,), generator=g)] for n in range(len(modes))]
+    params = [SamplingParams(temperature=0.9, top_p=0.8, top_k=20, repetition_penalty=1.2, seed=i, mode=m)
+              for i, m in enumerate(modes)]
+    batch = sampling_batch(params, [len(h) for h in hists], "cpu")
+    assert batch.modes == ("standard" if all(m == "standard" for m in modes)
+                           else "ras" if "standard" not in modes else "both")
+    width = max(map(len, hists)) + 1
+    hist = torch.tensor([h + [-1] * (width - len(h)) for h in hists])
+    both = dataclasses.replace(batch, modes="both")
+    assert torch.equal(sample_speech_tokens(rows, batch, hist), sample_speech_tokens(rows, both, hist))

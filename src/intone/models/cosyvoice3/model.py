@@ -148,6 +148,7 @@ class CosyVoice3(TTSModel):
         return self.talker.decode_step(x, positions, slots, tables, seq_lens, kv)
 
     head_is_static = True  # no host sync or value-dependent shape: the runner captures it per row bucket
+    head_modes = ("standard", "ras", "both")  # a batch of one mode skips the other sampler
 
     def head(self, logits: Tensor, sampling: SamplingBatch, history: Tensor,
              candidates: int | None = None) -> tuple[Tensor, Tensor, Tensor]:

@@ -14,9 +14,10 @@ on the top-k distribution.
 
 Draws are exponential races on counter-hash uniforms (ops.sampling), so a request's
 choices depend only on its seed, its step and its logits. Shapes never depend on the rows'
-values (both modes are computed for every row; candidates are cut at the top-k bound, not at
-the batch's largest top_k), so the runner captures this head in a CUDA graph and a row's draw
-never depends on its neighbours' parameters.
+values (a batch of both modes computes both for every row, one of a single mode only its own,
+which the runner captures apart; candidates are cut at the top-k bound, not at the batch's largest
+top_k), so the runner captures this head in CUDA graphs and a row's draw never depends on its
+neighbours' parameters.
 """
 
 from __future__ import annotations
@@ -88,9 +89,11 @@ def standard_sample(logits: Tensor, params: SamplingBatch, generated: Tensor) ->
 
 
 def sample_speech_tokens(logits: Tensor, params: SamplingBatch, history: Tensor) -> Tensor:
-    """history [R, C]: every generated id of each row, -1 beyond its count (params.steps)."""
-    recent = last_tokens(history, params.steps, RAS_WINDOW)
-    ras = ras_sample(logits, params, recent)
-    if params.ras is None:
+    """history [R, C]: every generated id of each row, -1 beyond its count (params.steps). A batch of
+    one mode (`params.modes`) runs that sampler alone; a row draws the same token either way."""
+    if params.modes == "standard":
+        return standard_sample(logits, params, history)
+    ras = ras_sample(logits, params, last_tokens(history, params.steps, RAS_WINDOW))
+    if params.ras is None or params.modes == "ras":
         return ras
     return torch.where(params.ras, ras, standard_sample(logits, params, history))
