@@ -1,5 +1,7 @@
 """Deploy profiles: the shipped files load; bad values are refused with the field named."""
 
+import os
+
 import pytest
 
 from intone.engine.config import PROFILE_DIR, ProfileError, load_profile
@@ -116,3 +118,19 @@ def test_a_familys_knobs_live_in_its_section_and_another_familys_profile_is_refu
     fishy = load_profile("fish-s2-default", **{"cosyvoice3.flow.cache": True})
     with pytest.raises(ProfileError, match="section cosyvoice3 is for cosyvoice3 models, not fish-s2"):
         load_for_profile("tiny:fish-s2", fishy)
+
+
+def test_cuda_connections_reach_the_environment_before_the_context_and_stay_in_bounds():
+    """An engine process given `cuda_connections` sets CUDA_DEVICE_MAX_CONNECTIONS before its CUDA context
+    exists (a fresh interpreter, as a spawned engine is); the profile refuses what CUDA does not take."""
+    import subprocess
+    import sys
+
+    code = ("import os; from intone.engine.loading import set_cuda_connections as s; s(None); "
+            "print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')); s(32); print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["None", "32"]
+    assert load_profile("cosyvoice3-full-response", cuda_connections=16).cuda_connections == 16
+    with pytest.raises(ProfileError, match="cuda_connections"):
+        load_profile("cosyvoice3-full-response", cuda_connections=33)

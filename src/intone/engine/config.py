@@ -220,6 +220,12 @@ class Profile(_Strict):
     host_switch_interval_ms: float | None = Field(
         None, gt=0, le=100, description="Python's GIL switch interval in an engine process (None: Python's own, "
                                         "5 ms): how long a thread back from a torch call may wait for the GIL")
+    cuda_connections: int | None = Field(
+        None, ge=1, le=32, description="hardware work queues of an engine process's CUDA context "
+                                       "(CUDA_DEVICE_MAX_CONNECTIONS; None: CUDA's default, 8). torch's streams "
+                                       "share them round robin, and a kernel waits behind every earlier one on "
+                                       "its queue, whatever its stream: 32 gives each of torch's pool streams a "
+                                       "queue of its own")
     ar: ARConfig = ARConfig()
     codec: CodecStageConfig = CodecStageConfig()
     frontend: FrontendConfig = FrontendConfig()

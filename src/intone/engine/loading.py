@@ -33,6 +33,7 @@ def _loop_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
 def load_for_profile(model_spec: str, profile: Profile):
     """The model on the profile's device, with the profile's AR and codec precisions, this
     process's CUDA state set up (TF32, a stream of its own for the calling thread)."""
+    set_cuda_connections(profile.cuda_connections)
     device = profile.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,6 +62,18 @@ def load_for_profile(model_spec: str, profile: Profile):
         resolve_model_dir(model_spec)  # a path that is not there is named as such, before anything else
     profile.options_for(family_of(model_spec))  # another family's section is refused before the load
     return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
+
+
+def set_cuda_connections(connections: int | None) -> None:
+    """`cuda_connections`: read by CUDA when this process's context is made, so before its first CUDA call
+    (an engine process's is this load); a process whose context exists already keeps its queues."""
+    if connections is None:
+        return
+    if torch.cuda.is_initialized():
+        log.warning("cuda_connections %d: this process's CUDA context exists already; it keeps its queues",
+                    connections)
+        return
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(connections)
 
 
 def set_cudnn(profile: Profile) -> None:
