@@ -56,14 +56,22 @@ def main() -> None:
         step(loop, x, weights)
     result = {"connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
               "alone_ms": sorted(step(loop, x, weights) for _ in range(20))[10]}
-    for name, other in (("same residue (pool +8)", streams[11]), ("other residue (pool +1)", streams[4])):
+    urgent = torch.cuda.Stream(priority=-100)  # CUDA clamps it to its highest
+    cases = [("same residue (pool +8)", loop, streams[11]), ("other residue (pool +1)", loop, streams[4]),
+             ("loop at the highest priority", urgent, streams[4])]
+    if os.environ.get("PROBE_SMS"):  # the other stream in a green context of that many SMs (codec.sms)
+        from torch.cuda import green_contexts
+        for sms in map(int, os.environ["PROBE_SMS"].split(",")):
+            context = green_contexts.GreenContext.create(num_sms=sms, device_id=0)
+            cases.append((f"other in a green context of {sms} SMs", loop, context.Stream()))
+    for name, mine, other in cases:
         stop = threading.Event()
         worker = threading.Thread(target=busy, args=(other, stop))
         worker.start()
-        times = [step(loop, x, weights) for _ in range(30)]
+        times = [step(mine, x, weights) for _ in range(30)]
         stop.set()
         worker.join()
-        result[name + " ms"] = sorted(times)[15]
+        result[name + " ms"] = round(sorted(times)[15], 2)
     print(json.dumps(result))
 
 
