@@ -387,38 +387,69 @@ def test_the_profile_sets_the_codec_workers_call_size(tiny_fish):
             core.close()
 
 
-@pytest.mark.gpu
-def test_the_codec_stream_with_an_sm_share_runs_only_on_that_share():
-    """codec.sms: every block launched on the codec's stream lands on one of its `sms` SMs (each
-    block records the SM it ran on), and the stream computes what the default one does."""
+def _sms_used(stream: torch.cuda.Stream, device: torch.device) -> set[int]:
+    """The SMs that blocks launched on `stream` ran on (each block records its own)."""
     import triton
     import triton.language as tl
-
-    from intone.engine.codec_worker import codec_stream
 
     @triton.jit
     def record_sm(out_ptr):
         sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
         tl.store(out_ptr + tl.program_id(0), sm)
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    stream, context = codec_stream(device, 16)
-    assert context is not None
-    a = torch.randn(4096, 4096, device=device)
-    expected = a @ a
-    blocks = 64 * total
+    blocks = 64 * torch.cuda.get_device_properties(device).multi_processor_count
     sm = torch.full((blocks,), -1, dtype=torch.int32, device=device)
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         record_sm[(blocks,)](sm)
-        got = a @ a
     torch.cuda.current_stream().wait_stream(stream)
     used = set(sm.tolist())
-    assert -1 not in used and len(used) <= 16, sorted(used)
+    assert -1 not in used
+    return used
+
+
+@pytest.mark.gpu
+def test_the_codec_stream_with_an_sm_share_runs_only_on_that_share():
+    """codec.sms: every block launched on the codec's stream lands on one of its `sms` SMs, and the
+    stream computes what the default one does."""
+    from intone.engine.codec_worker import codec_stream
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    stream, context = codec_stream(device, 16)
+    assert context is not None
+    assert len(_sms_used(stream, device)) <= 16
+    a = torch.randn(4096, 4096, device=device)
+    expected = a @ a
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = a @ a
+    torch.cuda.current_stream().wait_stream(stream)
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3)  # cuBLAS may pick another split on 16 SMs
     with pytest.raises(ValueError, match="codec.sms"):
         codec_stream(device, total)
+
+
+@pytest.mark.gpu
+def test_each_frontend_worker_with_an_sm_share_runs_only_on_that_share(tiny_fish_dir):
+    """frontend.sms: every worker's stream is its own, and each one's blocks land on the share's SMs."""
+    import threading
+
+    from intone.engine.frontend_stage import FrontendStage
+
+    model = load_model(str(tiny_fish_dir), device="cuda")
+    stage = FrontendStage(model, 0, workers=2, sms=16)
+    streams = []
+    workers = [threading.Thread(target=lambda: streams.append(stage._stream())) for _ in range(2)]
+    for w in workers:
+        w.start()
+        w.join()
+    assert len({s.cuda_stream for s in streams}) == 2
+    for stream in streams:
+        assert len(_sms_used(stream, model.device)) <= 16
+    total = torch.cuda.get_device_properties(model.device).multi_processor_count
+    with pytest.raises(ValueError, match="frontend.sms"):
+        FrontendStage(model, 0, sms=total)
 
 
 @pytest.mark.gpu

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.cuda import green_contexts
 
-from intone.engine.streams import own_stream
+from intone.engine.streams import own_stream, partitioned_stream
 
 log = logging.getLogger(__name__)
 
@@ -133,30 +132,15 @@ class ChunkQueue:
 
 def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
     """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
-    green context of that many of the GPU's SMs: the codec's long GEMMs then never hold every SM,
-    so the AR step's small kernels (on the loop's stream, unpartitioned) always find some free.
-    Stream priorities cannot give that: a running block is never preempted (session 8). shared: the
-    calling thread's current stream (the engine loop's, `codec.stream: loop`)."""
+    green context of that many of the GPU's SMs (`partitioned_stream`). shared: the calling thread's
+    current stream (the engine loop's, `codec.stream: loop`)."""
     if device.type != "cuda":
         return None, None
     if shared:
         return torch.cuda.current_stream(device), None
     if sms is None:
         return own_stream(device, "codec worker"), None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).
-    granule = 8 if props.major >= 9 else 2
-    if not 0 < sms < props.multi_processor_count or sms % granule:
-        raise ValueError(f"codec.sms must be a multiple of {granule} below the GPU's {props.multi_processor_count} "
-                         f"SMs, got {sms}")
-    if not getattr(green_contexts, "SUPPORTED", True):
-        raise RuntimeError(f"codec.sms needs CUDA green contexts; torch {torch.__version__} was built without them")
-    try:
-        context = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
-        return context.Stream(), context
-    except (RuntimeError, TypeError, AttributeError) as e:
-        raise RuntimeError(f"codec.sms: no green context of {sms} SMs on this GPU and torch: {e}") from e
+    return partitioned_stream(device, sms, "codec.sms")
 
 
 def opens_a_stream(item) -> bool:

@@ -163,6 +163,10 @@ class FrontendConfig(_Strict):
                             "whole batch (the behaviour before session 10; kept to measure the difference)")
     high_priority: bool = Field(False, description="experimental: the frontend's CUDA stream, and the stream its graphs "
                                                    "are captured on, at the highest priority (GPU)")
+    sms: int | None = Field(None, ge=1, description="the frontend workers' share of the GPU's streaming multiprocessors "
+                                                   "(a green context; a multiple of 8 on Hopper, as codec.sms): their "
+                                                   "kernels never hold every SM, so the AR step's always find some free "
+                                                   "(None: every SM)")
 
 
 class ChunkingConfig(_Strict):

@@ -78,7 +78,8 @@ class EngineCore:
         self.frontend_priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
         model.configure_frontend(profile.options_for(model.name))
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority,
-                                      each=profile.frontend.hand_back == "each", workers=profile.frontend.workers)
+                                      each=profile.frontend.hand_back == "each", workers=profile.frontend.workers,
+                                      sms=profile.frontend.sms)
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []

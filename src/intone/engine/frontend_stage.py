@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from intone.engine.streams import own_stream
+from intone.engine.streams import own_stream, partitioned_stream
 from intone.models.base import Prompt, TTSModel
 from intone.protocol import VoiceReference, clip_key
 
@@ -89,12 +89,17 @@ class _Job:
 
 
 class FrontendStage:
-    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0, each: bool = True, workers: int = 1):
+    def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0, each: bool = True, workers: int = 1,
+                 sms: int | None = None):
         """priority: of the stage's CUDA streams (lower is more urgent, as CUDA counts). each: hand a
         request back as soon as its own clips are done (else when its whole batch is). workers:
         threads taking batches from the queue, each on a CUDA stream of its own (several let the
-        frontend's chains of small kernels run side by side on the GPU)."""
+        frontend's chains of small kernels run side by side on the GPU). sms: the workers' streams in
+        a green context of that many SMs (`frontend.sms`; GPU)."""
         self.each, self.workers, self.priority = each, max(1, workers), priority
+        # made now, so an SM share the GPU cannot give fails before start-up's warm-ups
+        self._partition = partitioned_stream(model.device, sms, "frontend.sms") \
+            if sms is not None and model.device.type == "cuda" else None
         self.model = model
         self.cache = ReferenceCache(cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
@@ -289,7 +294,11 @@ class FrontendStage:
             return None
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            stream = self._local.stream = own_stream(self.model.device, "frontend worker", self.priority)
+            if self._partition is None:
+                stream = own_stream(self.model.device, "frontend worker", self.priority)
+            else:  # a stream of the share's green context for each worker
+                stream = self._partition[1].Stream()
+            self._local.stream = stream
         return stream
 
     def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:

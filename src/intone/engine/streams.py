@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from torch.cuda import green_contexts
 
 POOL_STREAMS = 32  # torch's pool: streams per device and priority, handed out round-robin
 
@@ -54,3 +55,24 @@ def held_roles() -> dict[int, str]:
 def _release(handle: int) -> None:
     with _lock:
         _held.pop(handle, None)
+
+
+def partitioned_stream(device: torch.device, sms: int, field: str):
+    """(stream, its green context) on `sms` of the GPU's SMs: a role whose long kernels run there never
+    holds every SM, so the engine loop's small ones (unpartitioned) always find some free. Stream
+    priorities cannot give that: a running block is never preempted (session 8). Keep the context as
+    long as the stream runs. field: the profile's name for `sms`, in errors."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).
+    granule = 8 if props.major >= 9 else 2
+    if not 0 < sms < props.multi_processor_count or sms % granule:
+        raise ValueError(f"{field} must be a multiple of {granule} below the GPU's {props.multi_processor_count} "
+                         f"SMs, got {sms}")
+    if not getattr(green_contexts, "SUPPORTED", True):
+        raise RuntimeError(f"{field} needs CUDA green contexts; torch {torch.__version__} was built without them")
+    try:
+        context = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
+        return context.Stream(), context
+    except (RuntimeError, TypeError, AttributeError) as e:
+        raise RuntimeError(f"{field}: no green context of {sms} SMs on this GPU and torch: {e}") from e
