@@ -1,13 +1,15 @@
-"""Diagnostic (GPU): does a short-kernel loop (the AR step's shape of work) wait behind another stream's
-long kernels because the two streams share one of CUDA's hardware work queues?
+"""Diagnostic (GPU): what stretches a chain of small kernels (the AR step's kind of work) while another
+stream runs the codec's kind: its SMs, the memory bandwidth, or a shared hardware work queue?
 
-torch's pool hands out 32 streams per priority; CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues
-(default 8) round robin, and a queue runs its kernels' launches in order, whatever their streams. This
-times a "step" of many small GEMMs on one pool stream, alone and while another thread keeps big GEMMs
-queued on a second pool stream, for a second stream on the same queue residue (pool index + 8) and on
-another (pool index + 1). Run it twice, with and without CUDA_DEVICE_MAX_CONNECTIONS=32:
+The chain is the CosyVoice3 talker's decode step in shape: 24 layers of fp32 (TF32) GEMMs at 64 rows
+over ~60 MB of weights each. It is timed between two events, alone and while another thread keeps
+either large bf16 GEMMs (compute-bound, as the DiT's) or large elementwise passes (bandwidth-bound, as
+HiFT's and the DiT's fused kernels) queued on a second stream: a pool stream on the same hardware-queue
+residue (pool index + 8) or another (+1); the chain's stream at CUDA's highest priority; the other
+stream in green contexts of PROBE_SMS SMs (codec.sms, frontend.sms). CUDA_DEVICE_MAX_CONNECTIONS
+(cuda_connections) sets the queues:
 
-    python tools/connections_probe.py; CUDA_DEVICE_MAX_CONNECTIONS=32 python tools/connections_probe.py
+    PROBE_SMS=112,96 python tools/connections_probe.py
 """
 
 import json
@@ -16,63 +18,71 @@ import threading
 
 import torch
 
+LAYER = ((896, 1152), (896, 896), (896, 9728), (4864, 896))  # q/k/v, o, gate/up, down
 
-def pool_streams(n: int) -> list[torch.cuda.Stream]:
-    """The pool's streams in the order torch hands them out (its round robin starts where it is)."""
-    return [torch.cuda.Stream() for _ in range(n)]
+
+def chain_weights() -> list[torch.Tensor]:
+    return [torch.randn(k, n, device="cuda") * k ** -0.5 for _ in range(24) for k, n in LAYER]
 
 
 def step(stream: torch.cuda.Stream, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """ms of one "step": a GEMM per weight, on `stream`, between two events."""
+    """ms of one "step": the chain's GEMMs on `stream`, between two events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         start.record()
-        y = x
-        for w in weights:
-            y = torch.tanh(y @ w)
+        for w in weights:  # each layer's widths chain: a GEMM's output is at least as wide as the next input
+            x = torch.tanh(x[:, : w.shape[0]] @ w)
         end.record()
     end.synchronize()
     return start.elapsed_time(end)
 
 
-def busy(stream: torch.cuda.Stream, stop: threading.Event) -> None:
-    """Back-to-back large GEMMs on `stream` (the codec's kind of kernel), never more than a few queued."""
-    a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+def busy(kind: str, stream: torch.cuda.Stream, stop: threading.Event) -> None:
+    """Back-to-back work on `stream`, a few kernels queued at a time: `gemm` (bf16, compute-bound) or
+    `stream` (elementwise over 1 GiB, bandwidth-bound)."""
     with torch.cuda.stream(stream):
+        if kind == "gemm":
+            a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16)
+        else:
+            a = torch.randn(2**28, device="cuda")
+            b = torch.empty_like(a)
         while not stop.is_set():
             for _ in range(8):
-                a[:, :2048].copy_((a @ b)[:, :2048] * 1e-3)
+                if kind == "gemm":
+                    a[:, :2048].copy_((a @ b)[:, :2048] * 1e-3)
+                else:
+                    torch.mul(a, 1.0001, out=b)
             stream.synchronize()
 
 
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
-    streams = pool_streams(32)
-    loop = streams[3]
+    streams = [torch.cuda.Stream() for _ in range(32)]  # the pool's streams, in the order torch hands them out
+    loop, urgent = streams[3], torch.cuda.Stream(priority=-100)  # CUDA clamps -100 to its highest
     x = torch.randn(64, 896, device="cuda")
-    weights = [torch.randn(896, 896, device="cuda") * 0.03 for _ in range(200)]
+    weights = chain_weights()
     for _ in range(5):
         step(loop, x, weights)
     result = {"connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "default (8)"),
-              "alone_ms": sorted(step(loop, x, weights) for _ in range(20))[10]}
-    urgent = torch.cuda.Stream(priority=-100)  # CUDA clamps it to its highest
-    cases = [("same residue (pool +8)", loop, streams[11]), ("other residue (pool +1)", loop, streams[4]),
-             ("loop at the highest priority", urgent, streams[4])]
-    if os.environ.get("PROBE_SMS"):  # the other stream in a green context of that many SMs (codec.sms)
-        from torch.cuda import green_contexts
-        for sms in map(int, os.environ["PROBE_SMS"].split(",")):
-            context = green_contexts.GreenContext.create(num_sms=sms, device_id=0)
-            cases.append((f"other in a green context of {sms} SMs", loop, context.Stream()))
-    for name, mine, other in cases:
-        stop = threading.Event()
-        worker = threading.Thread(target=busy, args=(other, stop))
-        worker.start()
-        times = [step(mine, x, weights) for _ in range(30)]
-        stop.set()
-        worker.join()
-        result[name + " ms"] = round(sorted(times)[15], 2)
-    print(json.dumps(result))
+              "alone ms": round(sorted(step(loop, x, weights) for _ in range(20))[10], 2)}
+    others = [("same queue residue", loop, streams[11]), ("other residue", loop, streams[4]),
+              ("chain at the highest priority", urgent, streams[4])]
+    from torch.cuda import green_contexts
+    contexts = []  # kept alive while their streams run
+    for sms in [int(n) for n in os.environ.get("PROBE_SMS", "").split(",") if n]:
+        contexts.append(green_contexts.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device()))
+        others.append((f"other in a green context of {sms} SMs", loop, contexts[-1].Stream()))
+    for kind in ("gemm", "stream"):
+        for name, mine, other in others:
+            stop = threading.Event()
+            worker = threading.Thread(target=busy, args=(kind, other, stop))
+            worker.start()
+            times = [step(mine, x, weights) for _ in range(30)]
+            stop.set()
+            worker.join()
+            result[f"{kind}: {name} ms"] = round(sorted(times)[15], 2)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
