@@ -62,6 +62,40 @@ def owner(trace):
             if e.get("cat") in ("cuda_runtime", "cuda_driver")}
 
 
+def brute_gaps(mine, launch_ends) -> tuple[int, int]:
+    """Per stream, each microsecond between a thread's first item and its last that none of its items there
+    covers: the host's when the item that next starts was launched later, else waiting."""
+    host = waiting = 0
+    for stream in {e["args"]["stream"] for e in mine}:
+        items = [e for e in mine if e["args"]["stream"] == stream]
+        busy = covered(items)
+        for t in range(min(e["ts"] for e in items), max(e["ts"] + e["dur"] for e in items)):
+            if t in busy:
+                continue
+            following = min((e for e in items if e["ts"] > t), key=lambda e: e["ts"])
+            end = launch_ends.get(following["args"]["correlation"])
+            if end is not None and t < end:
+                host += 1
+            else:
+                waiting += 1
+    return host, waiting
+
+
+def brute_stretch(mine, others) -> tuple[float, float]:
+    """Over names with items both overlapping another thread's item and not: those items' time, and as many
+    items at the mean duration of the others."""
+    def beside(e):
+        return any(o["ts"] < e["ts"] + e["dur"] and o["ts"] + o["dur"] > e["ts"] for o in others)
+    shared_s = as_alone_s = 0.0
+    for name in {e["name"] for e in mine}:
+        shared = [e["dur"] for e in mine if e["name"] == name and beside(e)]
+        alone = [e["dur"] for e in mine if e["name"] == name and not beside(e)]
+        if shared and alone:
+            shared_s += sum(shared)
+            as_alone_s += len(shared) * sum(alone) / len(alone)
+    return shared_s, as_alone_s
+
+
 @settings(max_examples=150, deadline=None)
 @given(traces())
 def test_busy_time_and_attribution_match_brute_force(trace):
@@ -96,6 +130,11 @@ def test_busy_time_and_attribution_match_brute_force(trace):
         assert (row["queue_ms"] is None) == (not waits)
         if waits:
             assert abs(row["queue_ms"]["mean"] - sum(waits) / len(waits)) < 1e-9
+        host, waiting = brute_gaps(mine, launch_ends)
+        assert abs(row["gaps"]["host_s"] - host / 1e6) < 1e-9 and abs(row["gaps"]["waiting_s"] - waiting / 1e6) < 1e-9
+        shared_s, as_alone_s = brute_stretch(mine, others)
+        assert abs(row["stretch"]["shared_s"] - shared_s / 1e6) < 1e-9
+        assert abs(row["stretch"]["as_alone_s"] - as_alone_s / 1e6) < 1e-9
     for row in s["streams"]:
         mine = [e for e in items if e["args"]["stream"] == row["stream"]]
         assert abs(row["busy_s"] - covered_us(mine) / 1e6) < 1e-9

@@ -16,6 +16,7 @@ summary; the API server runs it so, as a process of its own: reading a big trace
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 from collections import Counter, defaultdict
@@ -89,6 +90,49 @@ def alone_seconds(by_thread: dict[str, list[Span]]) -> dict[str, float]:
     return {name: alone.get(name, 0.0) for name in by_thread}
 
 
+def stream_gaps(spans: list[Span], launches: dict[int, Span]) -> tuple[float, float]:
+    """Seconds between the items of one thread on each of its streams (from one's end to the next's start),
+    split by the next item's launch: (not yet launched, the host's; launched and waiting for SMs, a shared
+    work queue or a dependency). A gap before an item with no launch event counts as waiting."""
+    host = waiting = 0.0
+    by_stream: dict[int | None, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_stream[s.stream].append(s)
+    for items in by_stream.values():
+        reach = None
+        for s in sorted(items, key=lambda s: s.start):
+            if reach is not None and s.start > reach:
+                launch = launches.get(s.correlation)
+                late = min(s.start, launch.end) - reach if launch is not None and launch.end > reach else 0.0
+                host += late
+                waiting += s.start - reach - late
+            reach = s.end if reach is None else max(reach, s.end)
+    return host / 1e6, waiting / 1e6
+
+
+def stretch(mine: list[Span], others: list[Span]) -> dict:
+    """How much longer `mine`'s items ran beside `others`' than alone: over each kernel name that ran both
+    ways, the seconds of its items that overlapped another's (shared_s) and what as many items took on
+    average when none did (as_alone_s)."""
+    union: list[tuple[float, float]] = []
+    for o in sorted(others, key=lambda o: o.start):
+        if union and o.start <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], o.end))
+        else:
+            union.append((o.start, o.end))
+    ends = [e for _, e in union]
+    alone: dict[str, list[float]] = defaultdict(list)
+    shared: dict[str, list[float]] = defaultdict(list)
+    for s in mine:
+        i = bisect.bisect_right(ends, s.start)  # the first merged span that ends after this item starts
+        beside = i < len(union) and union[i][0] < s.end
+        (shared if beside else alone)[s.name].append(s.end - s.start)
+    both = [n for n in shared if n in alone]
+    shared_s = sum(sum(shared[n]) for n in both) / 1e6
+    as_alone_s = sum(len(shared[n]) * sum(alone[n]) / len(alone[n]) for n in both) / 1e6
+    return dict(shared_s=shared_s, as_alone_s=as_alone_s)
+
+
 def _thread_rows(items: list[Span], owners: list[str], launches: dict[int, Span]) -> list[dict]:
     by_thread: dict[str, list[Span]] = defaultdict(list)
     for item, owner in zip(items, owners):
@@ -105,7 +149,10 @@ def _thread_rows(items: list[Span], owners: list[str], launches: dict[int, Span]
         for s in spans:
             kernels[s.name].append((s.end - s.start) / 1e6)
         top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:TOP_KERNELS]
+        host_gap_s, waiting_gap_s = stream_gaps(spans, launches)
+        others = [s for name, theirs in by_thread.items() if name != thread for s in theirs]
         rows.append(dict(
+            gaps=dict(host_s=host_gap_s, waiting_s=waiting_gap_s), stretch=stretch(spans, others),
             thread=thread, items=len(spans), item_s=sum(s.end - s.start for s in spans) / 1e6,
             busy_s=union_seconds(spans), alone_s=alone[thread],
             streams=sorted({s.stream for s in spans if s.stream is not None}), launches=len(first),
@@ -186,6 +233,10 @@ def render(summary: dict) -> str:
                      f"{r['items']} items in {r['launches']} launches "
                      f"on streams {r['streams']}" + (f", queued mean {queue['mean']:.2f} / p90 {queue['p90']:.2f} ms"
                                                      if queue else ""))
+        gaps, beside = r["gaps"], r["stretch"]
+        lines.append(f"      between its items on its streams: {gaps['host_s']:.2f} s before the next was launched (host), "
+                     f"{gaps['waiting_s']:.2f} s launched and waiting; beside other threads' work its kernels took "
+                     f"{beside['shared_s']:.2f} s against {beside['as_alone_s']:.2f} s at their alone durations")
         lines += [f"      {k['s']:8.3f} s {k['items']:7d}x  {k['name']}" for k in r["top"]]
     lines += [f"  stream {r['stream']}: busy {r['busy_s']:.2f} s, {r['items']} items, mostly {r['thread']}"
               for r in summary["streams"]]
