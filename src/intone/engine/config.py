@@ -225,11 +225,10 @@ class Profile(_Strict):
         None, gt=0, le=100, description="Python's GIL switch interval in an engine process (None: Python's own, "
                                         "5 ms): how long a thread back from a torch call may wait for the GIL")
     cuda_connections: int | None = Field(
-        None, ge=1, le=32, description="hardware work queues of an engine process's CUDA context "
-                                       "(CUDA_DEVICE_MAX_CONNECTIONS; None: CUDA's default, 8). torch's streams "
-                                       "share them round robin, and a kernel waits behind every earlier one on "
-                                       "its queue, whatever its stream: 32 gives each of torch's pool streams a "
-                                       "queue of its own")
+        None, ge=1, le=32, description="experimental: hardware work queues of an engine process's CUDA context "
+                                       "(CUDA_DEVICE_MAX_CONNECTIONS; None: CUDA's default, 8). Streams beyond "
+                                       "their number share them, and work on a shared queue may wait behind "
+                                       "another stream's; more queues, fewer streams sharing one")
     ar: ARConfig = ARConfig()
     codec: CodecStageConfig = CodecStageConfig()
     frontend: FrontendConfig = FrontendConfig()
