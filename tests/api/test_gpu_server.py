@@ -175,5 +175,10 @@ def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(ti
         metrics = httpx.get(server.url("/metrics"), timeout=30).text  # the steps timed on the loop's stream
         assert 0 < _metric(metrics, "intone_engine_gpu_timed_steps") <= _metric(metrics, "intone_engine_steps")
         assert _metric(metrics, "intone_engine_step_gpu_seconds") > 0
+        # the allocator's device calls: start-up's cudaMallocs at least, and counts that never fall
+        assert _metric(metrics, "intone_gpu_device_mallocs") > 0
+        assert _metric(metrics, "intone_gpu_alloc_retries") >= 0 and _metric(metrics, "intone_gpu_device_frees") >= 0
+        for thread in launching:  # every thread's gaps and stretch are there, and none is negative
+            assert min(thread["gaps"].values()) >= 0 and min(thread["stretch"].values()) >= 0
     finally:
         stop_server(server)

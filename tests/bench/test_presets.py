@@ -122,3 +122,21 @@ def test_an_ar_steps_wait_and_gpu_span_go_from_the_servers_metrics_to_the_report
     cpu = scraped({"steps": 300, "mean_step_ms": 11.0, "step_wait_seconds": 1.4, "gpu_timed_steps": 0})
     assert "- C64: an AR step 11.50 ms, 6.00 ms of it the loop waiting for its tokens (the rest host work)" in \
         stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, cpu)}]})
+
+
+def test_the_allocators_device_calls_over_a_level_go_from_the_servers_metrics_to_the_report():
+    """The engine process's allocator counters (GPU) as the API exports them, differenced over the level and said
+    under the memory table; a server without them (a CPU) says nothing."""
+    memory = {"gpu_allocated_peak_bytes": 2**33, "gpu_reserved_bytes": 2**33}
+    before = scraped({**memory, "gpu_alloc_retries": 2, "gpu_device_mallocs": 40, "gpu_device_frees": 5,
+                      "gpu_sync_all_streams": 2})
+    after = scraped({**memory, "gpu_alloc_retries": 9, "gpu_device_mallocs": 52, "gpu_device_frees": 30,
+                     "gpu_sync_all_streams": 9})
+    server = level_breakdown(before, after)
+    assert server["counters"]["gpu_sync_all_streams"] == 7
+    lines = memory_table({"levels": [{"concurrency": 64, "server": server}]})
+    assert "- C64: over the level the allocator retried 7 allocations (each after freeing its cache, waiting for " \
+        "every stream), and made 12 cudaMalloc and 25 cudaFree calls (each cudaFree waits for the whole device)" in lines
+    cpu = level_breakdown(scraped({}), scraped({}))
+    assert not any("allocator retried" in line for line in stage_tables({"levels": [{"concurrency": 8, "server": cpu}]})
+                   + memory_table({"levels": [{"concurrency": 8, "server": cpu}]}))

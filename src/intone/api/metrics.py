@@ -88,6 +88,13 @@ ENGINE_COUNTERS = {
     "codec_prepares_skipped": ("intone_codec_prepares_skipped",
                                "Streams' prepare chunks left undone: their first hops went to a call first and "
                                "solved the reference themselves"),
+    "gpu_alloc_retries": ("intone_gpu_alloc_retries", "Times the engine process's allocator found no free block, "
+                          "freed its cache (waiting for every stream) and tried again"),
+    "gpu_device_mallocs": ("intone_gpu_device_mallocs", "cudaMalloc calls of the engine process's allocator"),
+    "gpu_device_frees": ("intone_gpu_device_frees", "cudaFree calls of the engine process's allocator (each waits "
+                         "for the whole device)"),
+    "gpu_sync_all_streams": ("intone_gpu_sync_all_streams", "Times the engine process's allocator waited for every "
+                             "stream before freeing"),
     "codec_flow_cache_refused": ("intone_codec_flow_cache_refused",
                                  "CosyVoice3: streamed hops that kept no flow cache for want of room "
                                  "(cosyvoice3.flow.cache_gb)"),

@@ -150,7 +150,21 @@ def memory_table(results: dict) -> list[str]:
     for concurrency, g in rows:
         lines.append(f"| {concurrency} | " + " | ".join(
             _fmt(g[key] / 2**30 if g.get(key) is not None else None, 1) for key in MEMORY_GAUGES) + " |")
-    return lines + [""]
+    return lines + [""] + _allocator_lines(results["levels"])
+
+
+def _allocator_lines(levels: list[dict]) -> list[str]:
+    """The allocator's device calls over each level (each of them stalls the GPU's streams)."""
+    out = []
+    for lvl in levels:
+        k = (lvl.get("server") or {}).get("counters") or {}
+        retries, mallocs, frees = (k.get(key) for key in ("gpu_alloc_retries", "gpu_device_mallocs", "gpu_device_frees"))
+        if None in (retries, mallocs, frees):
+            continue
+        out.append(f"- C{lvl['concurrency']}: over the level the allocator retried {_count(retries)} allocations (each "
+                   f"after freeing its cache, waiting for every stream), and made {_count(mallocs)} cudaMalloc and "
+                   f"{_count(frees)} cudaFree calls (each cudaFree waits for the whole device)")
+    return out + [""] if out else []
 
 
 def _per(counters: dict, key: str) -> float | None:

@@ -52,6 +52,10 @@ COUNTERS = {
     "codec_hift_useful_frames": "intone_codec_hift_useful_frames_total",
     "codec_references_ahead": "intone_codec_references_ahead_total",
     "codec_prepares_skipped": "intone_codec_prepares_skipped_total",
+    "gpu_alloc_retries": "intone_gpu_alloc_retries_total",
+    "gpu_device_mallocs": "intone_gpu_device_mallocs_total",
+    "gpu_device_frees": "intone_gpu_device_frees_total",
+    "gpu_sync_all_streams": "intone_gpu_sync_all_streams_total",
 }
 GAUGES = {
     "reference_cache_entries": "intone_reference_cache_entries",

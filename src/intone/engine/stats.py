@@ -49,15 +49,25 @@ class EngineStats:
             self.first_call_chunks += len(decoded.items)
 
 
+# torch's allocator counters of device calls that stall the GPU: a retry (no free block: it freed its cache and
+# tried again), its cudaMalloc and cudaFree calls (cudaFree waits for the whole device), and its waits for every
+# stream before freeing
+ALLOCATOR_COUNTERS = {"gpu_alloc_retries": "num_alloc_retries", "gpu_device_mallocs": "num_device_alloc",
+                      "gpu_device_frees": "num_device_free", "gpu_sync_all_streams": "num_sync_all_streams"}
+
+
 def gpu_memory(device: torch.device) -> dict:
     """What torch's caching allocator holds in this process on a CUDA device, in bytes (now and at
-    its peak; reserved: allocated plus its cache); {} on other devices."""
+    its peak; reserved: allocated plus its cache), and its counts of device calls (`ALLOCATOR_COUNTERS`,
+    those this torch keeps); {} on other devices."""
     if device.type != "cuda":
         return {}
+    stats = torch.cuda.memory_stats(device)
     return dict(gpu_allocated_bytes=torch.cuda.memory_allocated(device),
                 gpu_allocated_peak_bytes=torch.cuda.max_memory_allocated(device),
                 gpu_reserved_bytes=torch.cuda.memory_reserved(device),
-                gpu_reserved_peak_bytes=torch.cuda.max_memory_reserved(device))
+                gpu_reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+                **{key: stats[name] for key, name in ALLOCATOR_COUNTERS.items() if name in stats})
 
 
 def gib_so_far(device: torch.device) -> str:
