@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from intone.engine.streams import own_stream, partitioned_stream
+from intone.engine.streams import own_stream, sm_share
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ChunkQueue:
 
 def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
     """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
-    green context of that many of the GPU's SMs (`partitioned_stream`). shared: the calling thread's
+    green context of that many of the GPU's SMs (`sm_share`). shared: the calling thread's
     current stream (the engine loop's, `codec.stream: loop`)."""
     if device.type != "cuda":
         return None, None
@@ -140,7 +140,8 @@ def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
         return torch.cuda.current_stream(device), None
     if sms is None:
         return own_stream(device, "codec worker"), None
-    return partitioned_stream(device, sms, "codec.sms")
+    context = sm_share(device, sms, "codec.sms")
+    return context.Stream(), context
 
 
 def opens_a_stream(item) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from intone.engine.streams import own_stream, partitioned_stream
+from intone.engine.streams import own_stream, sm_share
 from intone.models.base import Prompt, TTSModel
 from intone.protocol import VoiceReference, clip_key
 
@@ -98,8 +98,8 @@ class FrontendStage:
         a green context of that many SMs (`frontend.sms`; GPU)."""
         self.each, self.workers, self.priority = each, max(1, workers), priority
         # made now, so an SM share the GPU cannot give fails before start-up's warm-ups
-        self._partition = partitioned_stream(model.device, sms, "frontend.sms") \
-            if sms is not None and model.device.type == "cuda" else None
+        self._share = sm_share(model.device, sms, "frontend.sms") if sms is not None and model.device.type == "cuda" \
+            else None
         self.model = model
         self.cache = ReferenceCache(cache_bytes)
         self._inbox: queue.Queue = queue.Queue()
@@ -294,11 +294,8 @@ class FrontendStage:
             return None
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            if self._partition is None:
-                stream = own_stream(self.model.device, "frontend worker", self.priority)
-            else:  # a stream of the share's green context for each worker
-                stream = self._partition[1].Stream()
-            self._local.stream = stream
+            self._local.stream = stream = own_stream(self.model.device, "frontend worker", self.priority) \
+                if self._share is None else self._share.Stream()  # each worker a stream of the share's own
         return stream
 
     def _build(self, job: _Job, j: int, keys: dict, found: dict) -> Prepared:

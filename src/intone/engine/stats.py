@@ -62,11 +62,11 @@ def gpu_memory(device: torch.device) -> dict:
     those this torch keeps); {} on other devices."""
     if device.type != "cuda":
         return {}
-    stats = torch.cuda.memory_stats(device)
-    return dict(gpu_allocated_bytes=torch.cuda.memory_allocated(device),
-                gpu_allocated_peak_bytes=torch.cuda.max_memory_allocated(device),
-                gpu_reserved_bytes=torch.cuda.memory_reserved(device),
-                gpu_reserved_peak_bytes=torch.cuda.max_memory_reserved(device),
+    stats = torch.cuda.memory_stats(device)  # one read: what memory_allocated() and its kin each read again
+    return dict(gpu_allocated_bytes=stats.get("allocated_bytes.all.current", 0),
+                gpu_allocated_peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+                gpu_reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+                gpu_reserved_peak_bytes=stats.get("reserved_bytes.all.peak", 0),
                 **{key: stats[name] for key, name in ALLOCATOR_COUNTERS.items() if name in stats})
 
 

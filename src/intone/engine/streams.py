@@ -57,11 +57,11 @@ def _release(handle: int) -> None:
         _held.pop(handle, None)
 
 
-def partitioned_stream(device: torch.device, sms: int, field: str):
-    """(stream, its green context) on `sms` of the GPU's SMs: a role whose long kernels run there never
-    holds every SM, so the engine loop's small ones (unpartitioned) always find some free. Stream
-    priorities cannot give that: a running block is never preempted (session 8). Keep the context as
-    long as the stream runs. field: the profile's name for `sms`, in errors."""
+def sm_share(device: torch.device, sms: int, field: str):
+    """A green context of `sms` of the GPU's SMs (its `.Stream()`s run there): a role whose long kernels run
+    there never holds every SM, so the engine loop's small ones (unpartitioned) always find some free. Stream
+    priorities cannot give that: a running block is never preempted (session 8). Keep the context as long
+    as its streams run. field: the profile's name for `sms`, in errors."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(index)
     # SM groups come in multiples of 8 on Hopper (CUDA rounds a request up to them).
@@ -72,7 +72,6 @@ def partitioned_stream(device: torch.device, sms: int, field: str):
     if not getattr(green_contexts, "SUPPORTED", True):
         raise RuntimeError(f"{field} needs CUDA green contexts; torch {torch.__version__} was built without them")
     try:
-        context = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
-        return context.Stream(), context
+        return green_contexts.GreenContext.create(num_sms=sms, device_id=index)
     except (RuntimeError, TypeError, AttributeError) as e:
         raise RuntimeError(f"{field}: no green context of {sms} SMs on this GPU and torch: {e}") from e

@@ -40,17 +40,20 @@ class Span:
     tid: int | None = None
 
 
+def merged(spans: list[Span]) -> list[tuple[float, float]]:
+    """The intervals the spans cover, overlapping and touching ones joined, in order."""
+    out: list[tuple[float, float]] = []
+    for s in sorted(spans, key=lambda s: s.start):
+        if out and s.start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], s.end))
+        else:
+            out.append((s.start, s.end))
+    return out
+
+
 def union_seconds(spans: list[Span]) -> float:
     """Seconds covered by at least one span (overlaps counted once)."""
-    total, reach = 0.0, None
-    for s in sorted(spans, key=lambda s: s.start):
-        if reach is None or s.start > reach:
-            total += s.end - s.start
-            reach = s.end
-        elif s.end > reach:
-            total += s.end - reach
-            reach = s.end
-    return total / 1e6
+    return sum(end - start for start, end in merged(spans)) / 1e6
 
 
 def _span(event: dict) -> Span:
@@ -114,12 +117,7 @@ def stretch(mine: list[Span], others: list[Span]) -> dict:
     """How much longer `mine`'s items ran beside `others`' than alone: over each kernel name that ran both
     ways, the seconds of its items that overlapped another's (shared_s) and what as many items took on
     average when none did (as_alone_s)."""
-    union: list[tuple[float, float]] = []
-    for o in sorted(others, key=lambda o: o.start):
-        if union and o.start <= union[-1][1]:
-            union[-1] = (union[-1][0], max(union[-1][1], o.end))
-        else:
-            union.append((o.start, o.end))
+    union = merged(others)
     ends = [e for _, e in union]
     alone: dict[str, list[float]] = defaultdict(list)
     shared: dict[str, list[float]] = defaultdict(list)
