@@ -251,12 +251,13 @@ def test_flex_attention_gives_the_sdpa_mel(flow, rows):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("unit,kernel", [("block", "sdpa"), ("dit", "flex")])  # each unit, each kernel
-def test_a_compiled_dit_gives_the_eager_mel(unit, kernel):
+# each unit, each kernel, each wrapper
+@pytest.mark.parametrize("unit,kernel,wrapper", [("block", "sdpa", "cpp"), ("dit", "flex", "python")])
+def test_a_compiled_dit_gives_the_eager_mel(unit, kernel, wrapper):
     """`cosyvoice3.flow.compile_unit`: whichever part is compiled, a batch of streamed and whole rows of
     different lengths gets the eager flow's mel (float32: to rounding); a second batch of other
     shapes reuses the compiled code (dynamic shapes), with either attention kernel (flex: new block
-    masks for new lengths, no new compile)."""
+    masks for new lengths, no new compile) and either of inductor's wrappers (`compile_wrapper`)."""
     flow = make_flow(torch.float32, seed=3)
     flow.decoder.estimator.attention_kernel = kernel
     g = torch.Generator().manual_seed(5)
@@ -270,7 +271,7 @@ def test_a_compiled_dit_gives_the_eager_mel(unit, kernel):
     eager = [flow.inference(b) for b in batches]
     counters = torch._dynamo.utils.counters
     graphs, traces = counters["stats"]["unique_graphs"], counters["aot_autograd"]["total"]
-    compile_dit(flow.decoder.estimator, unit)
+    compile_dit(flow.decoder.estimator, unit, wrapper)
     for batch, want in zip(batches, eager):
         for got, ref in zip(flow.inference(batch), want):
             assert got.shape == ref.shape
@@ -492,7 +493,8 @@ def test_varlen_attention_gives_the_padded_mel(flow, rows):
 
 
 @pytest.mark.gpu
-def test_compiled_varlen_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
+@pytest.mark.parametrize("wrapper", ["python", "cpp"])
+def test_compiled_varlen_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32, wrapper):
     """The varlen kernel as the full-response stage runs it (compiled DiT, bf16 autocast, FlashAttention's
     variable-length kernel on packed rows) against the dense-mask SDPA flow on padded rows: the same mel
     to bf16 rounding, for whole rows of different lengths and a call with a streamed row (padded, dense
@@ -507,7 +509,7 @@ def test_compiled_varlen_attention_on_the_gpu_gives_the_sdpa_mel(no_tf32):
         dense = [flow.inference(b) for b in batches]
         flow.decoder.estimator.attention_kernel = "varlen"
         torch._dynamo.reset()
-        compile_dit(flow.decoder.estimator, "dit")
+        compile_dit(flow.decoder.estimator, "dit", wrapper)
         for batch in compile_batches(flow, torch.device("cuda")):
             flow.inference(batch)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

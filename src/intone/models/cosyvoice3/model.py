@@ -184,7 +184,7 @@ class CosyVoice3(TTSModel):
                                hift.graph_frames if hift.cuda_graphs else None, hift.call_cost,
                                flow.final_hop == "continued", int(flow.cache_gb * 1e9))
         if flow.compile and gpu:
-            vocoder.compile_flow(flow.compile_unit)
+            vocoder.compile_flow(flow.compile_unit, flow.compile_wrapper)
         return vocoder
 
     def mel_zeros(self) -> Tensor:

@@ -62,19 +62,21 @@ def stretch(mel: Tensor, speed: float) -> Tensor:
     return F.interpolate(mel.unsqueeze(0), size=int(mel.shape[1] / speed), mode="linear")[0]
 
 
-def compile_dit(estimator, unit: str) -> None:
+def compile_dit(estimator, unit: str, wrapper: str = "python") -> None:
     """torch.compile the DiT's forward ("dit"), or each transformer block's ("block"): the 22 blocks
     are one code object, so the second compiles one block once and reuses it (real size, on a CPU:
-    8-15 s against 113 s), and leaves the few kernels around the blocks eager."""
+    8-15 s against 113 s), and leaves the few kernels around the blocks eager. wrapper: inductor's
+    Python or C++ wrapper (`cosyvoice3.flow.compile_wrapper`)."""
     compile_settings()
+
+    def compiled(fn):
+        return torch.compile(fn, dynamic=True, options={"cpp_wrapper": wrapper == "cpp"})
     if unit == "dit":
-        estimator.forward = torch.compile(estimator.forward, dynamic=True)
-        estimator.forward_packed = torch.compile(estimator.forward_packed, dynamic=True)
-        estimator.forward_continued = torch.compile(estimator.forward_continued, dynamic=True)
-        estimator.forward_continued_packed = torch.compile(estimator.forward_continued_packed, dynamic=True)
+        for name in ("forward", "forward_packed", "forward_continued", "forward_continued_packed"):
+            setattr(estimator, name, compiled(getattr(estimator, name)))
         return
     for block in estimator.transformer_blocks:
-        block.forward = torch.compile(block.forward, dynamic=True)
+        block.forward = compiled(block.forward)
 
 
 def store_for_autocast(estimator, dtype: torch.dtype) -> None:
@@ -196,10 +198,10 @@ class CosyVocoder(Vocoder):
             with self._autocast():
                 self.model.flow.capture_solve([dummy] * r, graphs)
 
-    def compile_flow(self, unit: str = "dit") -> None:
+    def compile_flow(self, unit: str = "dit", wrapper: str = "python") -> None:
         """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on small dummy
         calls (`compile_batches`), so no request pays for it. Fuses the elementwise work around the GEMMs: 2.3x at 64 rows."""
-        compile_dit(self.model.flow.decoder.estimator, unit)
+        compile_dit(self.model.flow.decoder.estimator, unit, wrapper)
         dev = self.model.codec_device
         dummy = compile_batches(self.model.flow, dev)
         with self._autocast():
