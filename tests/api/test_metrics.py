@@ -61,8 +61,14 @@ def test_bench_reports_where_the_time_goes(server, tmp_path):
     k = srv["counters"]  # the loop's wait for its steps' tokens is part of its steps; no GPU: no spans
     assert 0 < k["step_wait_seconds"] <= k["engine_steps"] * srv["mean_step_ms"] / 1000 + 1e-6
     assert k["gpu_timed_steps"] == 0 and k["step_gpu_seconds"] == 0
+    # the loop's launching is part of its steps' host time; the threads' CPU time, part of the process's
+    # (on a CPU a step is mostly its launch; the level's mean step comes from a gauge, to its rounding)
+    assert 0 < k["step_launch_seconds"] <= (k["engine_steps"] * srv["mean_step_ms"] / 1000 - k["step_wait_seconds"]) * 1.001
+    assert 0 < k["loop_cpu_seconds"] and 0 < k["frontend_cpu_seconds"] and 0 < k["codec_cpu_seconds"]
+    assert k["loop_cpu_seconds"] + k["codec_cpu_seconds"] + k["frontend_cpu_seconds"] <= k["process_cpu_seconds"] + 0.05
     report = (tmp_path / "unique" / "report.md").read_text()
     assert "## Where the time goes" in report and "a distinct clip for every request" in report
+    assert "- C2: building and launching a step " in report and "CPU time per step, ms: the loop " in report
     assert "| concurrency | api_in s | frontend s | queue s | prefill s | first_hop s | first_codec s | decode s " \
            "| codec s | api_out s | total s |" in report
     row = next(line for line in report.splitlines() if line.startswith("| 2 | ") and line.count("|") == len(STAGES) + 3)

@@ -122,6 +122,21 @@ def test_an_ar_steps_wait_and_gpu_span_go_from_the_servers_metrics_to_the_report
     cpu = scraped({"steps": 300, "mean_step_ms": 11.0, "step_wait_seconds": 1.4, "gpu_timed_steps": 0})
     assert "- C64: an AR step 11.50 ms, 6.00 ms of it the loop waiting for its tokens (the rest host work)" in \
         stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, cpu)}]})
+    assert not any("CPU time per step" in line for line in lines)  # a server without the host counters
+
+
+def test_a_steps_host_time_and_the_threads_cpu_go_from_the_servers_metrics_to_the_report():
+    """Over a level, per AR step: the loop's building and launching, and each role's CPU time (the loop's own
+    against its host time says whether it computed or waited off the CPU)."""
+    first = dict(step_wait_seconds=0.2, step_launch_seconds=0.1, loop_cpu_seconds=5.0, codec_cpu_seconds=7.0,
+                 frontend_cpu_seconds=1.0, process_cpu_seconds=20.0)
+    later = dict(step_wait_seconds=1.4, step_launch_seconds=0.9, loop_cpu_seconds=6.2, codec_cpu_seconds=9.4,
+                 frontend_cpu_seconds=1.6, process_cpu_seconds=25.0)
+    before = scraped({"steps": 100, "mean_step_ms": 10.0, **first})
+    after = scraped({"steps": 300, "mean_step_ms": 11.0, **later})
+    lines = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, after)}]})
+    assert "- C64: building and launching a step 4.00 ms of its host work; CPU time per step, ms: the loop 6.00, " \
+        "the codec worker 12.00, the frontend workers 3.00, the whole process 25.00" in lines
 
 
 def test_the_allocators_device_calls_over_a_level_go_from_the_servers_metrics_to_the_report():

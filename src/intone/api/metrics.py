@@ -52,6 +52,14 @@ ENGINE_COUNTERS = {
     "steps": ("intone_engine_steps", "Engine steps"),
     "step_wait_seconds": ("intone_engine_step_wait_seconds",
                           "Seconds the engine loop waited for its AR steps' tokens (the rest of a step is host work)"),
+    "step_launch_seconds": ("intone_engine_step_launch_seconds",
+                            "Seconds the engine loop spent building its AR steps' inputs and launching them (host)"),
+    "loop_cpu_seconds": ("intone_engine_loop_cpu_seconds", "CPU seconds of the engine loop's thread (a step's "
+                         "host time that is not CPU time is spent off the CPU: waiting for the GIL or blocked)"),
+    "codec_cpu_seconds": ("intone_engine_codec_cpu_seconds", "CPU seconds of the codec worker's thread"),
+    "frontend_cpu_seconds": ("intone_engine_frontend_cpu_seconds", "CPU seconds of the frontend workers' threads"),
+    "process_cpu_seconds": ("intone_engine_process_cpu_seconds",
+                            "CPU seconds of the engine process, every thread (native ones too)"),
     "step_gpu_seconds": ("intone_engine_step_gpu_seconds",
                          "GPU: the AR steps' spans on the loop's CUDA stream, each from the end of the step before "
                          "(waits for SMs that other streams' kernels hold, and gaps while the host launches, included)"),

@@ -118,7 +118,22 @@ def _step_lines(levels: list[dict]) -> list[str]:
         if gpu is not None and (timed or 0) > 0:
             line += f"; on the GPU {1000 * gpu / timed:.2f} ms a step (the loop's stream, SM waits included)"
         out.append(line)
+        out += _host_line(lvl["concurrency"], k, steps)
     return out
+
+
+def _host_line(concurrency: int, k: dict, steps: float) -> list[str]:
+    """Whose CPU the steps' host time was: the loop's launching, and each thread's CPU time per step (a loop
+    whose host time is well above its CPU time waited off the CPU: for the GIL, or blocked)."""
+    launch = k.get("step_launch_seconds")
+    cpu = {name: k.get(f"{key}_cpu_seconds") for key, name in
+           (("loop", "the loop"), ("codec", "the codec worker"), ("frontend", "the frontend workers"),
+            ("process", "the whole process"))}
+    if launch is None or cpu["the loop"] is None:
+        return []
+    per_step = ", ".join(f"{name} {1000 * v / steps:.2f}" for name, v in cpu.items() if v is not None)
+    return [f"- C{concurrency}: building and launching a step {1000 * launch / steps:.2f} ms of its host work; "
+            f"CPU time per step, ms: {per_step}"]
 
 
 def _ahead_lines(levels: list[dict]) -> list[str]:

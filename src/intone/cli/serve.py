@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--profile-dir", default=None, metavar="DIR",
                    help="enable POST /start_profile and /stop_profile: a torch profiler window over the served load "
                         "in each engine core, its trace and summary (GPU busy time per thread and stream) written "
-                        "under DIR/engine-K/ (diagnostics: profiling slows the engine)")
+                        "under DIR/engine-K/ (diagnostics: profiling slows the engine, and a window "
+                        "over CUDA graphs can crash a core, which is then restarted)")
     p.add_argument("--engine-silence-seconds", type=float, default=10.0,
                    help="/health answers 503 once the engine core has been silent this long (hung)")
     p.add_argument("--engine-restart", choices=["restart", "exit"], default="restart",

@@ -59,7 +59,10 @@ class ARLoop:
         """Run the batch (in flight: launch it, then apply the step before); the requests that stopped."""
         finished: list[str] = []
         start = time.perf_counter()
+        waited = self.stats.step_wait_seconds
         done = self._launch(batch, start) if batch else None
+        # building and launching it (in order, the copy's wait is the step's wait, not this)
+        self.stats.step_launch_seconds += time.perf_counter() - start - (self.stats.step_wait_seconds - waited)
         if self.keep_in_flight:  # this step stays in flight; the one before is applied
             done, self.pending = self.pending, done
         if done is not None:

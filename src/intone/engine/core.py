@@ -283,6 +283,7 @@ class EngineCore:
             steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             step_seconds=self.stats.step_seconds, step_wait_seconds=self.stats.step_wait_seconds,
+            step_launch_seconds=self.stats.step_launch_seconds, **self.stats.cpu.seconds(),
             step_gpu_seconds=self.stats.step_gpu_seconds, gpu_timed_steps=self.stats.gpu_timed_steps,
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=self.codec_worker.calls,
