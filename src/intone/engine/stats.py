@@ -12,6 +12,45 @@ import torch
 from intone.engine.codec_worker import DecodedBatch, opens_a_stream
 
 
+ROLES = (("codec", "intone-codec"), ("frontend", "intone-frontend"))  # thread name prefixes; the loop is the caller's
+
+
+class ThreadCPU:
+    """CPU seconds of the engine process's Python threads by role, for telling a loop that computes from one
+    that waits: the loop (the thread that reads them: the engine core's), the codec worker, the frontend workers,
+    and the whole process (native threads too). A thread's seconds stay counted after it ends (the sums only
+    grow, as counters must)."""
+
+    def __init__(self):
+        self._seen: dict[int, tuple[str, float]] = {}  # thread ident -> (role, CPU seconds last read)
+        self._ended = Counter()  # role -> seconds of threads gone since
+
+    def seconds(self) -> dict[str, float]:
+        """{loop,codec,frontend}_cpu_seconds (where the platform can read a thread's CPU clock) and
+        process_cpu_seconds."""
+        out = {"process_cpu_seconds": time.process_time()}
+        if not hasattr(time, "pthread_getcpuclockid"):
+            return out
+        me, totals, alive = threading.current_thread(), Counter(self._ended), {}
+        for t in threading.enumerate():
+            role = "loop" if t is me else next((r for r, prefix in ROLES if t.name.startswith(prefix)), None)
+            if role is None or t.ident is None:
+                continue
+            try:
+                alive[t.ident] = role, time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):  # it ended between enumerate and the read
+                continue
+        for ident, (role, seconds) in self._seen.items():
+            if ident not in alive:
+                self._ended[role] += seconds
+                totals[role] += seconds
+        self._seen = alive
+        for role, seconds in alive.values():
+            totals[role] += seconds
+        out.update({f"{role}_cpu_seconds": totals[role] for role in ("loop", *dict(ROLES))})
+        return out
+
+
 @dataclass
 class EngineStats:
     steps: int = 0
@@ -38,7 +77,7 @@ class EngineStats:
     capture_seconds: float = 0.0
     warm_up_seconds: float = 0.0
     ready_allocated_peak_bytes: int | None = None  # the allocator's peak when start-up ended (GPU)
-    cpu: "ThreadCPU" = field(default_factory=lambda: ThreadCPU())
+    cpu: ThreadCPU = field(default_factory=ThreadCPU)
 
     def count_codec_call(self, decoded: DecodedBatch) -> None:
         if decoded.dropped:
@@ -79,41 +118,3 @@ def gib_so_far(device: torch.device) -> str:
     peak = gpu_memory(device).get("gpu_allocated_peak_bytes")
     return "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
 
-
-ROLES = (("codec", "intone-codec"), ("frontend", "intone-frontend"))  # thread name prefixes; the loop is the caller's
-
-
-class ThreadCPU:
-    """CPU seconds of the engine process's Python threads by role, for telling a loop that computes from one
-    that waits: the loop (the thread that reads them: the engine core's), the codec worker, the frontend workers,
-    and the whole process (native threads too). A thread's seconds stay counted after it ends (the sums only
-    grow, as counters must)."""
-
-    def __init__(self):
-        self._seen: dict[int, tuple[str, float]] = {}  # thread ident -> (role, CPU seconds last read)
-        self._ended = Counter()  # role -> seconds of threads gone since
-
-    def seconds(self) -> dict[str, float]:
-        """{loop,codec,frontend}_cpu_seconds (where the platform can read a thread's CPU clock) and
-        process_cpu_seconds."""
-        out = {"process_cpu_seconds": time.process_time()}
-        if not hasattr(time, "pthread_getcpuclockid"):
-            return out
-        me, totals, alive = threading.current_thread(), Counter(self._ended), {}
-        for t in threading.enumerate():
-            role = "loop" if t is me else next((r for r, prefix in ROLES if t.name.startswith(prefix)), None)
-            if role is None or t.ident is None:
-                continue
-            try:
-                alive[t.ident] = role, time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-            except (OSError, ProcessLookupError):  # it ended between enumerate and the read
-                continue
-        for ident, (role, seconds) in self._seen.items():
-            if ident not in alive:
-                self._ended[role] += seconds
-                totals[role] += seconds
-        self._seen = alive
-        for role, seconds in alive.values():
-            totals[role] += seconds
-        out.update({f"{role}_cpu_seconds": totals[role] for role in ("loop", *dict(ROLES))})
-        return out

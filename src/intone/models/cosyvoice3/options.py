@@ -27,9 +27,9 @@ class FlowOptions(_Strict):
                            "compiled once: start-up ~10x shorter, the kernels between blocks eager)")
     compile_wrapper: Literal["python", "cpp"] = Field(
         "python", description="with compile: the compiled DiT's launches from inductor's Python wrapper, or from its "
-                              "C++ wrapper (inductor's cpp_wrapper), which launches a whole pass with the GIL released: "
-                              "the codec thread then holds the GIL for a few calls a pass instead of one per kernel, "
-                              "so the engine loop's host work is not kept waiting (longer start-up: the wrapper's "
+                              "C++ wrapper (inductor's cpp_wrapper), which launches a whole pass from C++ with the GIL "
+                              "released, where the Python wrapper spends Python time and takes the GIL back on every "
+                              "kernel: shorter codec calls when they are host-bound (longer start-up: the wrapper's "
                               "C++ build)")
     attention: Literal["sdpa", "flex", "varlen"] = Field(
         "sdpa", description="the DiT's attention as SDPA under a dense mask, flex attention under a block mask "
