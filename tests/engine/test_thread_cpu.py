@@ -20,14 +20,14 @@ def burn(seconds: float) -> None:
 def test_each_role_counts_its_threads_cpu_and_keeps_it_after_they_end():
     cpu = ThreadCPU()
     start = cpu.seconds()
-    release = threading.Event()
+    release = threading.Event()  # the workers stay alive until read (a thread born and gone between reads is missed)
 
     def worker():
         burn(0.2)
         release.wait()
 
     names = ("intone-codec", "intone-frontend", "intone-frontend-1", "someone-else")
-    threads = [threading.Thread(target=worker, name=name) for name in names]
+    threads = [threading.Thread(target=worker, name=name, daemon=True) for name in names]
     for t in threads:
         t.start()
     burn(0.2)  # the reader's own thread is the loop
@@ -50,3 +50,16 @@ def test_each_role_counts_its_threads_cpu_and_keeps_it_after_they_end():
     # the workers are gone: their seconds stay (a counter never falls)
     for key in ("codec_cpu_seconds", "frontend_cpu_seconds"):
         assert later[key] >= ended[key] >= running[key]
+    # and a new worker's seconds add to theirs
+    done, release = threading.Event(), threading.Event()
+
+    def successor():
+        burn(0.15)
+        done.set()
+        release.wait()
+    thread = threading.Thread(target=successor, name="intone-codec", daemon=True)
+    thread.start()
+    done.wait()
+    assert grown(later, cpu.seconds(), "codec_cpu_seconds") >= 0.14
+    release.set()
+    thread.join()

@@ -24,6 +24,7 @@ class ThreadCPU:
     def __init__(self):
         self._seen: dict[int, tuple[str, float]] = {}  # thread ident -> (role, CPU seconds last read)
         self._ended = Counter()  # role -> seconds of threads gone since
+        self._given: dict[str, float] = {}  # role -> the last sum given (sums in another order may round lower)
 
     def seconds(self) -> dict[str, float]:
         """{loop,codec,frontend}_cpu_seconds (where the platform can read a thread's CPU clock) and
@@ -47,7 +48,9 @@ class ThreadCPU:
         self._seen = alive
         for role, seconds in alive.values():
             totals[role] += seconds
-        out.update({f"{role}_cpu_seconds": totals[role] for role in ("loop", *dict(ROLES))})
+        for role in ("loop", *dict(ROLES)):
+            self._given[role] = max(self._given.get(role, 0.0), totals[role])
+            out[f"{role}_cpu_seconds"] = self._given[role]
         return out
 
 
