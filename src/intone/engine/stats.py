@@ -32,7 +32,7 @@ class ThreadCPU:
         out = {"process_cpu_seconds": time.process_time()}
         if not hasattr(time, "pthread_getcpuclockid"):
             return out
-        me, totals, alive = threading.current_thread(), Counter(self._ended), {}
+        me, alive = threading.current_thread(), {}
         for t in threading.enumerate():
             role = "loop" if t is me else next((r for r, prefix in ROLES if t.name.startswith(prefix)), None)
             if role is None or t.ident is None:
@@ -44,8 +44,8 @@ class ThreadCPU:
         for ident, (role, seconds) in self._seen.items():
             if ident not in alive:
                 self._ended[role] += seconds
-                totals[role] += seconds
         self._seen = alive
+        totals = Counter(self._ended)
         for role, seconds in alive.values():
             totals[role] += seconds
         for role in ("loop", *dict(ROLES)):
