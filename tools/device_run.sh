@@ -78,7 +78,7 @@ for stage in "$@"; do
     # it in turn: a variant's non-streamed and streamed rows for one start-up (no frame audit: --base-url);
     # a bench named full+tl or stream+tl runs under a profiler window of PROFILE_S (4) seconds: its GPU timeline
     # (the traces stay on the machine, their summaries come back; that row is a diagnostic), e.g.
-    # PAIR_BENCHES="stream stream+tl"
+    # PAIR_BENCHES="stream stream+tl"; +pool: 16 references cycled (the cache's row, beside the fresh one)
     pair) IFS=';' read -ra variants <<< "${AB:?}"
       for v in "${variants[@]}"; do
         [[ $v == *:* ]] || v="$v:"
@@ -93,8 +93,9 @@ for stage in "$@"; do
         benches=${PAIR_BENCHES:-full stream}
         healthy $port || { echo "== $name: not ready, no bench"; tail -3 "$d/server.log"; benches=; }
         for b in $benches; do  # each bench its own clips (seed): no reference cache hits
-          flag=; [ "${b%+tl}" = stream ] && flag=--stream; seed=$((seed + 100000))
-          [ "$b" != "${b%+tl}" ] && flag="$flag --profile-seconds ${PROFILE_S:-4}"  # full+tl, stream+tl: a timeline
+          flag=; [ "${b%%+*}" = stream ] && flag=--stream; seed=$((seed + 100000))
+          [[ $b == *+tl* ]] && flag="$flag --profile-seconds ${PROFILE_S:-4}"  # full+tl, stream+tl: a timeline
+          [[ $b == *+pool* ]] && flag="$flag --reference-pool 16"  # full+pool: cached references (reported beside)
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
           grep "^| 64\|^- C64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"

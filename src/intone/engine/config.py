@@ -167,6 +167,10 @@ class FrontendConfig(_Strict):
                                                    "(a green context; a multiple of 8 on Hopper, as codec.sms): their "
                                                    "kernels never hold every SM, so the AR step's always find some free "
                                                    "(None: every SM)")
+    process: bool = Field(False, description="each worker's clips encoded in a child process of its own, with its "
+                                             "own copy of the model and CUDA context (its graphs too), so the "
+                                             "frontend's host work never takes the engine loop's GIL; on one GPU "
+                                             "the processes' kernels take turns with the engine's (no MPS)")
 
 
 class ChunkingConfig(_Strict):
@@ -248,6 +252,8 @@ class Profile(_Strict):
             raise ValueError("codec.device needs codec.process: true (the stage runs in a process of its own)")
         if self.codec.sms is not None and (self.codec.process or not self.codec.overlap):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
+        if self.frontend.sms is not None and self.frontend.process:
+            raise ValueError("frontend.sms needs the in-process frontend workers (no frontend.process)")
         if self.codec.stream == "loop" and (self.codec.process or not self.codec.overlap or self.codec.sms):
             raise ValueError("codec.stream loop needs the in-process codec worker (codec.overlap, no codec.process) "
                              "and no codec.sms (its SM share is a stream of its own)")

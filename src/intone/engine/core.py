@@ -19,6 +19,7 @@ from intone.engine.codec_worker import CodecWorker, DecodedBatch
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
+from intone.engine.frontend_process import FrontendProcess
 from intone.engine.frontend_stage import FrontendStage, Prepared, features_as_numpy
 from intone.engine.loading import chunk_policy, codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
 from intone.engine.loop_codec import LoopCodec
@@ -52,9 +53,10 @@ class TooLarge(IntoneError):
 
 class EngineCore:
     def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None,
-                 codec_process: CodecProcess | None = None):
+                 codec_process: CodecProcess | None = None, frontend_processes: list[FrontendProcess] | None = None):
         """codec_process: the codec stage in a process of its own (started by `build`), else a
-        stage here, on a worker thread (`codec.overlap`) or in the loop."""
+        stage here, on a worker thread (`codec.overlap`) or in the loop. frontend_processes: one per
+        frontend worker (`frontend.process`, started by `build`), encoding its clips."""
         self.model, self.profile, self.tracer = model, profile, tracer
         ar = profile.ar
         fused.use_compiled(ar.fuse_elementwise and model.device.type == "cuda")  # before any AR forward
@@ -79,7 +81,7 @@ class EngineCore:
         model.configure_frontend(profile.options_for(model.name))
         self.frontend = FrontendStage(model, profile.frontend.cache_mb * 2**20, self.frontend_priority,
                                       each=profile.frontend.hand_back == "each", workers=profile.frontend.workers,
-                                      sms=profile.frontend.sms)
+                                      sms=profile.frontend.sms, encoders=frontend_processes)
         self.requests: dict[str, EngineRequest] = {}
         self._preparing: dict[str, float] = {}  # request id -> when it arrived
         self._outbox: list[AudioChunk] = []
@@ -110,9 +112,11 @@ class EngineCore:
             log.info("start-up: warming the reference frontend's shapes")
             # Graphs of the frontend's networks: their eager launches (thousands of small kernels
             # per clip) would hold the GIL the engine loop needs.
+            in_process = not self.profile.frontend.process  # else each frontend process warms its own up
             self.frontend_graphs = FunctionGraphs(self.frontend_priority, self.profile.frontend.workers) \
-                if self.profile.frontend.cuda_graphs else None
-            self.model.warm_up_frontend(self.frontend_graphs)
+                if self.profile.frontend.cuda_graphs and in_process else None
+            if in_process:
+                self.model.warm_up_frontend(self.frontend_graphs)
             if self.codec is not None:
                 log.info("start-up: warming the codec's shapes (%.1f s so far; GPU memory peak %s)",
                          time.perf_counter() - start, gib_so_far(self.model.device))
@@ -121,6 +125,8 @@ class EngineCore:
                      time.perf_counter() - start, gib_so_far(self.model.device))
         if isinstance(self.codec_worker, CodecProcess):  # its warm-up is GPU work too: done before the captures
             self.codec_worker.wait_ready()
+        for encoder in self.frontend.encoders:  # so are theirs
+            encoder.wait_ready()
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
         report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv, self.profile.ar.max_num_batched_tokens)
@@ -466,13 +472,18 @@ class EngineCore:
 
     @classmethod
     def build(cls, model_spec: str, profile: Profile, trace_frames: str | None = None) -> "EngineCore":
-        # The codec process loads its own copy of the model meanwhile.
-        codec_process = CodecProcess(model_spec, profile) if profile.codec.process else None
+        # The codec and frontend processes load their own copies of the model meanwhile.
+        children = []
         try:
+            codec_process = CodecProcess(model_spec, profile) if profile.codec.process else None
+            children += [codec_process] if codec_process else []
+            for i in range(profile.frontend.workers if profile.frontend.process else 0):
+                children.append(FrontendProcess(model_spec, profile, i))
             model = load_for_profile(model_spec, profile)
-            return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None, codec_process)
+            return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None, codec_process,
+                       [c for c in children if isinstance(c, FrontendProcess)] or None)
         except BaseException:
-            if codec_process is not None:
-                codec_process.close()
+            for child in children:
+                child.close()
             raise
 

@@ -6,7 +6,8 @@ queued at that moment, looks each clip up in the reference cache (keyed by a has
 and rate), encodes the misses in one batched call on its own CUDA stream (so running streams
 keep stepping meanwhile), and hands each request back to the engine loop, with its prompt, as
 soon as its own clips are done (a model may finish the clips of a batch one by one). A clip
-that fails refuses its own request only.
+that fails refuses its own request only. With `frontend.process` each worker's clips are encoded in
+a child process of its own (`engine.frontend_process`); the rest stays here.
 """
 
 from __future__ import annotations
@@ -90,13 +91,18 @@ class _Job:
 
 class FrontendStage:
     def __init__(self, model: TTSModel, cache_bytes: int, priority: int = 0, each: bool = True, workers: int = 1,
-                 sms: int | None = None):
+                 sms: int | None = None, encoders: list | None = None):
         """priority: of the stage's CUDA streams (lower is more urgent, as CUDA counts). each: hand a
         request back as soon as its own clips are done (else when its whole batch is). workers:
         threads taking batches from the queue, each on a CUDA stream of its own (several let the
         frontend's chains of small kernels run side by side on the GPU). sms: the workers' streams in
-        a green context of that many SMs (`frontend.sms`; GPU)."""
+        a green context of that many SMs (`frontend.sms`; GPU). encoders: one per worker, each
+        encoding that worker's clips in a process of its own (`engine.frontend_process`), instead of
+        the model here; the stage closes them."""
+        if encoders is not None and len(encoders) != max(1, workers):
+            raise ValueError(f"{len(encoders)} frontend processes for {workers} workers")
         self.each, self.workers, self.priority = each, max(1, workers), priority
+        self._encoders = encoders
         # made now, so an SM share the GPU cannot give fails before start-up's warm-ups
         self._share = sm_share(model.device, sms, "frontend.sms") if sms is not None and model.device.type == "cuda" \
             else None
@@ -119,6 +125,11 @@ class FrontendStage:
 
     # ---- engine side ------------------------------------------------------------------------
 
+    @property
+    def encoders(self) -> list:
+        """The frontend processes encoding the workers' clips (none: the model here)."""
+        return list(self._encoders or ())
+
     def submit(self, request) -> None:
         self._put(_Job(request))
 
@@ -129,7 +140,7 @@ class FrontendStage:
 
     def _put(self, job: _Job) -> None:
         if not self._threads:
-            self._threads = [threading.Thread(target=self._work, name="intone-frontend" + (f"-{i}" if i else ""),
+            self._threads = [threading.Thread(target=self._work, args=(i,), name="intone-frontend" + (f"-{i}" if i else ""),
                                               daemon=True) for i in range(self.workers)]
             for thread in self._threads:
                 thread.start()
@@ -147,7 +158,10 @@ class FrontendStage:
 
     def collect(self) -> list[Prepared]:
         """The requests prepared since the last call, in the order they were prepared (cancelled
-        ones dropped)."""
+        ones dropped). A frontend process that died fails the engine (RuntimeError), as a dead codec
+        process does: its supervisor restarts it, rather than every later voice being refused."""
+        for encoder in self._encoders or ():
+            encoder.check_alive()
         with self._lock:
             done, self._done = self._done, []
             self._ready.clear()
@@ -170,6 +184,9 @@ class FrontendStage:
         for thread in self._threads:
             thread.join(timeout=10)
         self._threads = []
+        for encoder in self._encoders or ():
+            encoder.close()
+        self._encoders = None
 
     def features(self, audio, sample_rate: int) -> dict:
         """One clip's features through the cache (for stored voices); raises what encoding raises."""
@@ -185,7 +202,8 @@ class FrontendStage:
 
     # ---- worker -----------------------------------------------------------------------------
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
+        self._local.encoder = self._encoders[index] if self._encoders else None
         while True:
             job = self._inbox.get()
             if job is None:
@@ -280,6 +298,9 @@ class FrontendStage:
         with self._lock:  # several workers (and the loop, for stored voices) count here
             self.batches += 1
             self.clips += len(clips)
+        if self._encoders:  # a worker's own process (the loop, for a stored voice, the first's)
+            yield from (getattr(self._local, "encoder", None) or self._encoders[0]).encode(clips)
+            return
         with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
             stream = self._stream()
             if stream is None:

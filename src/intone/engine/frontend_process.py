@@ -1,0 +1,179 @@
+"""The reference frontend's networks in processes of their own (`frontend.process: true`).
+
+Why: the frontend workers are threads of the engine process, and with a fresh voice per request
+their work (the clips' features, the networks' launches and replays, the waits for their results)
+runs beside the engine loop's all the time; measured over HTTP (session 37), the loop's host time per
+step was twice what it was with cached references. Here each frontend worker thread hands its clips
+to a child process of its own (its own interpreter and CUDA context, its own copy of the model, its
+own frontend graphs) and waits on a socket, off the GIL; the thread keeps the rest (the reference
+cache, the request's prompt, handing it back to the loop). A clip gets the same features as in the
+thread: the same model, the same code, one clip's result does not depend on its company.
+
+Engine -> frontend: ("encode", batch, [(audio, sample rate), ...]) | ("shutdown",)
+Frontend -> engine: ("ready", None) once warmed up | ("clip", batch, index, features | error) as each
+                    clip is done | ("done", batch) | ("fatal", traceback)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+from intone.engine.child import parent_sockets, watch_parent
+from intone.engine.config import Profile
+from intone.engine.cuda_graphs import FunctionGraphs
+from intone.engine.frontend_stage import features_as_numpy
+from intone.engine.loading import load_for_profile, set_cudnn
+from intone.engine.streams import own_stream
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900
+POLL_MS = 500  # how often a wait checks that the child is alive
+
+
+class FrontendProcess:
+    """Engine side: spawns one frontend process and encodes clips there (one batch at a time)."""
+
+    def __init__(self, model_spec: str, profile: Profile, index: int = 0):
+        self.name = f"frontend process {index}"
+        self._folder = tempfile.mkdtemp(prefix="intone-frontend-")
+        jobs, results = (f"ipc://{Path(self._folder) / name}" for name in ("jobs", "results"))
+        self._ctx = zmq.Context()
+        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._push.bind(jobs)
+        self._pull.bind(results)
+        self._process = subprocess.Popen([
+            sys.executable, "-m", "intone.engine.frontend_process", "--model", model_spec,
+            "--profile-json", json.dumps(profile.model_dump()), "--jobs", jobs, "--results", results])
+        self._lock = threading.Lock()  # a worker thread, or the loop for a stored voice: one batch at a time
+        self._batches = 0
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the process has loaded the model and warmed up its frontend (before the engine's
+        own CUDA graphs are captured)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._ready:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {self.name} did not start within {READY_TIMEOUT_S} s")
+            if self._pull.poll(POLL_MS):
+                msg = self._receive()
+                self._ready = msg[0] == "ready"
+
+    def encode(self, clips: list[tuple[torch.Tensor, int]]):
+        """(index, features by name as CPU tensors, or the exception) per clip, as the process finishes
+        each (`TTSModel.reference_features_as_ready` there)."""
+        with self._lock:
+            self._batches += 1
+            batch = self._batches
+            payload = [(np.ascontiguousarray(torch.as_tensor(a, dtype=torch.float32).numpy()), int(r))
+                       for a, r in clips]
+            self._push.send(pickle.dumps(("encode", batch, payload), protocol=pickle.HIGHEST_PROTOCOL))
+            while True:
+                while not self._pull.poll(POLL_MS):
+                    self.check_alive()
+                msg = self._receive()
+                if msg[1] != batch:  # the rest of a batch whose reader stopped early
+                    continue
+                if msg[0] == "done":
+                    return
+                _, _, index, result = msg
+                yield index, result if isinstance(result, Exception) else \
+                    {name: torch.from_numpy(value) for name, value in result.items()}
+
+    def check_alive(self) -> None:
+        if self._process.poll() is not None:
+            raise RuntimeError(f"the {self.name} exited with code {self._process.returncode}")
+
+    def close(self) -> None:
+        try:
+            self._push.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
+            self._process.wait(10)
+        except (zmq.ZMQError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+        self._push.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _receive(self) -> tuple:
+        msg = pickle.loads(self._pull.recv())
+        if msg[0] == "fatal":
+            raise RuntimeError(f"the {self.name} failed:\n{msg[1]}")
+        return msg
+
+
+# ---- the frontend process ---------------------------------------------------------------------
+
+
+def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket) -> None:
+    model = load_for_profile(model_spec, profile)
+    model.configure_frontend(profile.options_for(model.name))
+    stream = None
+    if model.device.type == "cuda":
+        set_cudnn(profile)
+        priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
+        # captured here, before the first clip: nothing else of this process uses the GPU meanwhile
+        model.warm_up_frontend(FunctionGraphs(priority) if profile.frontend.cuda_graphs else None)
+        stream = own_stream(model.device, "frontend process", priority)
+    push.send(pickle.dumps(("ready", None)))
+    while True:
+        msg = pickle.loads(pull.recv())
+        if msg[0] == "shutdown":
+            return
+        _, batch, clips = msg
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for index, result in model.reference_features_as_ready([(torch.from_numpy(a), r) for a, r in clips]):
+                push.send(pickle.dumps(("clip", batch, index, _portable(result)), protocol=pickle.HIGHEST_PROTOCOL))
+        push.send(pickle.dumps(("done", batch)))
+
+
+def _portable(result):
+    """Features as numpy arrays by name, or the clip's exception as it can cross the socket (its own
+    type where it pickles, e.g. InvalidRequestError with its field; else a RuntimeError saying what it was)."""
+    if not isinstance(result, Exception):
+        return features_as_numpy(result)
+    try:
+        pickle.loads(pickle.dumps(result))
+        return result
+    except Exception:  # noqa: BLE001 - any exception type a model may raise
+        return RuntimeError(f"{type(result).__name__}: {result}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m intone.engine.frontend_process")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--profile-json", required=True)
+    ap.add_argument("--jobs", required=True)
+    ap.add_argument("--results", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    watch_parent(os.getppid(), [])
+    try:
+        with parent_sockets(args.jobs, args.results) as (pull, push):
+            serve(args.model, Profile.model_validate(json.loads(args.profile_json)), pull, push)
+    except Exception:
+        log.exception("the frontend process failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
