@@ -139,6 +139,22 @@ def test_a_steps_host_time_and_the_threads_cpu_go_from_the_servers_metrics_to_th
         "the codec worker 12.00, the frontend workers 3.00, the whole process 25.00" in lines
 
 
+def test_the_frontend_processes_time_goes_from_the_servers_metrics_to_the_report():
+    """With frontend.process: a clip's seconds in the processes against the workers' busy seconds for it, over the
+    level; a server with its frontend in threads says nothing of them."""
+    step = {"steps": 100, "mean_step_ms": 10.0, "step_wait_seconds": 0.2}
+    before = scraped({**step, "frontend_clips": 10, "frontend_busy_seconds": 1.0, "frontend_process_seconds": 0.5})
+    after = scraped({**step, "steps": 300, "frontend_clips": 50, "frontend_busy_seconds": 5.0,
+                     "frontend_process_seconds": 2.1})
+    lines = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, after)}]})
+    assert "- C64: the frontend processes encoded for 40.0 ms a clip, of the workers' 100.0 ms busy a clip (the " \
+        "rest: messages, and their prompts here)" in lines
+    threads = {**step, "frontend_clips": 10, "frontend_busy_seconds": 1.0}
+    lines = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(scraped(threads), scraped(
+        {**threads, "steps": 300, "frontend_clips": 50}))}]})
+    assert not any("frontend processes" in line for line in lines)
+
+
 def test_the_allocators_device_calls_over_a_level_go_from_the_servers_metrics_to_the_report():
     """The engine process's allocator counters (GPU) as the API exports them, differenced over the level and said
     under the memory table; a server without them (a CPU) says nothing."""

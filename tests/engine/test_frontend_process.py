@@ -77,6 +77,8 @@ def test_requests_get_the_tokens_and_chunks_of_the_frontend_threads(tiny_cache):
         np.testing.assert_allclose(np.concatenate([c.audio for c in a]), np.concatenate([c.audio for c in b]),
                                    rtol=1e-3, atol=1e-4)
     assert snap["frontend_clips"] == 4 and snap["live_requests"] == 0 and snap["preparing"] == 0
+    # the processes' encoding happened while their workers waited for it
+    assert 0 < snap["frontend_process_seconds"] <= snap["frontend_busy_seconds"]
 
 
 def test_a_bad_clip_refuses_its_own_request_naming_the_field(tiny_cache):

@@ -38,6 +38,9 @@ ENGINE_COUNTERS = {
     "frontend_busy_seconds": ("intone_frontend_busy_seconds", "Seconds the frontend's workers spent on batches"),
     "frontend_queued_seconds": ("intone_frontend_queued_seconds",
                                 "Seconds requests waited for a frontend worker before their batch began, summed"),
+    "frontend_process_seconds": ("intone_frontend_process_seconds",
+                                 "Seconds the frontend processes spent encoding their batches (frontend.process; the "
+                                 "rest of the workers' busy time went to messages and waiting)"),
     "graph_replays": ("intone_graph_replays", "Decode steps run by replaying a captured CUDA graph"),
     "eager_decode_steps": ("intone_eager_decode_steps", "Decode steps run eagerly (no graph)"),
     "frontend_graph_replays": ("intone_frontend_graph_replays",

@@ -119,7 +119,17 @@ def _step_lines(levels: list[dict]) -> list[str]:
             line += f"; on the GPU {1000 * gpu / timed:.2f} ms a step (the loop's stream, SM waits included)"
         out.append(line)
         out += _host_line(lvl["concurrency"], k, steps)
+        out += _frontend_process_line(lvl["concurrency"], k)
     return out
+
+
+def _frontend_process_line(concurrency: int, k: dict) -> list[str]:
+    """With `frontend.process`: a clip's time in the frontend processes against the workers' busy time for it."""
+    inside, busy, clips = k.get("frontend_process_seconds"), k.get("frontend_busy_seconds"), k.get("frontend_clips")
+    if inside is None or busy is None or not clips:
+        return []
+    return [f"- C{concurrency}: the frontend processes encoded for {1000 * inside / clips:.1f} ms a clip, of the "
+            f"workers' {1000 * busy / clips:.1f} ms busy a clip (the rest: messages, and their prompts here)"]
 
 
 def _host_line(concurrency: int, k: dict, steps: float) -> list[str]:

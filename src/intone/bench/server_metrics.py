@@ -27,6 +27,7 @@ COUNTERS = {
     "frontend_jobs": "intone_frontend_jobs_total",
     "frontend_busy_seconds": "intone_frontend_busy_seconds_total",
     "frontend_queued_seconds": "intone_frontend_queued_seconds_total",
+    "frontend_process_seconds": "intone_frontend_process_seconds_total",
     "graph_replays": "intone_graph_replays_total",
     "codec_graph_replays": "intone_codec_graph_replays_total",
     "codec_eager_runs": "intone_codec_eager_runs_total",

@@ -306,8 +306,9 @@ class EngineCore:
             frontend_queued_seconds=self.frontend.queued_s,
             graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
             captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
-            frontend_graph_replays=front.replays if front is not None else 0,
-            frontend_eager_runs=front.eager if front is not None else 0,
+            # with frontend.process, the processes' graph counts (and their seconds encoding) instead
+            **{"frontend_graph_replays": front.replays if front is not None else 0,
+               "frontend_eager_runs": front.eager if front is not None else 0, **self.frontend.process_counters()},
             codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,
             codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
             # CosyVoice3's vocoder in this process only: absent keys export no series

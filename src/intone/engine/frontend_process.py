@@ -11,7 +11,8 @@ thread: the same model, the same code, one clip's result does not depend on its 
 
 Engine -> frontend: ("encode", batch, [(audio, sample rate), ...]) | ("shutdown",)
 Frontend -> engine: ("ready", None) once warmed up | ("clip", batch, index, features | error) as each
-                    clip is done | ("done", batch) | ("fatal", traceback)
+                    clip is done | ("done", batch, seconds encoding it, graph replays, eager runs) |
+                    ("fatal", traceback)
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class FrontendProcess:
         self._lock = threading.Lock()  # a worker thread, or the loop for a stored voice: one batch at a time
         self._batches = 0
         self._ready = False
+        # as the process measured them: its seconds encoding (the rest of a worker's wait is messages and
+        # queueing there), and its networks' calls replayed from a graph or run eagerly
+        self.encode_seconds = 0.0
+        self.graph_replays = self.eager_runs = 0
 
     def wait_ready(self) -> None:
         """Block until the process has loaded the model and warmed up its frontend (before the engine's
@@ -93,6 +98,8 @@ class FrontendProcess:
                 if msg[1] != batch:  # the rest of a batch whose reader stopped early
                     continue
                 if msg[0] == "done":
+                    _, _, seconds, self.graph_replays, self.eager_runs = msg
+                    self.encode_seconds += seconds
                     return
                 _, _, index, result = msg
                 yield index, result if isinstance(result, Exception) else \
@@ -127,23 +134,29 @@ class FrontendProcess:
 def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket) -> None:
     model = load_for_profile(model_spec, profile)
     model.configure_frontend(profile.options_for(model.name))
-    stream = None
+    stream = graphs = None
     if model.device.type == "cuda":
         set_cudnn(profile)
         priority = -100 if profile.frontend.high_priority else 0  # CUDA clamps it to its highest
+        graphs = FunctionGraphs(priority) if profile.frontend.cuda_graphs else None
         # captured here, before the first clip: nothing else of this process uses the GPU meanwhile
-        model.warm_up_frontend(FunctionGraphs(priority) if profile.frontend.cuda_graphs else None)
+        model.warm_up_frontend(graphs)
         stream = own_stream(model.device, "frontend process", priority)
+        if graphs is not None:
+            log.info("captured %d frontend graphs in %.1f s (%d failed and run eagerly)", graphs.report.graphs,
+                     graphs.report.seconds, graphs.report.failed)
     push.send(pickle.dumps(("ready", None)))
     while True:
         msg = pickle.loads(pull.recv())
         if msg[0] == "shutdown":
             return
         _, batch, clips = msg
+        start = time.perf_counter()
         with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for index, result in model.reference_features_as_ready([(torch.from_numpy(a), r) for a, r in clips]):
                 push.send(pickle.dumps(("clip", batch, index, _portable(result)), protocol=pickle.HIGHEST_PROTOCOL))
-        push.send(pickle.dumps(("done", batch)))
+        push.send(pickle.dumps(("done", batch, time.perf_counter() - start, graphs.replays if graphs else 0,
+                                graphs.eager if graphs else 0)))
 
 
 def _portable(result):
