@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from intone.ops.batching import bucket_frames, bucket_rows, group_jobs, row_buckets, with_buckets
+from intone.ops.host_copy import to_device, to_host
 
 
 @dataclass
@@ -217,7 +218,7 @@ class WindowVocoder(Vocoder):
             for row, i in enumerate(idx):
                 codes[row, :, : jobs[i].length] = jobs[i].codes
                 offsets[row] = jobs[i].first_frame
-            audio = self.model.decode(codes.to(self.device), offsets.to(self.device)).cpu().numpy()
+            audio = to_host(self.model.decode(to_device(codes, self.device), to_device(offsets, self.device)))[0].numpy()
             self._count(codes.shape[0] * longest, sum(jobs[i].length for i in idx))
             for row, i in enumerate(idx):
                 job = jobs[i]
@@ -282,10 +283,10 @@ class WindowVocoder(Vocoder):
         for row, w in enumerate(windows):
             codes[row, :, : w.end - w.start] = w.codes[:, w.start : w.end]
         pad = rows - len(windows)
-        audio, new = self.stream.decode(codes.to(self.device), lengths + [0] * pad,
+        audio, new = self.stream.decode(to_device(codes, self.device), lengths + [0] * pad,
                                         [states.get(w.key) for w in windows] + [None] * pad)
         self._count(rows * codes.shape[2], sum(lengths))
-        audio = audio.float().cpu().numpy()
+        audio = to_host(audio.float())[0].numpy()
         spf = self.model.samples_per_frame
         out = []
         for row, (w, n) in enumerate(zip(windows, lengths)):

@@ -45,6 +45,7 @@ from intone.models.cosyvoice3.features import (
 )
 from intone.models.cosyvoice3.frontend_networks import TOKENIZER_RATE, SpeakerEncoder, SpeechTokenizer
 from intone.models.cosyvoice3.speech_tokenizer_net import TokenizerShape, random_speech_tokenizer
+from intone.ops.host_copy import to_device, to_host
 
 __all__ = [
     "CAMPPLUS_FILE",
@@ -160,8 +161,9 @@ def _assemble(tokens, mel: Tensor, speaker, field: str) -> ReferenceFeatures:
     speaker = speaker.to("cpu", torch.float32)
     if not bool(torch.isfinite(speaker).all()):
         raise InvalidRequestError(field, "the speaker encoder gave a non-finite vector for this audio")
+    (mel,) = to_host(mel[: 2 * n])
     return ReferenceFeatures(speech_tokens=tokens[:n].to("cpu", torch.int64).contiguous(),
-                             prompt_mel=mel[: 2 * n].to("cpu").contiguous(), speaker=speaker)
+                             prompt_mel=mel.contiguous(), speaker=speaker)
 
 
 def extract_each(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
@@ -176,7 +178,7 @@ def extract_each(items: list[tuple[Tensor, int]], tokenizer, speaker_encoder,
     todo, clips16, mels = [], [], []
     for i, (audio, rate) in enumerate(items):
         try:
-            audio = _checked(audio, rate, field).to(device)
+            audio = to_device(_checked(audio, rate, field), device)
             mels.append(prompt_mel(official_resample(audio, int(rate), PROMPT_RATE, bucket=int(rate))))  # [frames, 80]
             clips16.append(official_resample(audio, int(rate), TOKENIZER_RATE, bucket=int(rate)))
             todo.append(i)

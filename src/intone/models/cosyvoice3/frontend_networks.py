@@ -20,6 +20,7 @@ from intone.models.cosyvoice3.features import fbank_frames, kaldi_fbank, whisper
 from intone.models.cosyvoice3.onnx_weights import NotThisArchitecture, OnnxGraph
 from intone.models.cosyvoice3.speech_tokenizer_net import speech_tokenizer_from_onnx
 from intone.ops.batching import bucket_rows, pad_rows
+from intone.ops.host_copy import to_host
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,8 @@ class SpeechTokenizer(_FrontendModel):
 
     def tokenize_features_batch(self, feats: list[Tensor]) -> list[Tensor]:
         def split(outputs: list[Tensor], rows: int) -> list[Tensor]:
-            tokens, counts = outputs[0][:rows].cpu(), outputs[1][:rows].tolist()
+            tokens, counts = to_host(outputs[0][:rows], outputs[1][:rows])
+            counts = counts.tolist()
             return [tokens[r, :n].clone() for r, n in enumerate(counts)]
 
         return self._batched(feats, -1, split, self._session_tokens)
@@ -330,7 +332,7 @@ class SpeakerEncoder(_FrontendModel):
 
     def embed_features_batch(self, feats: list[Tensor]) -> list[Tensor]:
         def split(outputs: list[Tensor], rows: int) -> list[Tensor]:
-            return list(outputs[0][:rows].float().cpu().unbind(0))
+            return list(to_host(outputs[0][:rows].float())[0].unbind(0))
 
         return self._batched(feats, 0, split, self._session_vector)
 

@@ -39,6 +39,7 @@ from intone.models.cosyvoice3.hift_source import SourceWindow
 from intone.models.vocoder import CodecWindow, Vocoder
 from intone.ops.batching import group_jobs
 from intone.ops.compiling import compile_settings
+from intone.ops.host_copy import to_host
 
 MAX_GRAPH_CELLS = 64 * 1024  # rows x mel frames of the largest flow graph (its activations, x2 for CFG)
 
@@ -277,7 +278,7 @@ class CosyVocoder(Vocoder):
             after_call[w.key] = StreamState(history[:, after - first :], after, released[w.key], phase, record_at, flow)
         # One device-to-host copy for the whole call (each copy waits for the stream, and its thread then
         # waits for the interpreter again), split into the windows' views.
-        host = torch.cat(pieces).cpu().numpy() if pieces else np.zeros(0, np.float32)
+        host = to_host(torch.cat(pieces))[0].numpy() if pieces else np.zeros(0, np.float32)
         out = np.split(host, np.cumsum([p.shape[0] for p in pieces])[:-1])
         if not isinstance(marks[-1], float):
             marks[-1].synchronize()  # an empty concatenation's .cpu() above does not wait for the stream

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from intone.ops.batching import bucket_rows
 from intone.models.fish_s2.codec import FishCodec
+from intone.ops.host_copy import to_device, to_host
 
 FRAME_BUCKET = 43  # frames (~2.0 s at 44.1 kHz / 2048)
 MAX_ROWS = 16
@@ -89,7 +90,7 @@ def encode_batch(codec: FishCodec, wavs: list[Tensor], graphs=None, plan: Refere
         batch = torch.zeros(bucket_rows(len(call)), padded, dtype=torch.float32)
         for row, i in enumerate(call):
             batch[row, : wavs[i].shape[0]] = wavs[i]
-        codes = _encode(codec, batch.to(device, non_blocking=True), graphs).cpu()
+        (codes,) = to_host(_encode(codec, to_device(batch, device), graphs))
         for row, i in enumerate(call):
             out[i] = codes[row, :, : frames[i]].clone()
     return out
