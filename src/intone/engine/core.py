@@ -112,7 +112,7 @@ class EngineCore:
             log.info("start-up: warming the reference frontend's shapes")
             # Graphs of the frontend's networks: their eager launches (thousands of small kernels
             # per clip) would hold the GIL the engine loop needs.
-            in_process = not self.profile.frontend.process  # else each frontend process warms its own up
+            in_process = not self.frontend.encoders  # else each frontend process warms its own up
             self.frontend_graphs = FunctionGraphs(self.frontend_priority, self.profile.frontend.workers) \
                 if self.profile.frontend.cuda_graphs and in_process else None
             if in_process:

@@ -149,8 +149,9 @@ class FrontendStage:
 
     def _put(self, job: _Job) -> None:
         if not self._threads:
-            self._threads = [threading.Thread(target=self._work, args=(i,), name="intone-frontend" + (f"-{i}" if i else ""),
-                                              daemon=True) for i in range(self.workers)]
+            self._threads = [threading.Thread(target=self._work, args=(i,), daemon=True,
+                                              name="intone-frontend" + (f"-{i}" if i else ""))
+                             for i in range(self.workers)]
             for thread in self._threads:
                 thread.start()
         self._inbox.put(job)
