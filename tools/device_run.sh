@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, probe-streams, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, host-interference, probe-streams, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -31,6 +31,8 @@ for stage in "$@"; do
     pytest) eval "timeout ${TT:-300} python3 -m pytest -q -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 \
         | tee "$OUT/pytest$TAG.txt" | tail -25 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
+    # host-interference: a loop-like thread's launches beside neighbour threads' host reads (HI_ARGS='--seconds 5')
+    host-interference) timeout 200 python3 tools/host_interference.py ${HI_ARGS:-} 2>&1 | tee "$OUT/host-interference.txt" | tail -12 ;;
     # probe-streams: a talker-shaped chain of small GEMMs beside large ones and bandwidth-bound passes (PROBE_SMS='112,96')
     probe-streams) PROBE_SMS=${PROBE_SMS:-112,96,64} timeout 120 python3 tools/connections_probe.py 2>&1 \
         | tee "$OUT/probe-streams.txt" | tail -30 ;;
