@@ -133,6 +133,10 @@ class FrontendProcess:
 
 def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket) -> None:
     model = load_for_profile(model_spec, profile)
+    if model.device.type == "cuda" and profile.host_threads is None:
+        # Its host ops are a clip's checks and copies: a pool of OpenMP threads per core in every frontend
+        # process, beside the engine's own, would only oversubscribe the cores its parallel regions wait for.
+        torch.set_num_threads(1)
     model.configure_frontend(profile.options_for(model.name))
     stream = graphs = None
     if model.device.type == "cuda":
