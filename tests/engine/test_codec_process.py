@@ -75,8 +75,8 @@ def test_a_dead_codec_process_fails_the_engine_loudly(tiny_cache):
     core = EngineCore.build("tiny:fish-s2", load_profile("fish-s2-default", device="cpu", **{"codec.process": True}))
     try:
         core.add_request(SynthesisRequest("r0", "Hello there.", params=SamplingParams(seed=0, max_new_tokens=30)))
-        os.kill(core.codec_worker._process.pid, signal.SIGKILL)
-        core.codec_worker._process.wait()
+        os.kill(core.codec_worker.pid, signal.SIGKILL)
+        core.codec_worker._child.process.wait()
         with pytest.raises(RuntimeError, match="codec process exited"):
             while core.has_work():
                 core.step()

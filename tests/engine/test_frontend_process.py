@@ -94,8 +94,8 @@ def test_a_dead_frontend_process_fails_the_engine_loudly(tiny_cache):
     core = EngineCore.build(SPEC, load_profile(PROFILE, device="cpu", **{"frontend.process": True, "frontend.workers": 1}))
     try:
         (encoder,) = core.frontend.encoders
-        os.kill(encoder._process.pid, signal.SIGKILL)
-        encoder._process.wait()
+        os.kill(encoder.pid, signal.SIGKILL)
+        encoder._child.process.wait()
         core.add_request(SynthesisRequest("r0", "Hello there.", [VoiceReference("Hi.", audio=clip(0),
                                                                                  sample_rate=16000)]))
         with pytest.raises(RuntimeError, match="frontend process 0 exited"):

@@ -17,32 +17,19 @@ Deadlines are perf_counter instants: CLOCK_MONOTONIC, the same clock in both pro
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import logging
-import os
 import pickle
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
 
-from intone.engine.child import parent_sockets, watch_parent
+from intone.engine.child import StageChild, stage_main
 from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
 from intone.engine.config import Profile
 from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
-
-log = logging.getLogger(__name__)
-
-READY_TIMEOUT_S = 900
 
 
 @dataclass
@@ -71,15 +58,7 @@ class CodecProcess:
 
     def __init__(self, model_spec: str, profile: Profile):
         self.max_batch = profile.codec.max_batch
-        self._folder = tempfile.mkdtemp(prefix="intone-codec-")
-        jobs, results = (f"ipc://{Path(self._folder) / name}" for name in ("jobs", "results"))
-        self._ctx = zmq.Context()
-        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._push.bind(jobs)
-        self._pull.bind(results)
-        self._process = subprocess.Popen([
-            sys.executable, "-m", "intone.engine.codec_process", "--model", model_spec,
-            "--profile-json", json.dumps(profile.model_dump()), "--jobs", jobs, "--results", results])
+        self._child = StageChild("intone.engine.codec_process", model_spec, profile, "codec process")
         self._deadline_order = profile.codec.schedule == "deadline"
         self._pending: dict[int, tuple] = {}  # job id -> (EngineRequest, Chunk, tokens)
         self._prompted: set[str] = set()  # requests whose prompt the codec process has
@@ -88,17 +67,10 @@ class CodecProcess:
         self.in_flight = 0
         self.calls = 0
         self.live_requests = 0  # requests with state in the codec process (as last reported)
-        self._ready = False
 
     def wait_ready(self) -> None:
         """Block until the codec process has loaded and warmed up (before the AR graphs are captured)."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready:
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the codec process did not start within {READY_TIMEOUT_S} s")
-            if self._pull.poll(500):
-                self._receive(self._pull.recv())
+        self._child.wait_ready()
 
     def submit(self, items: list, tokens: list[int], deadlines: list[float] | None = None) -> None:
         now = time.perf_counter()
@@ -114,12 +86,12 @@ class CodecProcess:
             self._next_id += 1
             jobs.append(job)
         self.in_flight += len(jobs)
-        self._push.send(pickle.dumps(("chunks", jobs), protocol=pickle.HIGHEST_PROTOCOL))
+        self._child.push.send(pickle.dumps(("chunks", jobs), protocol=pickle.HIGHEST_PROTOCOL))
 
     def release(self, request_id: str) -> None:
         """A request ended: the codec process drops its state and any of its chunks still waiting."""
         self._prompted.discard(request_id)
-        self._push.send(pickle.dumps(("release", request_id)))
+        self._child.push.send(pickle.dumps(("release", request_id)))
 
     @property
     def queued(self) -> int:
@@ -131,7 +103,7 @@ class CodecProcess:
         self._check_alive()
         while True:
             try:
-                self._receive(self._pull.recv(zmq.NOBLOCK))
+                self._receive(self._child.receive(zmq.NOBLOCK))
             except zmq.Again:
                 break
         done, self._done = self._done, []
@@ -140,31 +112,20 @@ class CodecProcess:
 
     def wait(self, timeout: float) -> None:
         if not self._done:
-            self._pull.poll(int(timeout * 1000))
+            self._child.pull.poll(int(timeout * 1000))
 
     def close(self) -> None:
-        try:
-            self._push.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
-            self._process.wait(10)
-        except (zmq.ZMQError, subprocess.TimeoutExpired):
-            self._process.kill()
-            self._process.wait()
-        self._push.close(0)
-        self._pull.close(0)
-        self._ctx.term()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._child.close()
+
+    @property
+    def pid(self) -> int:
+        return self._child.process.pid
 
     def _check_alive(self) -> None:
-        if self._process.poll() is not None:
-            raise RuntimeError(f"the codec process exited with code {self._process.returncode}")
+        self._child.check_alive()
 
-    def _receive(self, data: bytes) -> None:
-        msg = pickle.loads(data)
-        if msg[0] == "ready":
-            self._ready = True
-        elif msg[0] == "fatal":
-            raise RuntimeError(f"the codec process failed:\n{msg[1]}")
-        elif msg[0] == "decoded":
+    def _receive(self, msg: tuple) -> None:
+        if msg[0] == "decoded":
             _, results, seconds, self.calls, self.live_requests = msg
             entries = [self._pending.pop(job_id) for job_id, _ in results]
             audio = [a if isinstance(a, np.ndarray) else RuntimeError(a) for _, a in results]
@@ -230,20 +191,8 @@ def _decode(stage, queue: ChunkQueue, requests: dict, push: zmq.Socket) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m intone.engine.codec_process")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--profile-json", required=True)
-    ap.add_argument("--jobs", required=True)
-    ap.add_argument("--results", required=True)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s codec %(levelname)s %(message)s")
-    watch_parent(os.getppid(), [])
-    try:
-        with parent_sockets(args.jobs, args.results) as (pull, push):
-            serve(args.model, Profile.model_validate(json.loads(args.profile_json)), pull, push)
-    except Exception:
-        log.exception("the codec process failed")
-        sys.exit(1)
+    stage_main("intone.engine.codec_process", "codec", serve, argv)
+
 
 if __name__ == "__main__":
     main()

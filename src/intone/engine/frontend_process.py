@@ -17,25 +17,17 @@ Frontend -> engine: ("ready", None) once warmed up | ("clip", batch, index, feat
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import logging
-import os
 import pickle
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
 
-from intone.engine.child import parent_sockets, watch_parent
+from intone.engine.child import POLL_MS, StageChild, stage_main
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.frontend_stage import features_as_numpy
@@ -44,27 +36,14 @@ from intone.engine.streams import own_stream
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 900
-POLL_MS = 500  # how often a wait checks that the child is alive
-
 
 class FrontendProcess:
     """Engine side: spawns one frontend process and encodes clips there (one batch at a time)."""
 
     def __init__(self, model_spec: str, profile: Profile, index: int = 0):
-        self.name = f"frontend process {index}"
-        self._folder = tempfile.mkdtemp(prefix="intone-frontend-")
-        jobs, results = (f"ipc://{Path(self._folder) / name}" for name in ("jobs", "results"))
-        self._ctx = zmq.Context()
-        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._push.bind(jobs)
-        self._pull.bind(results)
-        self._process = subprocess.Popen([
-            sys.executable, "-m", "intone.engine.frontend_process", "--model", model_spec,
-            "--profile-json", json.dumps(profile.model_dump()), "--jobs", jobs, "--results", results])
+        self._child = StageChild("intone.engine.frontend_process", model_spec, profile, f"frontend process {index}")
         self._lock = threading.Lock()  # a worker thread, or the loop for a stored voice: one batch at a time
         self._batches = 0
-        self._ready = False
         # as the process measured them: its seconds encoding (the rest of a worker's wait is messages and
         # queueing there), and its networks' calls replayed from a graph or run eagerly
         self.encode_seconds = 0.0
@@ -73,14 +52,7 @@ class FrontendProcess:
     def wait_ready(self) -> None:
         """Block until the process has loaded the model and warmed up its frontend (before the engine's
         own CUDA graphs are captured)."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the {self.name} did not start within {READY_TIMEOUT_S} s")
-            if self._pull.poll(POLL_MS):
-                msg = self._receive()
-                self._ready = msg[0] == "ready"
+        self._child.wait_ready()
 
     def encode(self, clips: list[tuple[torch.Tensor, int]]):
         """(index, features by name as CPU tensors, or the exception) per clip, as the process finishes
@@ -90,11 +62,11 @@ class FrontendProcess:
             batch = self._batches
             payload = [(np.ascontiguousarray(torch.as_tensor(a, dtype=torch.float32).numpy()), int(r))
                        for a, r in clips]
-            self._push.send(pickle.dumps(("encode", batch, payload), protocol=pickle.HIGHEST_PROTOCOL))
+            self._child.push.send(pickle.dumps(("encode", batch, payload), protocol=pickle.HIGHEST_PROTOCOL))
             while True:
-                while not self._pull.poll(POLL_MS):
+                while not self._child.pull.poll(POLL_MS):
                     self.check_alive()
-                msg = self._receive()
+                msg = self._child.receive()
                 if msg[1] != batch:  # the rest of a batch whose reader stopped early
                     continue
                 if msg[0] == "done":
@@ -106,26 +78,14 @@ class FrontendProcess:
                     {name: torch.from_numpy(value) for name, value in result.items()}
 
     def check_alive(self) -> None:
-        if self._process.poll() is not None:
-            raise RuntimeError(f"the {self.name} exited with code {self._process.returncode}")
+        self._child.check_alive()
 
     def close(self) -> None:
-        try:
-            self._push.send(pickle.dumps(("shutdown",)), zmq.NOBLOCK)
-            self._process.wait(10)
-        except (zmq.ZMQError, subprocess.TimeoutExpired):
-            self._process.kill()
-            self._process.wait()
-        self._push.close(0)
-        self._pull.close(0)
-        self._ctx.term()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._child.close()
 
-    def _receive(self) -> tuple:
-        msg = pickle.loads(self._pull.recv())
-        if msg[0] == "fatal":
-            raise RuntimeError(f"the {self.name} failed:\n{msg[1]}")
-        return msg
+    @property
+    def pid(self) -> int:
+        return self._child.process.pid
 
 
 # ---- the frontend process ---------------------------------------------------------------------
@@ -176,20 +136,7 @@ def _portable(result):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m intone.engine.frontend_process")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--profile-json", required=True)
-    ap.add_argument("--jobs", required=True)
-    ap.add_argument("--results", required=True)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
-    watch_parent(os.getppid(), [])
-    try:
-        with parent_sockets(args.jobs, args.results) as (pull, push):
-            serve(args.model, Profile.model_validate(json.loads(args.profile_json)), pull, push)
-    except Exception:
-        log.exception("the frontend process failed")
-        sys.exit(1)
+    stage_main("intone.engine.frontend_process", "frontend", serve, argv)
 
 
 if __name__ == "__main__":
