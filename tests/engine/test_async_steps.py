@@ -26,10 +26,11 @@ def profile(in_flight: bool, **overrides):
     return load_profile("fish-s2-high-concurrency", **values)
 
 
-def serve(model, in_flight: bool, arrivals: dict[int, list[int]], cancels: dict[int, list[int]], params):
+def serve(model, in_flight: bool, arrivals: dict[int, list[int]], cancels: dict[int, list[int]], params,
+          **overrides):
     """Requests r{i} added at the steps `arrivals` names, aborted at those `cancels` names; per request its
     chunks. Arrivals and cancels count loop iterations, the same in both modes."""
-    core = EngineCore(model, profile(in_flight))
+    core = EngineCore(model, profile(in_flight, **overrides))
     chunks: dict[str, list] = {}
     step = 0
     while step <= max(arrivals) or core.has_work():
@@ -140,3 +141,26 @@ def test_cosyvoice3_with_a_step_in_flight_gives_each_request_its_audio(tiny_cach
         assert a[rid][-1].stop_reason == b[rid][-1].stop_reason != "error"
         x, y = (np.concatenate([c.audio for c in cs]) for cs in (a[rid], b[rid]))
         assert x.shape == y.shape and x.size > 0 and np.abs(x - y).max() < 1e-7, rid
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_loop_asleep_on_its_tokens_gets_the_tokens_of_one_spinning(tiny_fish_dir, in_flight):
+    """`ar.token_wait: sleep` (a blocking-sync event) against `spin`, in order and with a step in flight: every
+    request the same frames, stop and tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = load_model(str(tiny_fish_dir), device="cuda")
+    params = [SamplingParams(seed=70 + i, max_new_tokens=(10 + 9 * i) if i % 2 else 120, temperature=1.0)
+              for i in range(6)]
+    arrivals = {0: [0, 1, 2], 4: [3], 9: [4, 5]}
+    runs = {wait: serve(model, in_flight, arrivals, {}, params, device="cuda", **{"ar.token_wait": wait})[1]
+            for wait in ("spin", "sleep")}
+    spin, sleep = runs["spin"], runs["sleep"]
+    assert set(spin) == set(sleep) == {f"r{i}" for i in range(6)}
+    for rid in spin:
+        assert [(c.end_frame, c.stop_reason, c.completion_tokens) for c in spin[rid]][-1] == \
+            [(c.end_frame, c.stop_reason, c.completion_tokens) for c in sleep[rid]][-1], rid
+        # other tokens would give other audio; the codec's batches (timing) move it by rounding only
+        audio = [np.concatenate([c.audio for c in cs]) for cs in (spin[rid], sleep[rid])]
+        assert audio[0].shape == audio[1].shape and np.abs(audio[0] - audio[1]).max() < 1e-3, rid

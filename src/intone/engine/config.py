@@ -61,6 +61,10 @@ class ARConfig(_Strict):
     sample_candidates: int = Field(MAX_SAMPLE_CANDIDATES, ge=0, le=MAX_SAMPLE_CANDIDATES, description="a step whose requests' top_k are all at most "
                                    "this sorts only this many tokens per draw (models whose head allows it: Fish); "
                                    "the same tokens (ops.sampling); 0: every token, always")
+    token_wait: Literal["spin", "sleep"] = Field(
+        "spin", description="how the loop waits for a step's tokens on a GPU: spinning in the driver (the soonest "
+                            "back), or asleep on a blocking-sync event (its core free for the other threads, ~tens "
+                            "of microseconds later back); the same tokens")
     high_priority: bool = Field(False, description="experimental: the engine loop's CUDA stream (the AR steps and their "
                                                    "graphs) at the highest priority, so its kernels' blocks go before "
                                                    "the codec's waiting ones as SMs free up (GPU)")

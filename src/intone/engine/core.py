@@ -69,7 +69,8 @@ class EngineCore:
                                   sample_candidates=ar.sample_candidates)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
-        self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps)
+        self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps,
+                         sleep=ar.token_wait == "sleep")
         self.policy = chunk_policy(profile, model)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         if profile.codec.carry_state and model.stream_decoder() is None:

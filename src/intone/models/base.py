@@ -55,21 +55,23 @@ class StepOutput:
         loop then reads them without a torch call per row (each call would give up the GIL)."""
         return self.copy_to_host(asynchronous=False).wait()
 
-    def copy_to_host(self, asynchronous: bool) -> "HostCopy":
-        """`to_host`'s copy, made (or, asynchronous on a GPU, started): `wait()` gives what `to_host` gives."""
+    def copy_to_host(self, asynchronous: bool, sleep: bool = False) -> "HostCopy":
+        """`to_host`'s copy, made (or, asynchronous on a GPU, started): `wait()` gives what `to_host` gives.
+        sleep: on a GPU, `wait()` sleeps on a blocking-sync event instead of spinning (`ar.token_wait`)."""
         return HostCopy(torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(),
-                                   self.codes.long()), 1), asynchronous)
+                                   self.codes.long()), 1), asynchronous, sleep)
 
 
 class HostCopy:
-    """A step's packed outputs copied to the host: at once, or on a GPU asynchronously into pinned memory."""
+    """A step's packed outputs copied to the host: at once, or on a GPU asynchronously into pinned memory
+    (also when the wait is to sleep: the copy then ends with a blocking-sync event)."""
 
-    def __init__(self, packed: Tensor, asynchronous: bool):
+    def __init__(self, packed: Tensor, asynchronous: bool, sleep: bool = False):
         self.event = None
-        if packed.is_cuda and asynchronous:
+        if packed.is_cuda and (asynchronous or sleep):
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             self.host.copy_(packed, non_blocking=True)
-            self.event = torch.cuda.Event()
+            self.event = torch.cuda.Event(blocking=sleep)
             self.event.record()
         else:
             self.host = packed.cpu()
