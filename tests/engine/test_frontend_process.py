@@ -65,29 +65,25 @@ def test_a_frontend_process_gives_the_features_of_the_model_here(tiny_cache):
         core.close()
 
 
-def test_requests_get_the_tokens_and_chunks_of_the_frontend_threads(tiny_cache):
-    threads, _ = run(process=False)
-    processes, snap = run(process=True)
+def test_requests_get_the_chunks_of_the_frontend_threads_and_a_bad_clip_refuses_its_own(tiny_cache):
+    threads, _ = run(process=False, bad=1)
+    processes, snap = run(process=True, bad=1)
     assert threads.keys() == processes.keys() == {f"r{i}" for i in range(4)}
+    (refused,) = processes["r1"]  # its clip holds a NaN: refused alone, naming the field, as in the threads
+    assert refused.stop_reason == "error" and refused.error_code == "invalid_request"
+    assert refused.error_field == "ref_audio" and "NaN" in refused.error
     for rid in threads:
         a, b = threads[rid], processes[rid]
-        assert [(c.start_frame, c.end_frame, c.finished, c.stop_reason, c.completion_tokens) for c in a] == \
-            [(c.start_frame, c.end_frame, c.finished, c.stop_reason, c.completion_tokens) for c in b]
+        assert [(c.start_frame, c.end_frame, c.finished, c.stop_reason, c.completion_tokens, c.error) for c in a] == \
+            [(c.start_frame, c.end_frame, c.finished, c.stop_reason, c.completion_tokens, c.error) for c in b]
         # the codec's calls group chunks by timing: equal to float rounding (as in test_codec_process)
         np.testing.assert_allclose(np.concatenate([c.audio for c in a]), np.concatenate([c.audio for c in b]),
                                    rtol=1e-3, atol=1e-4)
+    assert all(processes[f"r{i}"][-1].stop_reason == "length" for i in (0, 2, 3))
     assert snap["frontend_clips"] == 4 and snap["live_requests"] == 0 and snap["preparing"] == 0
+    assert snap["kv_blocks_free"] == snap["kv_blocks_total"]
     # the processes' encoding happened while their workers waited for it
     assert 0 < snap["frontend_process_seconds"] <= snap["frontend_busy_seconds"]
-
-
-def test_a_bad_clip_refuses_its_own_request_naming_the_field(tiny_cache):
-    chunks, snap = run(process=True, bad=1)
-    (refused,) = chunks["r1"]
-    assert refused.stop_reason == "error" and refused.error_code == "invalid_request"
-    assert refused.error_field == "ref_audio" and "NaN" in refused.error
-    assert all(chunks[f"r{i}"][-1].stop_reason == "length" for i in (0, 2, 3))
-    assert snap["live_requests"] == 0 and snap["kv_blocks_free"] == snap["kv_blocks_total"]
 
 
 def test_a_dead_frontend_process_fails_the_engine_loudly(tiny_cache):

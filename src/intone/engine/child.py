@@ -100,6 +100,12 @@ class StageChild:
         if self.process.poll() is not None:
             raise RuntimeError(f"the {self.name} exited with code {self.process.returncode}")
 
+    def send(self, msg: tuple) -> None:
+        """Pickle msg to the child; a child that died raises (a PUSH socket with no peer would block for ever)."""
+        while not self.push.poll(POLL_MS, zmq.POLLOUT):
+            self.check_alive()
+        self.push.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
+
     def receive(self, flags: int = 0) -> tuple:
         """The next message (zmq.Again with NOBLOCK and none waiting); a child's ("fatal", traceback) raises."""
         msg = pickle.loads(self.pull.recv(flags))

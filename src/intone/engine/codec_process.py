@@ -86,12 +86,12 @@ class CodecProcess:
             self._next_id += 1
             jobs.append(job)
         self.in_flight += len(jobs)
-        self._child.push.send(pickle.dumps(("chunks", jobs), protocol=pickle.HIGHEST_PROTOCOL))
+        self._child.send(("chunks", jobs))
 
     def release(self, request_id: str) -> None:
         """A request ended: the codec process drops its state and any of its chunks still waiting."""
         self._prompted.discard(request_id)
-        self._child.push.send(pickle.dumps(("release", request_id)))
+        self._child.send(("release", request_id))
 
     @property
     def queued(self) -> int:

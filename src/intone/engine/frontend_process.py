@@ -62,7 +62,7 @@ class FrontendProcess:
             batch = self._batches
             payload = [(np.ascontiguousarray(torch.as_tensor(a, dtype=torch.float32).numpy()), int(r))
                        for a, r in clips]
-            self._child.push.send(pickle.dumps(("encode", batch, payload), protocol=pickle.HIGHEST_PROTOCOL))
+            self._child.send(("encode", batch, payload))
             while True:
                 while not self._child.pull.poll(POLL_MS):
                     self.check_alive()
