@@ -22,6 +22,7 @@ def test_a_device_tensor_comes_back_with_its_bits_and_stays_whole(dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(257, 80, device="cuda", generator=g) * 100).to(dtype)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # x is made on the default stream
     with torch.cuda.stream(stream):  # as a frontend worker's or the codec's own stream
         y = x * 1 if dtype != torch.bool else x.clone()
         torch.cuda._sleep(20_000_000)  # the copy waits behind this on the stream
