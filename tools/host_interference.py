@@ -30,6 +30,7 @@ LOOP_OPS = 60  # small kernels per loop step (the AR step's eager ops and replay
 def loop(stop: threading.Event, launch_ms: list[float], step_ms: list[float]) -> None:
     x = torch.zeros(64, 1024, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         before = None
         while not stop.is_set():
@@ -50,6 +51,7 @@ def neighbour(variant: str, stop: threading.Event, clips: list[int]) -> None:
     a = torch.randn(512, 1024, device="cuda")
     w = torch.randn(1024, 1024, device="cuda")
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         while not stop.is_set():
             if variant == "python":
