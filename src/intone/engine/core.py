@@ -307,9 +307,7 @@ class EngineCore:
             frontend_queued_seconds=self.frontend.queued_s,
             graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
             captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
-            # with frontend.process, the processes' graph counts (and their seconds encoding) instead
-            **{"frontend_graph_replays": front.replays if front is not None else 0,
-               "frontend_eager_runs": front.eager if front is not None else 0, **self.frontend.process_counters()},
+            **self.frontend.graph_counters(front),
             codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,
             codec_eager_runs=codec_graphs.eager if codec_graphs is not None else 0,
             # CosyVoice3's vocoder in this process only: absent keys export no series
@@ -475,17 +473,18 @@ class EngineCore:
     @classmethod
     def build(cls, model_spec: str, profile: Profile, trace_frames: str | None = None) -> "EngineCore":
         # The codec and frontend processes load their own copies of the model meanwhile.
-        children = []
+        codec_process, frontend_processes = None, []
         try:
-            codec_process = CodecProcess(model_spec, profile) if profile.codec.process else None
-            children += [codec_process] if codec_process else []
+            if profile.codec.process:
+                codec_process = CodecProcess(model_spec, profile)
             for i in range(profile.frontend.workers if profile.frontend.process else 0):
-                children.append(FrontendProcess(model_spec, profile, i))
+                frontend_processes.append(FrontendProcess(model_spec, profile, i))
             model = load_for_profile(model_spec, profile)
             return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None, codec_process,
-                       [c for c in children if isinstance(c, FrontendProcess)] or None)
+                       frontend_processes or None)
         except BaseException:
-            for child in children:
-                child.close()
+            for child in [codec_process, *frontend_processes]:
+                if child is not None:
+                    child.close()
             raise
 

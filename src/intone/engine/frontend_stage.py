@@ -130,14 +130,15 @@ class FrontendStage:
         """The frontend processes encoding the workers' clips (none: the model here)."""
         return list(self._encoders or ())
 
-    def process_counters(self) -> dict:
-        """The frontend processes' own counters, summed (none without them): their seconds encoding, and their
-        networks' calls replayed from graphs or run eagerly."""
+    def graph_counters(self, graphs) -> dict:
+        """The networks' calls replayed from graphs or run eagerly: those of `graphs` (the engine's FunctionGraphs,
+        or None), or with frontend processes theirs, summed, with their seconds encoding."""
         if not self._encoders:
-            return {}
-        return dict(frontend_process_seconds=sum(e.encode_seconds for e in self._encoders),
-                    frontend_graph_replays=sum(e.graph_replays for e in self._encoders),
-                    frontend_eager_runs=sum(e.eager_runs for e in self._encoders))
+            return dict(frontend_graph_replays=graphs.replays if graphs is not None else 0,
+                        frontend_eager_runs=graphs.eager if graphs is not None else 0)
+        return dict(frontend_graph_replays=sum(e.graph_replays for e in self._encoders),
+                    frontend_eager_runs=sum(e.eager_runs for e in self._encoders),
+                    frontend_process_seconds=sum(e.encode_seconds for e in self._encoders))
 
     def submit(self, request) -> None:
         self._put(_Job(request))

@@ -120,4 +120,3 @@ def gib_so_far(device: torch.device) -> str:
     """The allocator's peak so far, for start-up log lines."""
     peak = gpu_memory(device).get("gpu_allocated_peak_bytes")
     return "n/a" if peak is None else f"{peak / 2**30:.1f} GiB"
-

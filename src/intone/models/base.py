@@ -17,6 +17,7 @@ from torch import Tensor
 from intone.errors import InvalidRequestError
 from intone.models.vocoder import Vocoder, WindowVocoder
 from intone.ops.attention import AttentionMetadata
+from intone.ops.host_copy import PinnedCopy
 from intone.ops.kv_cache import KVCache, KVLayout
 from intone.ops.sampling import SamplingBatch
 from intone.protocol import SynthesisRequest, VoiceReference
@@ -67,19 +68,12 @@ class HostCopy:
     (also when the wait is to sleep: the copy then ends with a blocking-sync event)."""
 
     def __init__(self, packed: Tensor, asynchronous: bool, sleep: bool = False):
-        self.event = None
-        if packed.is_cuda and (asynchronous or sleep):
-            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.host.copy_(packed, non_blocking=True)
-            self.event = torch.cuda.Event(blocking=sleep)
-            self.event.record()
-        else:
-            self.host = packed.cpu()
+        self.copy = PinnedCopy([packed], sleep) if packed.is_cuda and (asynchronous or sleep) else None
+        self.host = packed.cpu() if self.copy is None else None
 
     def wait(self) -> tuple[list[int], list[bool], np.ndarray]:
-        if self.event is not None:
-            self.event.synchronize()
-        packed = self.host.numpy()
+        host = self.host if self.copy is None else self.copy.wait()[0]
+        packed = host.numpy()
         return packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:]
 
 

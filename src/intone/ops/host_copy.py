@@ -16,23 +16,30 @@ import torch
 from torch import Tensor
 
 
+class PinnedCopy:
+    """Device tensors being copied into pinned host memory on the current stream; `wait()` gives them once the
+    copy is done (asleep on a blocking-sync event, or spinning in the driver: the sooner back)."""
+
+    def __init__(self, tensors: list[Tensor], sleep: bool = True):
+        self.pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for p, t in zip(self.pinned, tensors):
+            p.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event(blocking=sleep)
+        self.event.record()
+
+    def wait(self) -> list[Tensor]:
+        self.event.synchronize()
+        return self.pinned
+
+
 def to_host(*tensors: Tensor) -> tuple[Tensor, ...]:
     """The tensors on the host (ordinary pageable tensors, so the pinned blocks go back to the cache at once);
     those already there are returned as they are."""
-    if not any(t.is_cuda for t in tensors):
+    on_device = [t for t in tensors if t.is_cuda]
+    if not on_device:
         return tensors
-    pinned = []
-    for t in tensors:
-        if t.is_cuda:
-            p = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            p.copy_(t, non_blocking=True)
-            pinned.append(p)
-        else:
-            pinned.append(None)
-    done = torch.cuda.Event(blocking=True)
-    done.record()
-    done.synchronize()
-    return tuple(t if p is None else p.clone() for t, p in zip(tensors, pinned))
+    copied = iter(PinnedCopy(on_device).wait())
+    return tuple(next(copied).clone() if t.is_cuda else t for t in tensors)
 
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:

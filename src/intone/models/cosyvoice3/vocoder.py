@@ -281,7 +281,7 @@ class CosyVocoder(Vocoder):
         host = to_host(torch.cat(pieces))[0].numpy() if pieces else np.zeros(0, np.float32)
         out = np.split(host, np.cumsum([p.shape[0] for p in pieces])[:-1])
         if not isinstance(marks[-1], float):
-            marks[-1].synchronize()  # an empty concatenation's .cpu() above does not wait for the stream
+            marks[-1].synchronize()  # with no pieces, nothing above waited for the stream
         with self._counting:
             self.flow_seconds += self._span(marks[0], marks[1]) - nested[0]
             self.vocoder_seconds += self._span(marks[1], marks[2])
