@@ -11,33 +11,31 @@ import time
 
 import torch
 
-from intone.engine.cuda_graphs import StepGraphs
+from intone.engine.cuda_graphs import capture_graph
 from intone.models.registry import load_model
 from intone.ops import fused as fused_ops
 from intone.ops.kv_cache import KVCache
+from intone.ops.sampling import SamplingBatch
 from intone.ops.token_history import CAPACITY
 from kernel_timing import timed  # tools/ is the script's directory
 
 
-def fill(graphs: StepGraphs, kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, seed=0):
-    """One decode key's buffers with a realistic batch: rows of lengths kv/2..kv over distinct blocks."""
+def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, out_dtype, seed=0):
+    """A decode's and a head's inputs for a realistic batch: rows of lengths kv/2..kv over distinct blocks."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    key = graphs.decode_key(rows, kv_tokens)
-    buf = graphs._decode_buffers(key)
-    per_row = key[1] // kv.block_size
+    per_row = kv_tokens // kv.block_size
     lens = torch.randint(kv_tokens // 2, kv_tokens, (rows,), generator=g, device="cuda")
-    buf.x.copy_(torch.randn(rows, width, generator=g, device="cuda").to(dtype) * 0.5)
-    buf.positions.copy_(lens - 1)
-    buf.seq_lens.copy_(lens)
-    buf.tables.copy_(torch.arange(rows * per_row, device="cuda").view(rows, per_row))
-    buf.slots.copy_(buf.tables[:, 0] * kv.block_size + (lens - 1) % kv.block_size)
-    head = graphs._head_buffers(rows, graphs.head_bounds[0]) if graphs.head_fn is not None else None
-    if head is not None:
-        s = head.sampling
-        s.temperature.fill_(0.8), s.top_p.fill_(0.8), s.top_k.fill_(30), s.repetition_penalty.fill_(1.0)
-        s.seeds.copy_(torch.arange(rows, device="cuda")), s.steps.fill_(5)
-        head.hidden.copy_(torch.randn(head.hidden.shape, generator=g, device="cuda").to(head.hidden.dtype))
-    return buf, head
+    tables = torch.arange(rows * per_row, device="cuda").view(rows, per_row)
+    decode = dict(x=torch.randn(rows, width, generator=g, device="cuda").to(dtype) * 0.5, positions=lens - 1,
+                  slots=tables[:, 0] * kv.block_size + (lens - 1) % kv.block_size, tables=tables, seq_lens=lens)
+    ones = torch.ones(rows, device="cuda")
+    sampling = SamplingBatch(temperature=0.8 * ones, top_p=0.8 * ones, top_k=torch.full((rows,), 30, device="cuda"),
+                             repetition_penalty=ones, seeds=torch.arange(rows, device="cuda"),
+                             steps=torch.full((rows,), 5, device="cuda"), max_top_k=30, has_penalty=True,
+                             ban_stop=ones.bool() & False, below_min=ones.bool() & False, ras=ones.bool())
+    head = dict(hidden=torch.randn(rows, *out_shape, generator=g, device="cuda").to(out_dtype), sampling=sampling,
+                history=torch.full((rows, CAPACITY), -1, dtype=torch.long, device="cuda"))
+    return decode, head
 
 
 def variant(model, kv, rows, kv_tokens, compiled: bool):
@@ -53,20 +51,20 @@ def variant(model, kv, rows, kv_tokens, compiled: bool):
                                  torch.full((1,), kv.scratch_slot, device="cuda"),
                                  torch.full((1, 1), kv.num_blocks, device="cuda"),
                                  torch.ones(1, dtype=torch.long, device="cuda"), kv)
-    graphs = StepGraphs(decode_fn, head_fn, kv, width, model.dtype, tuple(probe.shape[1:]), probe.dtype,
-                        CAPACITY)
-    buf, head = fill(graphs, kv, rows, kv_tokens, width, model.dtype)
+    d, h = fill(kv, rows, kv_tokens, width, model.dtype, tuple(probe.shape[1:]), probe.dtype)
     stream = torch.cuda.Stream()
-    buf.capture(None, stream)  # the first run inside compiles
-    if head is not None:
-        head.capture(buf.graph.pool(), stream)
+    decode, decode_out = capture_graph(lambda: decode_fn(d["x"], d["positions"], d["slots"], d["tables"],
+                                                         d["seq_lens"], kv), None, stream)  # the first run compiles
+    if head_fn is not None:
+        head, head_out = capture_graph(lambda: head_fn(h["hidden"], h["sampling"], h["history"], None),
+                                       decode.pool(), stream)
     setup = time.perf_counter() - start
-    out = dict(setup_s=round(setup, 1), decode_ms=timed(lambda: buf.graph.replay()))
-    out["decode_out"] = buf.out.float().clone()
-    if head is not None:
-        out["head_ms"] = timed(lambda: head.graph.replay())
-        head.graph.replay()
-        out["head_out"] = [t.clone() for t in head.out]
+    out = dict(setup_s=round(setup, 1), decode_ms=timed(lambda: decode.replay()))
+    out["decode_out"] = decode_out.float().clone()
+    if head_fn is not None:
+        out["head_ms"] = timed(lambda: head.replay())
+        head.replay()
+        out["head_out"] = [t.clone() for t in head_out]
     return out
 
 

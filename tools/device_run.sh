@@ -80,13 +80,14 @@ for stage in "$@"; do
     # it in turn: a variant's non-streamed and streamed rows for one start-up (no frame audit: --base-url);
     # a bench named full+tl or stream+tl runs under a profiler window of PROFILE_S (4) seconds: its GPU timeline
     # (the traces stay on the machine, their summaries come back; that row is a diagnostic), e.g.
-    # PAIR_BENCHES="stream stream+tl"; +pool: 16 references cycled (the cache's row, beside the fresh one)
+    # PAIR_BENCHES="stream stream+tl"; +pool: 16 references cycled (the cache's row, beside the fresh one);
+    # a variant named before* serves from .before/ (tools/before_tree.sh COMMIT; carry .before): code before/after
     pair) IFS=';' read -ra variants <<< "${AB:?}"
       for v in "${variants[@]}"; do
         [[ $v == *:* ]] || v="$v:"
         name=$(echo "${v%%:*}" | tr -cd 'A-Za-z0-9_.-'); d="$OUT/pair-$name"; mkdir -p "$d"; port=$((18000 + RANDOM % 1000))
-        t0=$(date +%s)
-        $INTONE serve --model "${PAIR_MODEL:-random:fish-s2}" --profile "${PAIR_PROFILE:-fish-s2-high-concurrency}" ${v#*:} \
+        t0=$(date +%s); src=${TREE:-$PWD}/src; [[ $name == before* ]] && src=$PWD/.before/src  # before*: .before's tree
+        PYTHONPATH=/tmp/site:$src $INTONE serve --model "${PAIR_MODEL:-random:fish-s2}" --profile "${PAIR_PROFILE:-fish-s2-high-concurrency}" ${v#*:} \
           --host 127.0.0.1 --port $port --trace-frames "$d/frames.jsonl" --profile-dir "$d/profile" > "$d/server.log" 2>&1 & pid=$!
         until healthy $port; do
           kill -0 $pid 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt ${START_T:-300} ] || break; sleep 2; done

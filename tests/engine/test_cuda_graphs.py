@@ -67,17 +67,21 @@ def test_replayed_step_equals_the_eager_static_step_bitwise(name, tiny_cache):
     assert graphed.graphs.replays == 3 and graphed.graphs.eager == 0 and eager.graphs.eager == 3
 
 
-def test_a_step_with_prefills_keeps_its_decodes_on_the_graphs(tiny_cache):
+def test_a_step_with_prefills_runs_on_the_graphs(tiny_cache):
+    """Prompt tokens are rows of the static step beside the decodes (up to its token rows); a step beyond them
+    runs eagerly."""
     model = load_model(str(resolve_model_dir("tiny:fish-s2")), device="cuda", dtype=torch.float32)
     blocks = BlockManager(256, 16)
     kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
     runner = ModelRunner(model, kv, cuda_graphs=True)
-    runner.capture(8, 600)
+    runner.capture(8, 600, 64)
     g = torch.Generator().manual_seed(1)
     decodes = _decodes(model, runner, blocks, [12, 30], g)
     new = _new(blocks, "new", _prompt(model, 20, g), SamplingParams(seed=9))
     out = runner.run([decodes[0], new, decodes[1]])  # any order in, the same order out
-    assert out.tokens.shape == (3,) and runner.graphs.replays == 1
+    assert out.tokens.shape == (3,) and runner.graphs.replays == 2
+    runner.run([_new(blocks, "long", _prompt(model, 70, g), SamplingParams(seed=3))])
+    assert runner.graphs.replays == 2 and runner.graphs.eager == 0
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -111,8 +115,8 @@ def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
     g = torch.Generator().manual_seed(2)
     decodes = _decodes(model, runner, blocks, [12, 50], g)
     new = [_new(blocks, f"n{i}", _prompt(model, n, g), SamplingParams(seed=i)) for i, n in enumerate((20, 70))]
-    rows, packed = _rows_and_packed(model, runner, kv, runner.build(new + decodes))
-    assert rows is not None and rows.shape == packed.shape == (4, packed.shape[1])
+    rows, packed = _rows_and_packed(model, runner, kv, new + decodes)
+    assert rows.shape == packed.shape == (4, packed.shape[1])
     assert (rows - packed).abs().max() < 1e-4
 
 
@@ -126,14 +130,25 @@ def _cosy_runner():
     return model, blocks, kv, runner
 
 
-def _rows_and_packed(model, runner, kv, batch):
-    """A step's outputs as rows of the static step and through the packed prefill, from the same cache."""
-    x = model.embed(batch.tokens, batch.codes)
+def _rows_and_packed(model, runner, kv, reqs):
+    """Each request's head input as rows of the static step (replayed) and through the packed prefill and the
+    eager decode, from the same cache (reqs: prefills first)."""
     k0, v0 = kv.k.clone(), kv.v.clone()
+    replays = runner.graphs.replays
+    runner.run(reqs)
+    assert runner.graphs.replays == replays + 1
+    q_lens = [len(r.prompt) - r.cached if r.is_prefill else 1 for r in reqs]
+    rows = runner.graphs.hidden[torch.tensor(q_lens).cumsum(0) - 1].clone()
+    kv.k.copy_(k0), kv.v.copy_(v0)
+    batch = runner.build(reqs)
     with torch.inference_mode():
-        rows = runner._as_rows(x, batch)
-        kv.k.copy_(k0), kv.v.copy_(v0)
-        return rows, runner._split(x, batch, batch.num_prefill_tokens)
+        x = model.embed(batch.tokens, batch.codes)
+        n = batch.num_prefill_tokens
+        parts = [model.forward(x[:n], batch.prefill, kv)]
+        if batch.decode is not None:
+            d = batch.decode
+            parts.append(model.forward_decode(x[n:], d.positions, d.slot_mapping, d.block_tables, d.seq_lens, kv))
+    return rows, torch.cat(parts)
 
 
 def test_a_prefill_after_a_shared_prefix_as_graph_rows_equals_the_packed_prefill(tiny_cache):
@@ -146,10 +161,10 @@ def test_a_prefill_after_a_shared_prefix_as_graph_rows_equals_the_packed_prefill
     tail = _prompt(model, 12, g)
     prompt = Prompt(torch.cat([first.prompt.tokens[:32], tail.tokens]), torch.cat([first.prompt.codes[:32], tail.codes]))
     table = first.block_table[:2] + blocks.grow([], 32)  # 48 tokens: the prompt's 44 and a frame
-    batch = runner.build([StepInput("b", prompt, SamplingParams(seed=2), [], None, table, cached=32)])
-    assert batch.num_prefill_tokens == 12
-    rows, packed = _rows_and_packed(model, runner, kv, batch)
-    assert rows is not None and rows.shape == packed.shape == (1, packed.shape[1])
+    req = StepInput("b", prompt, SamplingParams(seed=2), [], None, table, cached=32)
+    assert runner.build([req]).num_prefill_tokens == 12
+    rows, packed = _rows_and_packed(model, runner, kv, [req])
+    assert rows.shape == packed.shape == (1, packed.shape[1])
     assert (rows - packed).abs().max() < 1e-4
 
 

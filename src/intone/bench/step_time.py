@@ -4,8 +4,9 @@
 
 Runs Fish S2 Pro's real-size architecture (or any config.json via --config) on the GPU. The
 numbers are the yardstick for the engine's step times; compare them with
-shared/tools/roofline-h200.txt. Since session 16 the rows without graphs time the runner's static step run
-eagerly at its padded shapes (what an engine without graphs runs on a GPU), not the unpadded decode forward.
+shared/tools/roofline-h200.txt. A row times the runner's whole step as the engine runs it (`ModelRunner.run`:
+the host's packing, the upload, the decode and head, the download's start); the rows without graphs run the same
+static step eagerly at its padded shapes (what an engine without graphs runs on a GPU).
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import statistics
 
 import torch
 
-from intone.engine.model_runner import ModelRunner, sampling_batch
-from intone.models.base import StepBatch
+from intone.engine.model_runner import ModelRunner, StepInput
+from intone.models.base import Prompt
 from intone.models.fish_s2.model import FishS2, random_s2_pro
-from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
-from intone.ops.token_history import CAPACITY
 from intone.protocol import SamplingParams
 
 BLOCK = 16
@@ -43,20 +42,16 @@ def timed(fn, warmup: int = 3, iters: int = 10) -> float:
     return statistics.median(samples)
 
 
-def decode_batch(model: FishS2, batch: int, context: int) -> tuple[StepBatch, KVCache]:
-    """A decode step for `batch` requests that each have `context` tokens cached."""
+def decode_batch(model: FishS2, batch: int, context: int, generated: int = 5) -> tuple[list[StepInput], KVCache]:
+    """A decode step for `batch` requests that each have `context` tokens cached (`generated` of them made)."""
     blocks_per_req = -(-(context + 1) // BLOCK)
     kv = KVCache(model.kv_layout, batch * blocks_per_req, BLOCK, model.dtype, model.device)
-    tables = [list(range(r * blocks_per_req, (r + 1) * blocks_per_req)) for r in range(batch)]
-    meta = AttentionMetadata.build([1] * batch, [context] * batch, tables, BLOCK, model.device)
-    dev = model.device
-    step = StepBatch(
-        tokens=torch.full((batch,), model.tokenizer.semantic_begin + 7, device=dev),
-        codes=torch.randint(0, 1024, (batch, model.num_codebooks), device=dev),
-        prefill=None, decode=meta,
-        sampling=sampling_batch([SamplingParams(seed=r) for r in range(batch)], [5] * batch, dev),
-        history=torch.full((batch, CAPACITY), -1, dtype=torch.int64, device=dev),
-    )
+    n = context + 1 - generated
+    prompt = Prompt(tokens=torch.full((n,), model.tokenizer.semantic_begin + 7),
+                    codes=torch.zeros(n, model.num_codebooks, dtype=torch.long))
+    codes = torch.randint(0, 1024, (batch, model.num_codebooks)).numpy()
+    step = [StepInput(f"r{r}", prompt, SamplingParams(seed=r), [model.tokenizer.semantic_begin + 7] * generated,
+                      codes[r], list(range(r * blocks_per_req, (r + 1) * blocks_per_req))) for r in range(batch)]
     return step, kv
 
 
@@ -85,7 +80,7 @@ def main(argv=None) -> None:
         for batch in map(int, args.batch.split(",")):
             step, kv = decode_batch(model, batch, context)
             runner = step_runner(model, kv, graphs, batch, context + 1, bound)
-            ms = timed(lambda step=step, runner=runner: runner.execute(step))
+            ms = timed(lambda step=step, runner=runner: runner.run(step))
             row = dict(cuda_graphs=graphs, batch=batch, context=context, sample_candidates=bound, step_ms=round(ms, 3),
                        frames_per_s=round(batch * 1000 / ms, 1),
                        audio_s_per_s=round(batch * 1000 / ms / (model.sample_rate / model.samples_per_frame), 2))

@@ -66,7 +66,7 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, ar.block_size)
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs,
-                                  sample_candidates=ar.sample_candidates)
+                                  sample_candidates=ar.sample_candidates, sleep=ar.token_wait == "sleep")
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps,

@@ -1,12 +1,12 @@
 """Turns the scheduled requests into one batched model step, and runs it (owning the CUDA graphs).
 
 A step packs the new requests' prompts (prefills) first and the running requests' single new
-tokens (decodes) after them. On the GPU every token of the step is one row of the model's static
-decode forward (a prompt token attends to its request's keys up to its own position, which the
-step has just written) at the shapes of its (token rows, KV length) bucket; the head (sampling)
-then takes each request's last row. With `ar.cuda_graphs` that static step is replayed from its
-CUDA graph, else it runs eagerly at the same shapes with the same kernels: the two give the same
-bits, and a step that admits new requests stays on the graphs. On the CPU, or beyond the buckets,
+tokens (decodes) after them. On the GPU the step is static (`step_graphs`): every token is one row
+of the model's decode forward (a prompt token attends to its request's keys up to its own position,
+which the step has just written) at the shapes of its (token rows, KV length) bucket, and the head
+(sampling) takes each request's last row; the host writes the step's inputs into pinned memory and
+the step is one upload, two graph replays and one download. With `ar.cuda_graphs` off the same static
+functions run eagerly over the same buffers: the same bits. On the CPU, or beyond the buckets,
 prefills run through the model's packed `forward` and decodes through `forward_decode` eagerly.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from intone.engine.cuda_graphs import CaptureReport, StepGraphs, head_bound
+from intone.engine.cuda_graphs import CaptureReport, head_bound
+from intone.engine.step_graphs import HostStep, StepGraphs
 from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel
-from intone.ops import paged_decode
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
@@ -57,33 +57,37 @@ MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 class ModelRunner:
     def __init__(self, model: TTSModel, kv: KVCache, cuda_graphs: bool = False, max_seats: int = 64,
-                 sample_candidates: int = 64):
+                 sample_candidates: int = 64, sleep: bool = False):
         """max_seats: requests per step expected (the token history grows beyond it if need be);
-        sample_candidates: `ar.sample_candidates`."""
-        self.model, self.kv = model, kv
+        sample_candidates: `ar.sample_candidates`; sleep: a static step's copy of its outputs to the host
+        ends on a blocking-sync event, so the host waits for it asleep (`ar.token_wait`)."""
+        self.model, self.kv, self.sleep = model, kv, sleep
         # the bounds the head sorts to (`cuda_graphs.head_bound`), each captured; None: every token
         self.head_bounds = (sample_candidates, None) if model.head_takes_candidates and sample_candidates else (None,)
         self.history = TokenHistory(model.device, max_seats)
         self.staging = HostStaging(model.device)
         self.max_graph_tokens = 0
         self.cuda_graphs = cuda_graphs
-        # The static step's buffers per bucket (and its graphs, once captured); GPU only.
-        self.graphs: StepGraphs | None = self._step_graphs() if model.device.type == "cuda" else None
-        self.previous: StepOutput | None = None  # the last run's output, in its order (for `StepInput.pending`)
+        # The static step's buffers (and its graphs, once captured); GPU, a model with a static head.
+        self.graphs: StepGraphs | None = (self._step_graphs() if model.device.type == "cuda" and model.head_is_static
+                                          else None)
+        # the last run's packed outputs [rows in the order it ran them, 2 + K] (token, stopped, codes) on the
+        # device, and where each of its caller's rows went (for `StepInput.pending`)
+        self.previous: torch.Tensor | None = None
+        self.previous_rows: list[int] = []
 
-    def _step_graphs(self) -> StepGraphs:
-        """Probe the model's output and history shapes with a one-row dummy decode."""
+    def _step_graphs(self, max_rows: int | None = None, max_tokens: int | None = None) -> StepGraphs:
+        """The static step, sized for max_rows requests and max_tokens token rows a step (default: the
+        history's seats, MAX_GRAPH_TOKENS); the head's input shape probed with a one-row dummy decode."""
         model, dev = self.model, self.model.device
-        head = model.head if model.head_is_static else None
         with torch.inference_mode():
-            width = model.embed(torch.zeros(1, dtype=torch.long, device=dev),
-                                torch.zeros(1, model.num_codebooks, dtype=torch.long, device=dev)).shape[-1]
-            x = torch.zeros(1, width, dtype=model.dtype, device=dev)
+            x = model.embed(torch.zeros(1, dtype=torch.long, device=dev),
+                            torch.zeros(1, model.num_codebooks, dtype=torch.long, device=dev))
             one = torch.ones(1, dtype=torch.long, device=dev)
             out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,
                                        torch.full((1, 1), self.kv.num_blocks, device=dev), one, self.kv)
-        return StepGraphs(model.forward_decode, head, self.kv, width, model.dtype, tuple(out.shape[1:]), out.dtype,
-                          CAPACITY, self.head_bounds, model.head_modes)
+        return StepGraphs(model, self.kv, self.history, max_rows or self.history.seats, max_tokens or MAX_GRAPH_TOKENS,
+                          self.head_bounds, tuple(out.shape[1:]), out.dtype)
 
     def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
         """Size the static step and, with cuda_graphs, capture every graph this runner may replay
@@ -94,6 +98,7 @@ class ModelRunner:
         if self.graphs is None:
             return None
         self.max_graph_tokens = max(max_rows, min(max_step_tokens or max_rows, MAX_GRAPH_TOKENS))
+        self.graphs = self._step_graphs(max_rows, self.max_graph_tokens)
         if not self.cuda_graphs:
             return None
         return self.graphs.capture_all(max_rows, max_kv_tokens, self.max_graph_tokens)
@@ -111,7 +116,7 @@ class ModelRunner:
         prefills, decodes = reqs[:n_prefill], reqs[n_prefill:]
         tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
         codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
-        pending = np.array([r.pending for r in decodes], dtype=np.int64)
+        pending = np.array([self._previous_row(r) for r in decodes], dtype=np.int64)
         if decodes:
             blank = np.zeros(self.model.num_codebooks, dtype=np.int64)  # a pending frame comes from the device
             tokens.append(np.array([r.tokens[-1] if r.pending < 0 else 0 for r in decodes], dtype=np.int64))
@@ -145,13 +150,19 @@ class ModelRunner:
     def _take_pending(self, dev: dict, first: int) -> None:
         """The decodes' input frames (from token row `first` on) that the previous step made and the host
         has not read, from its output."""
-        if self.previous is None:
-            raise ValueError("a pending frame, but no previous step")
         pending = dev["pending"]
         rows, taken = pending.clamp(min=0), (pending >= 0)
         tokens, codes = dev["tokens"][first:], dev["codes"][first:]
-        tokens.copy_(torch.where(taken, self.previous.tokens.index_select(0, rows).to(tokens.dtype), tokens))
-        codes.copy_(torch.where(taken[:, None], self.previous.codes.index_select(0, rows).to(codes.dtype), codes))
+        tokens.copy_(torch.where(taken, self.previous[:, 0].index_select(0, rows), tokens))
+        codes.copy_(torch.where(taken[:, None], self.previous[:, 2:].index_select(0, rows), codes))
+
+    def _previous_row(self, r: StepInput) -> int:
+        """r's input frame's row in the previous step's packed outputs, or -1 (on the host)."""
+        if r.pending < 0:
+            return -1
+        if self.previous is None or r.pending >= len(self.previous_rows):
+            raise ValueError(f"{r.request_id}: a pending frame, but no such row in the previous step")
+        return self.previous_rows[r.pending]
 
     def _meta_arrays(self, reqs: list[StepInput], prefill: bool):
         q_lens, ctx_lens, tables = [], [], []
@@ -168,79 +179,117 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepOutput:
+        """The step eagerly at its own shapes (the CPU; a GPU step beyond the static step's buckets)."""
         model = self.model
         x = model.embed(batch.tokens, batch.codes)
         n = batch.num_prefill_tokens
-        out = self._as_rows(x, batch) if n else None
-        if out is None:
-            out = self._split(x, batch, n)
-        result = self.graphs.head(out, batch.sampling, batch.history) if self.graphs is not None else None
-        if result is None:  # eagerly, at the bound a graph would take (the same shapes: the same bits)
-            result = model.head(out, batch.sampling, batch.history,
-                                head_bound(self.head_bounds, batch.sampling.max_top_k))
-        tokens, codes, stopped = result
+        parts = []
+        if batch.prefill is not None:
+            parts.append(model.forward(x[:n], batch.prefill, self.kv))
+        if batch.decode is not None:
+            d = batch.decode
+            parts.append(model.forward_decode(x[n:], d.positions, d.slot_mapping, d.block_tables, d.seq_lens, self.kv))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        tokens, codes, stopped = model.head(out, batch.sampling, batch.history,
+                                            head_bound(self.head_bounds, batch.sampling.max_top_k))
         if batch.seats is not None:
             self.history.record(batch.seats, batch.sampling.steps, tokens)
         return StepOutput(tokens=tokens, codes=codes, stopped=stopped)
 
-    def _split(self, x: torch.Tensor, batch: StepBatch, n: int) -> torch.Tensor:
-        """Prefills through the packed forward, decodes through the decode forward."""
-        parts = []
-        if batch.prefill is not None:
-            parts.append(self.model.forward(x[:n], batch.prefill, self.kv))
-        if batch.decode is not None:
-            parts.append(self._decode(x[n:], batch.decode))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _as_rows(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor | None:
-        """Every token of the step as one decode row (graphs only); None where that does not apply."""
-        if self.graphs is None or not paged_decode.available(x) or x.shape[0] > self.max_graph_tokens:
-            return None
-        p, d = batch.prefill, batch.decode
-        tables = p.block_tables.index_select(0, p.token_request)
-        positions, slots = p.positions, p.slot_mapping
-        if d is not None:
-            width = max(tables.shape[1], d.block_tables.shape[1])
-            tables = torch.cat([_widen(tables, width), _widen(d.block_tables, width)])
-            positions, slots = torch.cat([positions, d.positions]), torch.cat([slots, d.slot_mapping])
-        rows = AttentionMetadata(
-            cu_seqlens_q=torch.arange(x.shape[0] + 1, device=x.device), seq_lens=positions + 1, block_tables=tables,
-            slot_mapping=slots, positions=positions, token_request=torch.arange(x.shape[0], device=x.device),
-            token_index=torch.zeros_like(positions), max_seqlen_q=1,
-            max_seqlen_k=max(p.max_seqlen_k, d.max_seqlen_k if d is not None else 0))
-        out = self.graphs.decode(x, rows)
+    def run(self, reqs: list[StepInput]):
+        """One step for reqs in any order; outputs come back in that order (a `StepOutput`, or a
+        `StaticStepOutput` whose copy to the host has started; both `copy_to_host` and `to_host`)."""
+        order = sorted(range(len(reqs)), key=lambda i: not reqs[i].is_prefill)
+        ordered = [reqs[i] for i in order]
+        out = self._run_static(ordered, order) if self.graphs is not None else None
         if out is None:
-            return None
-        last = p.last_token_rows
-        if d is not None:
-            last = torch.cat([last, torch.arange(p.slot_mapping.shape[0], x.shape[0], device=x.device)])
-        return out.index_select(0, last)
-
-    def _decode(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        out = self.graphs.decode(x, meta) if self.graphs is not None else None
-        if out is None:
-            out = self.model.forward_decode(x, meta.positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                            self.kv)
+            out = self._run_eager(ordered, order)
+        self.previous_rows = [0] * len(order)
+        for row, caller in enumerate(order):
+            self.previous_rows[caller] = row
         return out
 
-    def run(self, reqs: list[StepInput]) -> StepOutput:
-        """One step for reqs in any order; outputs come back in that order."""
-        order = sorted(range(len(reqs)), key=lambda i: not reqs[i].is_prefill)
-        out = self.execute(self.build([reqs[i] for i in order]))
-        if order != list(range(len(reqs))):
+    def _run_eager(self, ordered: list[StepInput], order: list[int]) -> StepOutput:
+        out = self.execute(self.build(ordered))
+        packed = torch.cat((out.tokens.view(-1, 1).long(), out.stopped.view(-1, 1).long(), out.codes.long()), 1)
+        if self.graphs is not None:  # a static step after this one reads its frames there
+            self.graphs.out[: packed.shape[0]].copy_(packed)
+        self.previous = packed
+        if order != list(range(len(order))):
             inverse = torch.empty(len(order), dtype=torch.long)
             inverse[torch.tensor(order)] = torch.arange(len(order))
             inverse = inverse.to(out.tokens.device)
             out = StepOutput(out.tokens[inverse], out.codes[inverse], out.stopped[inverse])
-        self.previous = out
         return out
 
+    def _run_static(self, ordered: list[StepInput], order: list[int]) -> "StaticStepOutput | None":
+        """The step through the static step, or None where it lies beyond its buckets."""
+        n_prefill = sum(1 for r in ordered if r.is_prefill)
+        prefills, decodes = ordered[:n_prefill], ordered[n_prefill:]
+        q_lens = [len(r.prompt) - r.cached for r in prefills] + [1] * len(decodes)
+        ctx = [r.cached for r in prefills] + [len(r.prompt) + r.generated - 1 for r in decodes]
+        params = [r.params for r in ordered]
+        bound = head_bound(self.head_bounds, max(p.top_k for p in params))
+        key = self.graphs.key(sum(q_lens), max(q + c for q, c in zip(q_lens, ctx)), len(ordered), bound,
+                              sampling_modes(params))
+        if key is None:
+            return None
+        bs = self.kv.block_size
+        tables = [r.block_table[: -(-(c + q) // bs)] for r, q, c in zip(ordered, q_lens, ctx)]
+        arrays, _, _ = AttentionMetadata.host_arrays(q_lens, ctx, tables, bs)
+        tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
+        codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
+        pending = [np.full(len(t), -1, dtype=np.int64) for t in tokens]
+        if decodes:
+            blank = np.zeros(self.model.num_codebooks, dtype=np.int64)  # a pending frame comes from the device
+            tokens.append(np.array([r.tokens[-1] if r.pending < 0 else 0 for r in decodes], dtype=np.int64))
+            codes.append(np.stack([r.last_codes if r.pending < 0 else blank for r in decodes]))
+            pending.append(np.array([self._previous_row(r) for r in decodes], dtype=np.int64))
+        floats, ints = sampling_columns(params, [r.generated for r in ordered])
+        seats = self.history.assign([r.request_id for r in ordered], [r.tokens for r in ordered],
+                                    [r.pending >= 0 for r in ordered])
+        step = HostStep(tokens=np.concatenate(tokens), codes=np.concatenate(codes), pending=np.concatenate(pending),
+                        positions=arrays["positions"], slots=arrays["slot_mapping"], tables=arrays["block_tables"],
+                        token_request=arrays["token_request"], last=arrays["cu_seqlens_q"][1:] - 1, seats=seats,
+                        floats=floats, ints=ints)
+        copy = self.graphs.launch(key, step, self.sleep)
+        self.previous = self.graphs.out
+        return StaticStepOutput(copy, len(ordered), order)
 
-def _widen(tables: torch.Tensor, width: int) -> torch.Tensor:
-    """Pad block tables with block 0 (never read: masked by the row's length)."""
-    if tables.shape[1] == width:
-        return tables
-    return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+
+class StaticStepOutput:
+    """A static step's outputs, their copy to the host started by the step (so a later step may reuse the
+    device buffer); rows come back in the caller's order."""
+
+    def __init__(self, copy, rows: int, order: list[int]):
+        self.copy, self.rows, self.order = copy, rows, order
+        self._host: tuple[list[int], list[bool], np.ndarray] | None = None
+
+    def copy_to_host(self, asynchronous: bool = False, sleep: bool = False) -> "StaticStepOutput":
+        return self  # (already started, as the step asked)
+
+    def wait(self) -> tuple[list[int], list[bool], np.ndarray]:
+        """(tokens, stopped, codes [R, K] int64) on the host, as `StepOutput.to_host` gives them."""
+        if self._host is None:
+            packed = self.copy.wait()[0].numpy()[: self.rows]
+            if self.order != list(range(self.rows)):
+                packed = packed[np.argsort(self.order)]
+            self._host = packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:].copy()
+        return self._host
+
+    to_host = wait
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.tensor(self.wait()[0], dtype=torch.int64)
+
+    @property
+    def stopped(self) -> torch.Tensor:
+        return torch.tensor(self.wait()[1], dtype=torch.bool)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return torch.from_numpy(self.wait()[2])
 
 
 def sampling_columns(params: list[SamplingParams], steps: list[int]) -> tuple[np.ndarray, np.ndarray]:

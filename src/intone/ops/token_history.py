@@ -24,8 +24,8 @@ CAPACITY = SAMPLING_BOUNDS["max_new_tokens"]["le"]  # tokens a request may gener
 
 class TokenHistory:
     def __init__(self, device, seats: int = 64, capacity: int = CAPACITY):
-        self.device, self.capacity = torch.device(device), capacity
-        self.table = torch.full((seats, capacity), -1, dtype=torch.int64, device=self.device)
+        self.device, self.capacity, self.seats = torch.device(device), capacity, seats
+        self.table = torch.full((seats + 1, capacity), -1, dtype=torch.int64, device=self.device)
         self._seat: dict[str, int] = {}
         self._count: dict[str, int] = {}  # tokens the seat's row holds, by request
 
@@ -36,7 +36,7 @@ class TokenHistory:
         live = set(request_ids)
         for rid in [r for r in self._seat if r not in live]:
             del self._seat[rid], self._count[rid]
-        free = sorted(set(range(self.table.shape[0])) - set(self._seat.values()))
+        free = sorted(set(range(self.seats)) - set(self._seat.values()))
         seats = []
         for rid, toks, extra in zip(request_ids, tokens, pending or [False] * len(tokens)):
             count = len(toks) + extra
@@ -44,7 +44,7 @@ class TokenHistory:
                 raise ValueError(f"{rid}: {count} generated tokens exceed the history's {self.capacity}")
             if rid not in self._seat:
                 if not free:
-                    free = list(range(self.table.shape[0], 2 * self.table.shape[0]))
+                    free = list(range(self.seats, 2 * self.seats))
                     self._grow()
                 self._seat[rid], self._count[rid] = free.pop(0), -1
             if self._count[rid] != count and count:  # (a row's tokens beyond its count are never read)
@@ -70,9 +70,15 @@ class TokenHistory:
         row[: len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
         self.table[seat].copy_(row)
 
+    @property
+    def scratch_seat(self) -> int:
+        return self.seats
+
     def _grow(self) -> None:
-        extra = torch.full_like(self.table, -1)
-        self.table = torch.cat([self.table, extra])
+        """Twice the seats (a new table: a static step captured over the old one no longer applies)."""
+        table = torch.full((2 * self.seats + 1, self.capacity), -1, dtype=torch.int64, device=self.device)
+        table[: self.seats].copy_(self.table[: self.seats])
+        self.table, self.seats = table, 2 * self.seats
 
     def __len__(self) -> int:
         return len(self._seat)

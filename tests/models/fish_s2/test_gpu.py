@@ -52,7 +52,7 @@ def test_real_size_step_runs_in_bf16(tiny_fish_dir):
 
     model = FishS2.random(FishS2Config.from_dict(S2_PRO_CONFIG), tiny_fish_dir, device="cuda")
     step, kv = decode_batch(model, batch=4, context=100)
-    out = step_runner(model, kv, True, 4, 101).execute(step)
+    out = step_runner(model, kv, True, 4, 101).run(step)
     assert out.codes.shape == (4, 10) and out.tokens.shape == (4,)
     audio = model.decode(out.codes.unsqueeze(-1).repeat(1, 1, 3))
     assert audio.shape == (4, 3 * 2048) and torch.isfinite(audio).all()

@@ -1,0 +1,134 @@
+"""The GPU's static AR step (`engine.step_graphs`: inputs staged in one buffer at a bucket's offsets, prompts as
+decode rows, the previous step's frame read on the device, padding rows past the step's) gives every request the
+frames and audio of the eager step. The static functions run here eagerly on the CPU, over the same buffers a
+GPU's graphs replay; the engine core and its loop are the real ones, in order and with a step in flight."""
+
+import numpy as np
+import pytest
+import torch
+
+from intone.engine.config import load_profile
+from intone.engine.core import EngineCore
+from intone.engine.model_runner import ModelRunner, StepInput
+from intone.models.base import Prompt
+from intone.models.registry import load_model
+from intone.ops.kv_cache import BlockManager, KVCache
+from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
+
+TEXTS = ["Hello world", "A longer sentence to say.", "Hi", "Numbers 1, 2, 3."]
+
+
+def serve(core: EngineCore, arrivals: dict[int, list[SynthesisRequest]]) -> dict[str, list]:
+    chunks: dict[str, list] = {}
+    step = 0
+    while step <= max(arrivals) or core.has_work():
+        for req in arrivals.get(step, []):
+            core.add_request(req)
+        for c in core.step():
+            chunks.setdefault(c.request_id, []).append(c)
+        step += 1
+    return chunks
+
+
+def static(core: EngineCore, max_tokens: int) -> EngineCore:
+    """The core's runner with the static step a GPU builds (rows up to its capacity, token rows up to max_tokens:
+    a step with more prompt tokens runs eagerly, so the two alternate)."""
+    core.runner.graphs = core.runner._step_graphs(core.profile.ar.max_num_seqs, max_tokens)
+    return core
+
+
+def same_requests(a: dict, b: dict, tol: float) -> None:
+    assert set(a) == set(b)
+    for rid in a:
+        ends = [(c[-1].stop_reason, c[-1].end_frame, c[-1].completion_tokens) for c in (a[rid], b[rid])]
+        assert ends[0] == ends[1] and ends[0][0] in ("stop", "length"), rid
+        audio = [np.concatenate([c.audio for c in cs]) for cs in (a[rid], b[rid])]
+        assert audio[0].shape == audio[1].shape and audio[0].size > 0, rid
+        assert np.abs(audio[0] - audio[1]).max() < tol, rid
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_static_fish_steps_give_each_request_the_eager_steps_frames_and_audio(tiny_fish_dir, in_flight):
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    params = [SamplingParams(seed=40 + i, max_new_tokens=(6 + 5 * i) if i % 3 else 90, temperature=1.0,
+                             top_k=[30, 200, 0][i % 3] or 50) for i in range(9)]
+    arrivals = {0: [0, 1], 2: [2, 3, 4], 5: [5], 9: [6, 7], 14: [8]}
+
+    def run(make_static: bool):
+        core = EngineCore(model, load_profile("fish-s2-high-concurrency", device="cpu", **{
+            "ar.max_num_seqs": 6, "codec.max_batch": 6, "ar.async_steps": in_flight}))
+        if make_static:
+            static(core, 48)
+        reqs = {k: [SynthesisRequest(f"r{i}", TEXTS[i % 4], params=params[i]) for i in v] for k, v in arrivals.items()}
+        return core, serve(core, reqs)
+
+    (_, eager), (core, staged) = run(False), run(True)
+    same_requests(eager, staged, 1e-7)
+    assert core.runner.graphs.eager > 20  # most steps ran static (the rest, too many prompt tokens, eagerly)
+    snap = core.snapshot()
+    assert snap["kv_blocks_free"] == snap["kv_blocks_total"] and snap["live_requests"] == 0
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_static_cosyvoice3_steps_give_each_request_the_eager_steps_frames_and_audio(tiny_cache, in_flight):
+    """Both sampling modes in one batch and alone (the head's per-mode graphs), streams and full responses."""
+    model = load_model("tiny:cosyvoice3", dtype=torch.float64, codec_dtype=torch.float64)
+    t = torch.arange(16000) / 16000
+    voice = VoiceReference(text="A reference.", audio=0.1 * torch.sin(2 * torch.pi * 150 * t), sample_rate=16000)
+    modes = ["standard", "ras", "standard", "standard", "ras"]
+
+    def run(make_static: bool):
+        core = EngineCore(model, load_profile("cosyvoice3-streaming", device="cpu", **{
+            "ar.async_steps": in_flight, "ar.max_num_seqs": 3}))
+        if make_static:
+            static(core, 256)
+        reqs = {2 * i: [SynthesisRequest(f"r{i}", TEXTS[i % 4], [voice], stream=i % 2 == 1, params=SamplingParams(
+            seed=10 + i, max_new_tokens=12 + 7 * i, mode=modes[i]))] for i in range(5)}
+        return core, serve(core, reqs)
+
+    (_, eager), (core, staged) = run(False), run(True)
+    same_requests(eager, staged, 1e-7)
+    assert core.runner.graphs.eager > 10
+
+
+def test_a_static_step_takes_requests_in_any_order_and_pads_past_them(tiny_fish):
+    """Rows come back in the caller's order, a frame the host has not read is taken from the caller's row of the
+    step before, and the padding rows past a step's (3 requests in a 4-row bucket, 40 prompt tokens in a 48-row
+    one) change no real row's token."""
+    model = tiny_fish
+    g = torch.Generator().manual_seed(5)
+
+    def runner():
+        kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
+        r = ModelRunner(model, kv, max_seats=8)
+        r.graphs = r._step_graphs(8, 64)
+        return r, BlockManager(64, 16)
+
+    def prompt(n):
+        return Prompt(torch.randint(0, 50, (n,), generator=g), torch.zeros(n, model.num_codebooks, dtype=torch.long))
+
+    prompts, late = [prompt(n) for n in (9, 17, 14)], prompt(11)
+    params = [SamplingParams(seed=i, temperature=1.0) for i in range(4)]
+
+    def three_steps(r: ModelRunner, blocks: BlockManager, read: bool):
+        """r0's prefill; r0's decode beside r1's and r2's prefills (run prefills first: rows reordered); the
+        three decodes, the rows reversed and a new prompt among them, their frames read or left on the device."""
+        reqs = [StepInput(f"r{i}", p, params[i], [], None, blocks.grow([], 60)) for i, p in enumerate(prompts)]
+        (t0,), _, (c0,) = r.run(reqs[:1]).to_host()
+        reqs[0] = StepInput("r0", prompts[0], params[0], [t0], c0, reqs[0].block_table)
+        out = r.run(reqs)
+        tokens, _, codes = out.to_host() if read else ([], [], [])
+        new = StepInput("late", late, params[3], [], None, blocks.grow([], 60))
+        decodes = [StepInput(q.request_id, q.prompt, q.params, q.tokens + tokens[i:i + 1],
+                             codes[i] if read else None, q.block_table, pending=-1 if read else i)
+                   for i, q in enumerate(reqs)]
+        last = r.run([decodes[2], new, decodes[1], decodes[0]]).to_host()
+        return (out.to_host() if not read else (tokens, None, codes)), last
+
+    (a, blocks_a), (b, blocks_b) = runner(), runner()
+    (unread, second), (read, again) = three_steps(a, blocks_a, False), three_steps(b, blocks_b, True)
+    assert unread[0] == read[0] and second[0] == again[0] and np.array_equal(second[2], again[2])
+    c, blocks_c = runner()
+    alone = [c.run([StepInput(f"r{i}", p, params[i], [], None, blocks_c.grow([], 60))]).to_host()
+             for i, p in enumerate(prompts[1:], 1)]
+    assert read[0][1:] == [t[0][0] for t in alone]  # prompts beside others and padding: their tokens alone
