@@ -166,3 +166,18 @@ def test_a_loop_asleep_on_its_tokens_gets_the_tokens_of_one_spinning(tiny_fish_d
         audio = [np.concatenate([c.audio for c in cs]) for cs in (spin[rid], sleep[rid])]
         assert audio[0].shape == audio[1].shape, rid
         assert np.abs(audio[0] - audio[1]).max() < 0.1 * np.abs(audio[0]).max(), rid
+
+
+def test_a_paced_loop_steps_at_most_every_min_step_ms_and_gives_the_same_audio(fish64):
+    """`ar.min_step_ms`: the loop sleeps before a launch until the period since the last one is over; the tokens
+    and audio are those of an unpaced loop (with a step in flight)."""
+    params = [SamplingParams(seed=90 + i, max_new_tokens=12 + 5 * i, temperature=1.0) for i in range(4)]
+    arrivals = {0: [0, 1], 4: [2, 3]}
+    (_, plain), (paced, slow) = (serve(fish64, True, arrivals, {}, params, **({"ar.min_step_ms": ms} if ms else {}))
+                                 for ms in (0, 25))
+    for rid in plain:
+        assert [(c.end_frame, c.stop_reason) for c in plain[rid]] == [(c.end_frame, c.stop_reason) for c in slow[rid]]
+        a, b = (np.concatenate([c.audio for c in cs]) for cs in (plain[rid], slow[rid]))
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-7, rid
+    snap = paced.snapshot()
+    assert snap["step_seconds"] >= 0.025 * (snap["steps"] - 1) and snap["step_pace_seconds"] > 0

@@ -57,6 +57,8 @@ ENGINE_COUNTERS = {
                           "Seconds the engine loop waited for its AR steps' tokens (the rest of a step is host work)"),
     "step_launch_seconds": ("intone_engine_step_launch_seconds",
                             "Seconds the engine loop spent building its AR steps' inputs and launching them (host)"),
+    "step_pace_seconds": ("intone_engine_step_pace_seconds",
+                          "Seconds the engine loop slept before launching its AR steps (ar.min_step_ms)"),
     "loop_cpu_seconds": ("intone_engine_loop_cpu_seconds", "CPU seconds of the engine loop's thread (a step's "
                          "host time that is not CPU time is spent off the CPU: waiting for the GIL or blocked)"),
     "codec_cpu_seconds": ("intone_engine_codec_cpu_seconds", "CPU seconds of the codec worker's thread"),

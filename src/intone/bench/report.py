@@ -113,7 +113,11 @@ def _step_lines(levels: list[dict]) -> list[str]:
         if step is None or wait is None or not steps:
             continue
         line = f"- C{lvl['concurrency']}: an AR step {step:.2f} ms, {1000 * wait / steps:.2f} ms of it the loop " \
-               "waiting for its tokens (the rest host work)"
+               "waiting for its tokens"
+        paced = k.get("step_pace_seconds") or 0.0
+        if paced:
+            line += f", {1000 * paced / steps:.2f} ms asleep before its launch (ar.min_step_ms)"
+        line += " (the rest host work)"
         gpu, timed = k.get("step_gpu_seconds"), k.get("gpu_timed_steps")
         if gpu is not None and (timed or 0) > 0:
             line += f"; on the GPU {1000 * gpu / timed:.2f} ms a step (the loop's stream, SM waits included)"

@@ -36,6 +36,7 @@ COUNTERS = {
     "step_wait_seconds": "intone_engine_step_wait_seconds_total",
     "step_gpu_seconds": "intone_engine_step_gpu_seconds_total",
     "step_launch_seconds": "intone_engine_step_launch_seconds_total",
+    "step_pace_seconds": "intone_engine_step_pace_seconds_total",
     "loop_cpu_seconds": "intone_engine_loop_cpu_seconds_total",
     "codec_cpu_seconds": "intone_engine_codec_cpu_seconds_total",
     "frontend_cpu_seconds": "intone_engine_frontend_cpu_seconds_total",

@@ -42,13 +42,16 @@ class InFlight:
 
 class ARLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, stats: EngineStats, forwards_frame,
-                 fail: Callable[[EngineRequest, str], None], in_flight: bool = False, sleep: bool = False):
+                 fail: Callable[[EngineRequest, str], None], in_flight: bool = False, sleep: bool = False,
+                 min_step_s: float = 0.0):
         """fail(request, message): end a request whose step failed. in_flight: ar.async_steps. sleep: wait
-        for the tokens asleep, not spinning (ar.token_wait)."""
+        for the tokens asleep, not spinning (ar.token_wait). min_step_s: launch a step at most this often
+        (ar.min_step_ms), asleep until then."""
         self.runner, self.scheduler, self.stats = runner, scheduler, stats
         self.forwards_frame, self.fail = forwards_frame, fail
         self.keep_in_flight, self.sleep = in_flight, sleep
         self.pending: InFlight | None = None
+        self.min_step_s, self.last_launch = min_step_s, 0.0
         self.timed = runner.model.device.type == "cuda"  # the steps' GPU spans (events on the loop's stream)
 
     @property
@@ -60,10 +63,11 @@ class ARLoop:
         """Run the batch (in flight: launch it, then apply the step before); the requests that stopped."""
         finished: list[str] = []
         start = time.perf_counter()
+        paced = self._pace(start) if batch else 0.0
         waited = self.stats.step_wait_seconds
         done = self._launch(batch, start) if batch else None
         # building and launching it (in order, the copy's wait is the step's wait, not this)
-        self.stats.step_launch_seconds += time.perf_counter() - start - (self.stats.step_wait_seconds - waited)
+        self.stats.step_launch_seconds += time.perf_counter() - start - paced - (self.stats.step_wait_seconds - waited)
         if self.keep_in_flight:  # this step stays in flight; the one before is applied
             done, self.pending = self.pending, done
         if done is not None:
@@ -72,6 +76,15 @@ class ARLoop:
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - start
         return finished
+
+    def _pace(self, now: float) -> float:
+        """Asleep until min_step_s after the last launch (the GIL and a core free meanwhile); the seconds slept."""
+        pause = self.last_launch + self.min_step_s - now
+        if pause > 0:
+            time.sleep(pause)
+            self.stats.step_pace_seconds += pause
+        self.last_launch = max(now, self.last_launch + self.min_step_s)
+        return max(pause, 0.0)
 
     def _launch(self, batch: list[EngineRequest], start: float) -> InFlight | None:
         rows = {r.request_id: i for i, r in enumerate(self.pending.batch)} if self.pending is not None else {}

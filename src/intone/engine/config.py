@@ -58,6 +58,9 @@ class ARConfig(_Strict):
                                                  "tokens still on the device while the host reads the step before "
                                                  "(its host work then overlaps the GPU's); a request that samples "
                                                  "its stop token runs one more row, discarded. The same tokens")
+    min_step_ms: float = Field(0.0, ge=0, le=1000, description="the loop launches a step at most this often, asleep "
+                               "meanwhile (GIL and CPU free): fewer, fuller steps, leaving the GPU to the codec and the "
+                               "frontend when they bound throughput (0: as soon as the step before is launched)")
     sample_candidates: int = Field(MAX_SAMPLE_CANDIDATES, ge=0, le=MAX_SAMPLE_CANDIDATES, description="a step whose requests' top_k are all at most "
                                    "this sorts only this many tokens per draw (models whose head allows it: Fish); "
                                    "the same tokens (ops.sampling); 0: every token, always")

@@ -70,7 +70,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps,
-                         sleep=ar.token_wait == "sleep")
+                         sleep=ar.token_wait == "sleep", min_step_s=ar.min_step_ms / 1000)
         self.policy = chunk_policy(profile, model)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         if profile.codec.carry_state and model.stream_decoder() is None:
@@ -290,7 +290,8 @@ class EngineCore:
             steps=self.stats.steps, frames=self.stats.frames,
             mean_step_ms=1000 * self.stats.step_seconds / max(self.stats.steps, 1),
             step_seconds=self.stats.step_seconds, step_wait_seconds=self.stats.step_wait_seconds,
-            step_launch_seconds=self.stats.step_launch_seconds, **self.stats.cpu.seconds(),
+            step_launch_seconds=self.stats.step_launch_seconds, step_pace_seconds=self.stats.step_pace_seconds,
+            **self.stats.cpu.seconds(),
             step_gpu_seconds=self.stats.step_gpu_seconds, gpu_timed_steps=self.stats.gpu_timed_steps,
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=self.codec_worker.calls,

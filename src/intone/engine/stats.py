@@ -60,6 +60,7 @@ class EngineStats:
     step_seconds: float = 0.0
     step_wait_seconds: float = 0.0  # the loop waiting for its steps' tokens (the rest of a step is host work)
     step_launch_seconds: float = 0.0  # building a step's inputs and launching it (host; its waits excluded)
+    step_pace_seconds: float = 0.0  # the loop asleep before a launch (`ar.min_step_ms`)
     step_gpu_seconds: float = 0.0  # the steps' spans on the loop's CUDA stream (GPU; SM waits included)
     gpu_timed_steps: int = 0
     frames: int = 0
