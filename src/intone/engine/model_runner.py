@@ -24,7 +24,7 @@ from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
 from intone.ops.staging import HostStaging
-from intone.ops.token_history import CAPACITY, TokenHistory
+from intone.ops.token_history import TokenHistory
 from intone.protocol import SamplingParams
 
 
@@ -112,15 +112,9 @@ class ModelRunner:
         n_prefill = sum(1 for r in reqs if r.is_prefill)
         if any(r.is_prefill for r in reqs[n_prefill:]):
             raise ValueError("prefills must come before decodes")
-        # A decode's input is its last frame: one array for all of them, not one per row.
         prefills, decodes = reqs[:n_prefill], reqs[n_prefill:]
-        tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
-        codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
-        pending = np.array([self._previous_row(r) for r in decodes], dtype=np.int64)
-        if decodes:
-            blank = np.zeros(self.model.num_codebooks, dtype=np.int64)  # a pending frame comes from the device
-            tokens.append(np.array([r.tokens[-1] if r.pending < 0 else 0 for r in decodes], dtype=np.int64))
-            codes.append(np.stack([r.last_codes if r.pending < 0 else blank for r in decodes]))
+        tokens, codes, pending = self._inputs(prefills, decodes)
+        pending = pending[sum(len(t) for t in tokens[:n_prefill]):]  # the decodes' (a prompt token's is -1)
         params, steps = [r.params for r in reqs], [r.generated for r in reqs]
         floats, ints = sampling_columns(params, steps)
         seats = self.history.assign([r.request_id for r in reqs], [r.tokens for r in reqs],
@@ -146,6 +140,20 @@ class ModelRunner:
         sampling = sampling_from(params, dev["sampling_floats"], dev["sampling_ints"])
         return StepBatch(tokens=dev["tokens"], codes=dev["codes"], prefill=meta("prefill"), decode=meta("decode"),
                          sampling=sampling, history=self.history.rows(dev["seats"], sampling.steps), seats=dev["seats"])
+
+    def _inputs(self, prefills: list[StepInput], decodes: list[StepInput]):
+        """Each token row's input (host): (tokens, codes) arrays, the prompts' then one of the decodes' (a decode's
+        input is its last frame: one array for all of them, not one per row), and [T] each row's unread frame's
+        row in the previous step's outputs (-1: none)."""
+        tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
+        codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
+        pending = [np.full(len(t), -1, dtype=np.int64) for t in tokens]
+        if decodes:
+            blank = np.zeros(self.model.num_codebooks, dtype=np.int64)  # a pending frame comes from the device
+            tokens.append(np.array([r.tokens[-1] if r.pending < 0 else 0 for r in decodes], dtype=np.int64))
+            codes.append(np.stack([r.last_codes if r.pending < 0 else blank for r in decodes]))
+            pending.append(np.array([self._previous_row(r) for r in decodes], dtype=np.int64))
+        return tokens, codes, np.concatenate(pending) if pending else np.zeros(0, dtype=np.int64)
 
     def _take_pending(self, dev: dict, first: int) -> None:
         """The decodes' input frames (from token row `first` on) that the previous step made and the host
@@ -237,18 +245,11 @@ class ModelRunner:
         bs = self.kv.block_size
         tables = [r.block_table[: -(-(c + q) // bs)] for r, q, c in zip(ordered, q_lens, ctx)]
         arrays, _, _ = AttentionMetadata.host_arrays(q_lens, ctx, tables, bs)
-        tokens = [r.prompt.tokens[r.cached:].numpy() for r in prefills]
-        codes = [r.prompt.codes[r.cached:].numpy() for r in prefills]
-        pending = [np.full(len(t), -1, dtype=np.int64) for t in tokens]
-        if decodes:
-            blank = np.zeros(self.model.num_codebooks, dtype=np.int64)  # a pending frame comes from the device
-            tokens.append(np.array([r.tokens[-1] if r.pending < 0 else 0 for r in decodes], dtype=np.int64))
-            codes.append(np.stack([r.last_codes if r.pending < 0 else blank for r in decodes]))
-            pending.append(np.array([self._previous_row(r) for r in decodes], dtype=np.int64))
+        tokens, codes, pending = self._inputs(prefills, decodes)
         floats, ints = sampling_columns(params, [r.generated for r in ordered])
         seats = self.history.assign([r.request_id for r in ordered], [r.tokens for r in ordered],
                                     [r.pending >= 0 for r in ordered])
-        step = HostStep(tokens=np.concatenate(tokens), codes=np.concatenate(codes), pending=np.concatenate(pending),
+        step = HostStep(tokens=np.concatenate(tokens), codes=np.concatenate(codes), pending=pending,
                         positions=arrays["positions"], slots=arrays["slot_mapping"], tables=arrays["block_tables"],
                         token_request=arrays["token_request"], last=arrays["cu_seqlens_q"][1:] - 1, seats=seats,
                         floats=floats, ints=ints)

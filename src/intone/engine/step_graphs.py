@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -132,7 +131,7 @@ class StepGraphs:
         self.max_kv = KV_BUCKETS[-1]
         dev, k = kv.k.device, model.num_codebooks
         self.decode_start = head_layout(self.max_rows).end
-        size = decode_layout(self.decode_start, self.max_tokens, self.max_kv // kv.block_size, k).end
+        size = decode_layout(self.decode_start, self.max_tokens, -(-self.max_kv // kv.block_size), k).end
         self.device_buffer = torch.zeros(size, dtype=torch.uint8, device=dev)
         pinned = dev.type == "cuda"
         self.host_buffers = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
