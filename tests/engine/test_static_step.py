@@ -132,3 +132,28 @@ def test_a_static_step_takes_requests_in_any_order_and_pads_past_them(tiny_fish)
     alone = [c.run([StepInput(f"r{i}", p, params[i], [], None, blocks_c.grow([], 60))]).to_host()
              for i, p in enumerate(prompts[1:], 1)]
     assert read[0][1:] == [t[0][0] for t in alone]  # prompts beside others and padding: their tokens alone
+
+
+def test_a_step_with_more_requests_than_history_seats_runs_eagerly_and_so_do_the_next(tiny_fish):
+    """The token history grows a new table past its seats; the static step's graphs read the old one, so that step
+    and every later one run eagerly, with the tokens of a runner that never had a static step."""
+    model = tiny_fish
+    g = torch.Generator().manual_seed(8)
+    prompts = [Prompt(torch.randint(0, 50, (9,), generator=g), torch.zeros(9, model.num_codebooks, dtype=torch.long))
+               for _ in range(3)]
+
+    def run(static: bool):
+        kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
+        r, blocks = ModelRunner(model, kv, max_seats=2), BlockManager(64, 16)
+        if static:
+            r.graphs = r._step_graphs(4, 64)
+        reqs = [StepInput(f"r{i}", p, SamplingParams(seed=i, temperature=1.0), [], None, blocks.grow([], 40))
+                for i, p in enumerate(prompts)]
+        for _ in range(3):
+            tokens, _, codes = r.run(reqs).to_host()
+            reqs = [StepInput(q.request_id, q.prompt, q.params, q.tokens + [t], c, q.block_table)
+                    for q, t, c in zip(reqs, tokens, codes)]
+        return r, [q.tokens for q in reqs]
+
+    (static, a), (_, b) = run(True), run(False)
+    assert a == b and static.graphs.eager == 0 and static.history.seats == 4

@@ -232,6 +232,8 @@ class ModelRunner:
 
     def _run_static(self, ordered: list[StepInput], order: list[int]) -> "StaticStepOutput | None":
         """The step through the static step, or None where it lies beyond its buckets."""
+        if len(ordered) > self.history.seats:  # the history would grow a new table, which its graphs do not read
+            return None
         n_prefill = sum(1 for r in ordered if r.is_prefill)
         prefills, decodes = ordered[:n_prefill], ordered[n_prefill:]
         q_lens = [len(r.prompt) - r.cached for r in prefills] + [1] * len(decodes)
