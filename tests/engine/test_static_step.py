@@ -157,3 +157,50 @@ def test_a_step_with_more_requests_than_history_seats_runs_eagerly_and_so_do_the
 
     (static, a), (_, b) = run(True), run(False)
     assert a == b and static.graphs.eager == 0 and static.history.seats == 4
+
+
+def test_a_static_decode_step_makes_a_handful_of_torch_calls_whatever_its_rows(tiny_fish, monkeypatch):
+    """Every torch call gives up the GIL the engine loop shares with the frontend's and codec's threads, and under
+    load waits to win it back (session 38): a static step's host side (its graphs' replays aside) stays a few calls,
+    at 4 rows and at 24 (before the static step it was 189 at 40 rows)."""
+    from torch.overrides import TorchFunctionMode
+
+    from intone.engine.step_graphs import StepGraphs
+
+    counted = [False]
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += counted[0]
+            return func(*args, **(kwargs or {}))
+
+    def aside(fn):  # what a GPU replays from its graphs: not the host's calls
+        def run(*args, **kwargs):
+            was, counted[0] = counted[0], False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counted[0] = was
+        return run
+    monkeypatch.setattr(StepGraphs, "_run", aside(StepGraphs._run))
+    model = tiny_fish
+    g = torch.Generator().manual_seed(6)
+    for rows in (4, 24):
+        kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cpu")
+        blocks, runner = BlockManager(256, 16), ModelRunner(model, kv, max_seats=64)
+        runner.graphs = runner._step_graphs()
+        reqs = [StepInput(f"r{i}", Prompt(torch.randint(0, 50, (12,), generator=g),
+                                          torch.zeros(12, model.num_codebooks, dtype=torch.long)),
+                          SamplingParams(seed=i), [], None, blocks.grow([], 40)) for i in range(rows)]
+        for _ in range(3):  # the prefill, then a decode (the first use of a bucket makes its views)
+            tokens, _, codes = runner.run(reqs).to_host()
+            reqs = [StepInput(q.request_id, q.prompt, q.params, q.tokens + [t], c, q.block_table)
+                    for q, t, c in zip(reqs, tokens, codes)]
+        Count.calls = 0
+        with Count():
+            counted[0] = True
+            runner.run(reqs).to_host()
+            counted[0] = False
+        assert Count.calls <= 5, (rows, Count.calls)
