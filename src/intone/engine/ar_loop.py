@@ -42,14 +42,13 @@ class InFlight:
 
 class ARLoop:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, stats: EngineStats, forwards_frame,
-                 fail: Callable[[EngineRequest, str], None], in_flight: bool = False, sleep: bool = False,
-                 min_step_s: float = 0.0):
-        """fail(request, message): end a request whose step failed. in_flight: ar.async_steps. sleep: wait
-        for the tokens asleep, not spinning (ar.token_wait). min_step_s: launch a step at most this often
-        (ar.min_step_ms), asleep until then."""
+                 fail: Callable[[EngineRequest, str], None], in_flight: bool = False, min_step_s: float = 0.0):
+        """fail(request, message): end a request whose step failed. in_flight: ar.async_steps. min_step_s:
+        launch a step at most this often (ar.min_step_ms), asleep until then. The tokens are waited for as the
+        runner says (`ModelRunner.sleep`, ar.token_wait)."""
         self.runner, self.scheduler, self.stats = runner, scheduler, stats
         self.forwards_frame, self.fail = forwards_frame, fail
-        self.keep_in_flight, self.sleep = in_flight, sleep
+        self.keep_in_flight = in_flight
         self.pending: InFlight | None = None
         self.min_step_s, self.last_launch = min_step_s, 0.0
         self.timed = runner.model.device.type == "cuda"  # the steps' GPU spans (events on the loop's stream)
@@ -100,7 +99,7 @@ class ARLoop:
             if span:
                 span[1].record()  # before the copy, so the copy's completion implies this one's
             waited = time.perf_counter()
-            copy = out.copy_to_host(asynchronous=self.keep_in_flight, sleep=self.sleep)
+            copy = out.copy_to_host(asynchronous=self.keep_in_flight, sleep=self.runner.sleep)
             self.stats.step_wait_seconds += time.perf_counter() - waited  # in order: the copy waits for the step
         except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
             self._failed(batch, e)

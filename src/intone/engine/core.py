@@ -70,7 +70,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps,
-                         sleep=ar.token_wait == "sleep", min_step_s=ar.min_step_ms / 1000)
+                         min_step_s=ar.min_step_ms / 1000)
         self.policy = chunk_policy(profile, model)
         self.planner = ChunkPlanner(self.policy, ar.max_num_seqs)
         if profile.codec.carry_state and model.stream_decoder() is None:

@@ -19,7 +19,7 @@ import torch
 
 from intone.engine.cuda_graphs import CaptureReport, head_bound
 from intone.engine.step_graphs import HostStep, StepGraphs
-from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel
+from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, unpacked
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
@@ -219,7 +219,7 @@ class ModelRunner:
 
     def _run_eager(self, ordered: list[StepInput], order: list[int]) -> StepOutput:
         out = self.execute(self.build(ordered))
-        packed = torch.cat((out.tokens.view(-1, 1).long(), out.stopped.view(-1, 1).long(), out.codes.long()), 1)
+        packed = out.packed()
         if self.graphs is not None:  # a static step after this one reads its frames there
             self.graphs.out[: packed.shape[0]].copy_(packed)
         self.previous = packed
@@ -277,7 +277,8 @@ class StaticStepOutput:
             packed = self.copy.wait()[0].numpy()[: self.rows]
             if self.order != list(range(self.rows)):
                 packed = packed[np.argsort(self.order)]
-            self._host = packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:].copy()
+            tokens, stopped, codes = unpacked(packed)
+            self._host = tokens, stopped, codes.copy()
         return self._host
 
     to_host = wait

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from intone.engine.cuda_graphs import KV_BUCKETS, ROW_BUCKETS, CaptureReport, bucket, capture_graph
 from intone.engine.streams import own_stream
+from intone.models.base import StepOutput
 from intone.ops.host_copy import PinnedCopy
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
@@ -175,11 +176,9 @@ class StepGraphs:
         """The host buffer's views for this key, and the host and device bytes its upload copies."""
         cache = ("host", turn, key.head_rows, key.rows, key.kv_tokens)
         if cache not in self._views:
-            host = self.host_buffers[turn]
-            end = self._decode_layout(key.rows, key.kv_tokens).end
-            views = {**head_layout(key.head_rows).numpy(host.numpy()),
-                     **self._decode_layout(key.rows, key.kv_tokens).numpy(host.numpy())}
-            self._views[cache] = (views, host[:end], self.device_buffer[:end])
+            host, decode = self.host_buffers[turn], self._decode_layout(key.rows, key.kv_tokens)
+            views = {**head_layout(key.head_rows).numpy(host.numpy()), **decode.numpy(host.numpy())}
+            self._views[cache] = (views, host[:decode.end], self.device_buffer[:decode.end])
         return self._views[cache]
 
     # ---- the static functions (captured) ---------------------------------------------------------
@@ -204,7 +203,7 @@ class StepGraphs:
         history = self.history.rows(v["seats"], sampling.steps)
         tokens, codes, stopped = self.model.head(self.hidden.index_select(0, v["last"]), sampling, history, bound)
         self.history.record(v["seats"], sampling.steps, tokens)
-        self.out[:rows].copy_(torch.cat((tokens.view(-1, 1).long(), stopped.view(-1, 1).long(), codes.long()), 1))
+        self.out[:rows].copy_(StepOutput(tokens, codes, stopped).packed())
 
     def _run(self, graph_key: tuple) -> None:
         graph = self._graphs.get(graph_key)

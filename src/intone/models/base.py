@@ -56,11 +56,19 @@ class StepOutput:
         loop then reads them without a torch call per row (each call would give up the GIL)."""
         return self.copy_to_host(asynchronous=False).wait()
 
+    def packed(self) -> Tensor:
+        """[R, 2 + K] int64: each row's token, stopped, codes (one tensor for one copy to the host)."""
+        return torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(), self.codes.long()), 1)
+
     def copy_to_host(self, asynchronous: bool, sleep: bool = False) -> "HostCopy":
         """`to_host`'s copy, made (or, asynchronous on a GPU, started): `wait()` gives what `to_host` gives.
         sleep: on a GPU, `wait()` sleeps on a blocking-sync event instead of spinning (`ar.token_wait`)."""
-        return HostCopy(torch.cat((self.tokens.view(-1, 1).long(), self.stopped.view(-1, 1).long(),
-                                   self.codes.long()), 1), asynchronous, sleep)
+        return HostCopy(self.packed(), asynchronous, sleep)
+
+
+def unpacked(packed: np.ndarray) -> tuple[list[int], list[bool], np.ndarray]:
+    """`StepOutput.packed` rows on the host -> (tokens, stopped, codes [R, K])."""
+    return packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:]
 
 
 class HostCopy:
@@ -72,9 +80,7 @@ class HostCopy:
         self.host = packed.cpu() if self.copy is None else None
 
     def wait(self) -> tuple[list[int], list[bool], np.ndarray]:
-        host = self.host if self.copy is None else self.copy.wait()[0]
-        packed = host.numpy()
-        return packed[:, 0].tolist(), (packed[:, 1] != 0).tolist(), packed[:, 2:]
+        return unpacked((self.host if self.copy is None else self.copy.wait()[0]).numpy())
 
 
 @dataclass
