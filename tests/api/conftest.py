@@ -1,4 +1,7 @@
+from concurrent.futures import ThreadPoolExecutor
+import io
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -96,9 +99,9 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
     if name == "server":
         # A short --engine-silence-seconds, for the hung-engine test (/health is all it changes); the
         # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores); the
-        # profiler's routes on.
+        # profiler's routes on; the AR step's static form (the GPU's default path, its graphs aside) on the CPU.
         return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody",
-                "--profile-dir", str(tmp / "profiles"))
+                "--profile-dir", str(tmp / "profiles"), "--set", "ar.static_step=true")
     if name == "strict_server":
         # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue; its codec in the engine
         # loop, pieces gathered and playing streams' chunks held for their listeners (engine/loop_codec.py).
@@ -159,3 +162,51 @@ def reference_wav(server) -> Path:
     t = np.arange(32000) / 16000
     sf.write(path, 0.3 * np.sin(2 * np.pi * 180 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)), 16000)
     return path
+
+
+def metric(text: str, name: str) -> float:
+    """One sample of `name` (or `name_total`) in a /metrics page, whatever its labels."""
+    found = re.search(rf"^{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert found, name
+    return float(found.group(1))
+
+
+def _samples(reply: httpx.Response, i: int) -> np.ndarray:
+    """Even requests asked for a WAV file, odd ones for streamed 16-bit PCM; both as floats in [-1, 1]."""
+    if i % 2 == 0:
+        return sf.read(io.BytesIO(reply.content), dtype="float32")[0]
+    return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
+
+
+def crowd_then_alone(server: Server, voices: int, alone: tuple[int, ...] = (0, 1), tokens: int = 40) -> None:
+    """`voices` concurrent requests, each with a reference clip of its own length (no cache hit, many shapes),
+    half whole WAV files, half streamed PCM; all answered with audio, and the `alone` ones asked again one at a
+    time get the crowd's audio (invariant 3: the same tokens; the codec's batches round differently, while
+    other tokens would give unrelated audio, an error near 1.4x its RMS)."""
+    clips = []
+    for i in range(voices):
+        seconds = 1.2 + 0.37 * i
+        t = np.arange(int(seconds * 24000)) / 24000
+        wav = server.media / f"crowd-voice{i}.wav"
+        sf.write(wav, 0.3 * np.sin(2 * np.pi * (150 + 17 * i) * t) * (1 + 0.4 * np.sin(2 * np.pi * 3 * t)), 24000)
+        clips.append(wav)
+
+    def speak(i: int) -> httpx.Response:
+        body = {"input": f"Sentence number {i} for the voice.", "ref_audio": str(clips[i]),
+                "ref_text": "A reference voice.", "seed": i, "max_new_tokens": tokens + 5 * i,
+                "stream": i % 2 == 1, "response_format": "wav" if i % 2 == 0 else "pcm",
+                **({"stream_format": "audio"} if i % 2 else {})}
+        return httpx.post(server.url("/v1/audio/speech"), json=body, timeout=300)
+
+    with ThreadPoolExecutor(voices) as pool:
+        replies = list(pool.map(speak, range(voices)))
+    for i, reply in enumerate(replies):
+        assert reply.status_code == 200, reply.text
+        audio = _samples(reply, i)
+        assert audio.size > 0 and np.abs(audio).max() > 0
+    for i in alone:
+        again = speak(i)
+        assert again.status_code == 200, again.text
+        a, b = _samples(again, i), _samples(replies[i], i)
+        rms = float(np.sqrt(np.mean(b**2)))
+        assert a.shape == b.shape and np.sqrt(np.mean((a - b) ** 2)) <= 0.05 * rms, (i, np.abs(a - b).max(), rms)

@@ -2,9 +2,7 @@
 captured at start-up, concurrent requests each bringing its own reference voice."""
 
 from concurrent.futures import ThreadPoolExecutor
-import io
 import itertools
-import re
 
 import httpx
 import numpy as np
@@ -14,7 +12,7 @@ import torch
 import yaml
 
 from intone.engine.config import PROFILE_DIR
-from tests.api.conftest import start_server, stop_server
+from tests.api.conftest import crowd_then_alone, metric, start_server, stop_server
 
 pytestmark = pytest.mark.gpu
 
@@ -53,19 +51,6 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
           {})]
 
 
-def _metric(text: str, name: str) -> float:
-    found = re.search(rf"^{name}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert found, name
-    return float(found.group(1))
-
-
-def _samples(reply: httpx.Response, i: int) -> np.ndarray:
-    """Even requests asked for a WAV file, odd ones for streamed 16-bit PCM; both as floats in [-1, 1]."""
-    if i % 2 == 0:
-        return sf.read(io.BytesIO(reply.content), dtype="float32")[0]
-    return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
-
-
 @pytest.mark.parametrize("model,profile,codec,flow,hift,sections", CASES)
 def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile, codec, flow, hift, sections,
                                                                   tiny_cache, tmp_path):
@@ -94,48 +79,21 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     server = start_server(tmp_path, tiny_cache, "--model", model, "--profile", str(path), "--device", "cuda",
                           "--max-reference-seconds", "30")
     try:
-        clips = []
-        for i in range(12):  # distinct voices of distinct lengths: no cache hit, many shapes
-            seconds = 1.2 + 0.37 * i
-            t = np.arange(int(seconds * 24000)) / 24000
-            wav = server.media / f"voice{i}.wav"
-            sf.write(wav, 0.3 * np.sin(2 * np.pi * (150 + 17 * i) * t) * (1 + 0.4 * np.sin(2 * np.pi * 3 * t)), 24000)
-            clips.append(wav)
-
-        def speak(i: int) -> httpx.Response:
-            body = {"input": f"Sentence number {i} for the voice.", "ref_audio": str(clips[i]),
-                    "ref_text": "A reference voice.", "seed": i, "max_new_tokens": 40 + 5 * i,
-                    "stream": i % 2 == 1, "response_format": "wav" if i % 2 == 0 else "pcm",
-                    **({"stream_format": "audio"} if i % 2 else {})}
-            return httpx.post(server.url("/v1/audio/speech"), json=body, timeout=300)
-
-        with ThreadPoolExecutor(len(clips)) as pool:
-            replies = list(pool.map(speak, range(len(clips))))
-        for i, reply in enumerate(replies):
-            assert reply.status_code == 200, reply.text
-            audio = _samples(reply, i)
-            assert audio.size > 0 and np.abs(audio).max() > 0
-        # Invariant 3: a seeded request draws the same tokens alone as in the crowd, so its audio is the
-        # same up to the codec's batch rounding (other tokens would give unrelated audio, an error near 1.4x its RMS).
-        for i in (0, 1):
-            alone = speak(i)
-            assert alone.status_code == 200, alone.text
-            a, b = _samples(alone, i), _samples(replies[i], i)
-            rms = float(np.sqrt(np.mean(b**2)))
-            assert a.shape == b.shape and np.sqrt(np.mean((a - b) ** 2)) <= 0.05 * rms, (i, np.abs(a - b).max(), rms)
+        crowd_then_alone(server, 12)
         metrics = httpx.get(server.url("/metrics"), timeout=10).text
-        assert _metric(metrics, "intone_graph_replays") > 0
-        assert _metric(metrics, "intone_eager_decode_steps") == 0
-        assert _metric(metrics, "intone_frontend_graph_replays") > 0  # the shipped profiles replay the frontend
-        assert _metric(metrics, "intone_reference_cache_misses") >= len(clips)
+        assert metric(metrics, "intone_graph_replays") > 0
+        assert metric(metrics, "intone_eager_decode_steps") == 0
+        assert metric(metrics, "intone_static_steps") == metric(metrics, "intone_graph_replays")
+        assert metric(metrics, "intone_frontend_graph_replays") > 0  # the shipped profiles replay the frontend
+        assert metric(metrics, "intone_reference_cache_misses") >= 12
         # where the engine process's GPU memory goes: the KV pool within the peak, the serving peak
         # at least start-up's, the allocator's cache on top of what is allocated
-        kv, ready = _metric(metrics, "intone_kv_cache_bytes"), _metric(metrics, "intone_gpu_allocated_peak_at_ready_bytes")
-        peak = _metric(metrics, "intone_gpu_allocated_peak_bytes")
-        assert 0 < kv <= ready <= peak <= _metric(metrics, "intone_gpu_reserved_peak_bytes")
+        kv, ready = metric(metrics, "intone_kv_cache_bytes"), metric(metrics, "intone_gpu_allocated_peak_at_ready_bytes")
+        peak = metric(metrics, "intone_gpu_allocated_peak_bytes")
+        assert 0 < kv <= ready <= peak <= metric(metrics, "intone_gpu_reserved_peak_bytes")
         if codec_graphs:
-            assert _metric(metrics, "intone_codec_graph_replays") > 0
-            assert _metric(metrics, "intone_codec_eager_runs") == 0
+            assert metric(metrics, "intone_codec_graph_replays") > 0
+            assert metric(metrics, "intone_codec_eager_runs") == 0
         log = server.log.read_text()
         assert "cannot capture" not in log and "Traceback" not in log
     finally:
@@ -173,11 +131,11 @@ def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(ti
         for a, b in itertools.combinations(launching, 2):  # no thread's kernels queue behind another's
             assert not set(a["streams"]) & set(b["streams"]), (a["thread"], b["thread"], a["streams"], b["streams"])
         metrics = httpx.get(server.url("/metrics"), timeout=30).text  # the steps timed on the loop's stream
-        assert 0 < _metric(metrics, "intone_engine_gpu_timed_steps") <= _metric(metrics, "intone_engine_steps")
-        assert _metric(metrics, "intone_engine_step_gpu_seconds") > 0
+        assert 0 < metric(metrics, "intone_engine_gpu_timed_steps") <= metric(metrics, "intone_engine_steps")
+        assert metric(metrics, "intone_engine_step_gpu_seconds") > 0
         # the allocator's device calls: start-up's cudaMallocs at least, and counts that never fall
-        assert _metric(metrics, "intone_gpu_device_mallocs") > 0
-        assert _metric(metrics, "intone_gpu_alloc_retries") >= 0 and _metric(metrics, "intone_gpu_device_frees") >= 0
+        assert metric(metrics, "intone_gpu_device_mallocs") > 0
+        assert metric(metrics, "intone_gpu_alloc_retries") >= 0 and metric(metrics, "intone_gpu_device_frees") >= 0
         for thread in launching:  # every thread's gaps and stretch are there, and none is negative
             assert min(thread["gaps"].values()) >= 0 and min(thread["stretch"].values()) >= 0
     finally:

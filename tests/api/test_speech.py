@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.api.conftest import crowd_then_alone, metric
+
 BODY = {"input": "Hello world", "seed": 3, "max_new_tokens": 30}
 
 
@@ -144,6 +146,13 @@ def test_metrics_are_exposed(server):
                  "intone_requests_total", "intone_kv_cache_usage_ratio"):
         assert name in text
     assert 'intone_requests_total{outcome="length"}' in text
+
+
+def test_concurrent_voices_get_their_audio_alone_through_the_static_step(server):
+    """The GPU's step path (its graphs aside) under a crowd of requests, each with its own reference clip."""
+    crowd_then_alone(server, 8, tokens=30)
+    text = httpx.get(server.url("/metrics")).text
+    assert metric(text, "intone_static_steps") > 0 and metric(text, "intone_graph_replays") == 0
 
 
 def test_bad_reference_audio_still_names_the_field(server, reference_wav):

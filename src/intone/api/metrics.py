@@ -41,8 +41,10 @@ ENGINE_COUNTERS = {
     "frontend_process_seconds": ("intone_frontend_process_seconds",
                                  "Seconds the frontend processes spent encoding their batches (frontend.process; the "
                                  "rest of the workers' busy time went to messages and waiting)"),
-    "graph_replays": ("intone_graph_replays", "Decode steps run by replaying a captured CUDA graph"),
-    "eager_decode_steps": ("intone_eager_decode_steps", "Decode steps run eagerly (no graph)"),
+    "graph_replays": ("intone_graph_replays", "AR steps replayed from a captured CUDA graph"),
+    "eager_decode_steps": ("intone_eager_decode_steps", "AR steps not replayed from a CUDA graph"),
+    "static_steps": ("intone_static_steps", "AR steps run through the static step (ar.static_step), from a graph "
+                                            "or not"),
     "frontend_graph_replays": ("intone_frontend_graph_replays",
                                "Reference-frontend network calls replayed from a CUDA graph"),
     "frontend_eager_runs": ("intone_frontend_eager_runs",

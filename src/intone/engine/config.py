@@ -45,6 +45,12 @@ class ARConfig(_Strict):
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
     cuda_graphs: bool = Field(True, description="replay captured graphs where the model has them (GPU only)")
+    static_step: Literal["auto"] | bool = Field(
+        "auto", description="the AR step's static form (engine/step_graphs.py: the host writes a step's inputs at "
+                            "offsets its bucket fixes, one upload, the decode and the head over fixed buffers, one "
+                            "download; the graphs replay it): auto on a GPU where the model's head allows it; true: "
+                            "also on a CPU (the same code, no graphs; tests); false: every step eager (prefills "
+                            "packed)")
     prefix_caching: bool = Field(False, description="a request whose prompt starts as an earlier one's (e.g. the same "
                                                     "voice first, as Fish's prompts put it) takes that prefix's KV "
                                                     "blocks instead of computing them again (whole blocks; kept until "

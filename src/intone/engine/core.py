@@ -66,7 +66,8 @@ class EngineCore:
         self.blocks = BlockManager(num_blocks, ar.block_size)
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs,
-                                  sample_candidates=ar.sample_candidates, sleep=ar.token_wait == "sleep")
+                                  sample_candidates=ar.sample_candidates, sleep=ar.token_wait == "sleep",
+                                  static_step=ar.static_step)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps,
@@ -306,7 +307,9 @@ class EngineCore:
             frontend_batches=self.frontend.batches, frontend_clips=self.frontend.clips,
             frontend_jobs=self.frontend.jobs, frontend_busy_seconds=self.frontend.busy_s,
             frontend_queued_seconds=self.frontend.queued_s,
-            graph_replays=graphs.replays if graphs else 0, eager_decode_steps=graphs.eager if graphs else 0,
+            graph_replays=graphs.replays if graphs else 0,
+            eager_decode_steps=(graphs.eager if graphs else 0) + self.runner.eager_steps,
+            static_steps=graphs.replays + graphs.eager if graphs else 0,
             captured_graphs=self.stats.captured_graphs, capture_seconds=self.stats.capture_seconds,
             **self.frontend.graph_counters(front),
             codec_graph_replays=codec_graphs.replays if codec_graphs is not None else 0,

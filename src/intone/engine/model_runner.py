@@ -6,8 +6,9 @@ of the model's decode forward (a prompt token attends to its request's keys up t
 which the step has just written) at the shapes of its (token rows, KV length) bucket, and the head
 (sampling) takes each request's last row; the host writes the step's inputs into pinned memory and
 the step is one upload, two graph replays and one download. With `ar.cuda_graphs` off the same static
-functions run eagerly over the same buffers: the same bits. On the CPU, or beyond the buckets,
-prefills run through the model's packed `forward` and decodes through `forward_decode` eagerly.
+functions run eagerly over the same buffers: the same bits. On the CPU (unless `ar.static_step` is true),
+with it false, or beyond the buckets, prefills run through the model's packed `forward` and decodes through
+`forward_decode` eagerly.
 """
 
 from __future__ import annotations
@@ -57,20 +58,22 @@ MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 class ModelRunner:
     def __init__(self, model: TTSModel, kv: KVCache, cuda_graphs: bool = False, max_seats: int = 64,
-                 sample_candidates: int = 64, sleep: bool = False):
+                 sample_candidates: int = 64, sleep: bool = False, static_step: str | bool = "auto"):
         """max_seats: requests per step expected (the token history grows beyond it if need be);
         sample_candidates: `ar.sample_candidates`; sleep: a static step's copy of its outputs to the host
-        ends on a blocking-sync event, so the host waits for it asleep (`ar.token_wait`)."""
+        ends on a blocking-sync event, so the host waits for it asleep (`ar.token_wait`); static_step:
+        `ar.static_step` (auto: on a GPU; True: also on a CPU)."""
         self.model, self.kv, self.sleep = model, kv, sleep
         # the bounds the head sorts to (`cuda_graphs.head_bound`), each captured; None: every token
         self.head_bounds = (sample_candidates, None) if model.head_takes_candidates and sample_candidates else (None,)
         self.history = TokenHistory(model.device, max_seats)
         self.staging = HostStaging(model.device)
         self.max_graph_tokens = 0
-        self.cuda_graphs = cuda_graphs
-        # The static step's buffers (and its graphs, once captured); GPU, a model with a static head.
-        self.graphs: StepGraphs | None = (self._step_graphs() if model.device.type == "cuda" and model.head_is_static
-                                          else None)
+        self.cuda_graphs = cuda_graphs and model.device.type == "cuda"
+        # The static step's buffers (and its graphs, once captured), for a model with a static head.
+        static = static_step is True or (static_step == "auto" and model.device.type == "cuda")
+        self.graphs: StepGraphs | None = self._step_graphs() if static and model.head_is_static else None
+        self.eager_steps = 0  # steps beside the static step (none, or beyond its buckets)
         # the last run's packed outputs [rows in the order it ran them, 2 + K] (token, stopped, codes) on the
         # device, and where each of its caller's rows went (for `StepInput.pending`)
         self.previous: torch.Tensor | None = None
@@ -218,6 +221,7 @@ class ModelRunner:
         return out
 
     def _run_eager(self, ordered: list[StepInput], order: list[int]) -> StepOutput:
+        self.eager_steps += 1
         out = self.execute(self.build(ordered))
         packed = out.packed()
         if self.graphs is not None:  # a static step after this one reads its frames there
