@@ -99,9 +99,10 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
     if name == "server":
         # A short --engine-silence-seconds, for the hung-engine test (/health is all it changes); the
         # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores); the
-        # profiler's routes on; the AR step's static form (the GPU's default path, its graphs aside) on the CPU.
+        # profiler's routes on; the AR step's static form, one step in flight (the shipped GPU path, its graphs
+        # aside) on the CPU.
         return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody",
-                "--profile-dir", str(tmp / "profiles"), "--set", "ar.static_step=true")
+                "--profile-dir", str(tmp / "profiles"), "--set", "ar.static_step=true", "--set", "ar.async_steps=true")
     if name == "strict_server":
         # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue; its codec in the engine
         # loop, pieces gathered and playing streams' chunks held for their listeners (engine/loop_codec.py).
