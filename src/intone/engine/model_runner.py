@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from intone.engine.cuda_graphs import CaptureReport, head_bound
-from intone.engine.step_graphs import HostStep, StepGraphs
+from intone.engine.step_graphs import HostStep, StepGraphs, sampling_of_columns
 from intone.models.base import Prompt, StepBatch, StepOutput, TTSModel, unpacked
 from intone.ops.attention import AttentionMetadata
 from intone.ops.kv_cache import KVCache
@@ -127,8 +127,8 @@ class ModelRunner:
                     sampling_ints=ints, seats=seats)
         if (pending >= 0).any():
             host["pending"] = pending
-        metas = {name: self._meta_arrays(part, prefill)
-                 for name, part, prefill in (("prefill", prefills, True), ("decode", decodes, False)) if part}
+        metas = {name: AttentionMetadata.host_arrays(*self._spans(part), self.kv.block_size)
+                 for name, part in (("prefill", prefills), ("decode", decodes)) if part}
         for name, (arrays, _, _) in metas.items():
             host.update({f"{name}.{k}": v for k, v in arrays.items()})
         dev = self.staging.upload(host)
@@ -175,16 +175,18 @@ class ModelRunner:
             raise ValueError(f"{r.request_id}: a pending frame, but no such row in the previous step")
         return self.previous_rows[r.pending]
 
-    def _meta_arrays(self, reqs: list[StepInput], prefill: bool):
+    def _spans(self, reqs: list[StepInput]) -> tuple[list[int], list[int], list[list[int]]]:
+        """Each request's (new tokens this step, tokens already in its KV, the blocks the step reads): a prefill
+        computes its prompt past the cached prefix, a decode one token."""
         q_lens, ctx_lens, tables = [], [], []
         for r in reqs:
-            q = len(r.prompt) - r.cached if prefill else 1
-            ctx = r.cached if prefill else len(r.prompt) + r.generated - 1
+            q = len(r.prompt) - r.cached if r.is_prefill else 1
+            ctx = r.cached if r.is_prefill else len(r.prompt) + r.generated - 1
             q_lens.append(q)
             ctx_lens.append(ctx)
             # a table lent ahead holds more: the step reads these (host_arrays refuses one too short)
             tables.append(r.block_table[: -(-(ctx + q) // self.kv.block_size)])
-        return AttentionMetadata.host_arrays(q_lens, ctx_lens, tables, self.kv.block_size)
+        return q_lens, ctx_lens, tables
 
     # ---- running -------------------------------------------------------------------------------
 
@@ -240,17 +242,14 @@ class ModelRunner:
             return None
         n_prefill = sum(1 for r in ordered if r.is_prefill)
         prefills, decodes = ordered[:n_prefill], ordered[n_prefill:]
-        q_lens = [len(r.prompt) - r.cached for r in prefills] + [1] * len(decodes)
-        ctx = [r.cached for r in prefills] + [len(r.prompt) + r.generated - 1 for r in decodes]
+        q_lens, ctx, tables = self._spans(ordered)
         params = [r.params for r in ordered]
         bound = head_bound(self.head_bounds, max(p.top_k for p in params))
         key = self.graphs.key(sum(q_lens), max(q + c for q, c in zip(q_lens, ctx)), len(ordered), bound,
                               sampling_modes(params))
         if key is None:
             return None
-        bs = self.kv.block_size
-        tables = [r.block_table[: -(-(c + q) // bs)] for r, q, c in zip(ordered, q_lens, ctx)]
-        arrays, _, _ = AttentionMetadata.host_arrays(q_lens, ctx, tables, bs)
+        arrays, _, _ = AttentionMetadata.host_arrays(q_lens, ctx, tables, self.kv.block_size)
         tokens, codes, pending = self._inputs(prefills, decodes)
         floats, ints = sampling_columns(params, [r.generated for r in ordered])
         seats = self.history.assign([r.request_id for r in ordered], [r.tokens for r in ordered],
@@ -312,13 +311,9 @@ def sampling_columns(params: list[SamplingParams], steps: list[int]) -> tuple[np
 def sampling_from(params: list[SamplingParams], f: torch.Tensor, i: torch.Tensor) -> SamplingBatch:
     """The batch over `sampling_columns`' arrays as tensors (every per-row field, ban_stop, below_min and
     ras too, so a static head can take it), with the host-side bounds from the params."""
-    return SamplingBatch(
-        temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], repetition_penalty=f[:, 2], seeds=i[:, 1], steps=i[:, 2],
-        max_top_k=max(p.top_k for p in params),
-        has_penalty=any(p.repetition_penalty != 1.0 for p in params),
-        ban_stop=i[:, 3].bool(), below_min=i[:, 4].bool(), ras=i[:, 5].bool(),
-        modes=sampling_modes(params),
-    )
+    return sampling_of_columns(f, i, max_top_k=max(p.top_k for p in params),
+                               has_penalty=any(p.repetition_penalty != 1.0 for p in params),
+                               modes=sampling_modes(params))
 
 
 def sampling_modes(params: list[SamplingParams]) -> str:

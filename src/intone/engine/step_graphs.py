@@ -73,6 +73,15 @@ SAMPLING_FLOATS = 3  # temperature, top_p, repetition_penalty (`model_runner.sam
 SAMPLING_INTS = 6  # top_k, seed, step, ban_stop, below_min, ras
 
 
+def sampling_of_columns(f: Tensor, i: Tensor, max_top_k: int, has_penalty: bool, modes: str) -> SamplingBatch:
+    """The sampling batch over the per-row columns (floats [R, SAMPLING_FLOATS], ints [R, SAMPLING_INTS]) and
+    the host-side bounds."""
+    return SamplingBatch(
+        temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], repetition_penalty=f[:, 2], seeds=i[:, 1], steps=i[:, 2],
+        ban_stop=i[:, 3].bool(), below_min=i[:, 4].bool(), ras=i[:, 5].bool(), max_top_k=max_top_k,
+        has_penalty=has_penalty, modes=modes)
+
+
 def head_layout(rows: int) -> Layout:
     return Layout(0, [("last", I64, (rows,)), ("seats", I64, (rows,)), ("floats", F32, (rows, SAMPLING_FLOATS)),
                       ("ints", I64, (rows, SAMPLING_INTS))])
@@ -194,12 +203,8 @@ class StepGraphs:
 
     def _head(self, rows: int, bound: int | None, modes: str) -> None:
         v = self._device_views("head", rows)
-        f, i = v["floats"], v["ints"]
         # max_top_k is a placeholder (a static head never reads it); the graph runs the samplers of `modes`
-        sampling = SamplingBatch(
-            temperature=f[:, 0], top_p=f[:, 1], top_k=i[:, 0], repetition_penalty=f[:, 2], seeds=i[:, 1],
-            steps=i[:, 2], ban_stop=i[:, 3].bool(), below_min=i[:, 4].bool(), ras=i[:, 5].bool(), max_top_k=1,
-            has_penalty=True, modes=modes)
+        sampling = sampling_of_columns(v["floats"], v["ints"], max_top_k=1, has_penalty=True, modes=modes)
         history = self.history.rows(v["seats"], sampling.steps)
         tokens, codes, stopped = self.model.head(self.hidden.index_select(0, v["last"]), sampling, history, bound)
         self.history.record(v["seats"], sampling.steps, tokens)
