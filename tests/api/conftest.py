@@ -1,5 +1,6 @@
 from concurrent.futures import ThreadPoolExecutor
 import io
+import json
 import os
 import re
 import socket
@@ -21,8 +22,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, base: str, process: subprocess.Popen, log: Path, media: Path):
+    def __init__(self, base: str, process: subprocess.Popen, log: Path, media: Path, trace: Path | None = None):
         self.base, self.process, self.log, self.media = base, process, log, media
+        self.trace = trace  # its --trace-frames file, if it writes one
 
     def url(self, path: str) -> str:
         return self.base + path
@@ -39,7 +41,8 @@ def launch_server(tmp: Path, cache: Path, *extra: str) -> Server:
            "--max-input-chars", "300", "--max-reference-seconds", "10", *extra]
     process = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                env={**os.environ, "INTONE_CACHE": str(cache)})
-    return Server(f"http://127.0.0.1:{port}", process, log, media)
+    trace = Path(extra[extra.index("--trace-frames") + 1]) if "--trace-frames" in extra else None
+    return Server(f"http://127.0.0.1:{port}", process, log, media, trace)
 
 
 def wait_ready(server: Server, timeout: float = 120) -> Server:
@@ -100,9 +103,10 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
         # A short --engine-silence-seconds, for the hung-engine test (/health is all it changes); the
         # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores); the
         # profiler's routes on; the AR step's static form, one step in flight (the shipped GPU path, its graphs
-        # aside) on the CPU.
+        # aside) on the CPU; its frames traced (the crowd's tokens compared).
         return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody",
-                "--profile-dir", str(tmp / "profiles"), "--set", "ar.static_step=true", "--set", "ar.async_steps=true")
+                "--profile-dir", str(tmp / "profiles"), "--set", "ar.static_step=true", "--set", "ar.async_steps=true",
+                "--trace-frames", str(tmp / "frames.jsonl"))
     if name == "strict_server":
         # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue; its codec in the engine
         # loop, pieces gathered and playing streams' chunks held for their listeners (engine/loop_codec.py).
@@ -179,11 +183,18 @@ def _samples(reply: httpx.Response, i: int) -> np.ndarray:
     return np.frombuffer(reply.content, dtype=np.int16) / 32768.0
 
 
+def traced_ends(trace: Path) -> dict[str, dict]:
+    """The terminal row of each request in a server's frame trace (`--trace-frames`), by request id."""
+    rows = (json.loads(line) for line in trace.read_text().splitlines())
+    return {row["request_id"]: row for row in rows if row["finished"]}
+
+
 def crowd_then_alone(server: Server, voices: int, alone: tuple[int, ...] = (0, 1), tokens: int = 40) -> None:
     """`voices` concurrent requests, each with a reference clip of its own length (no cache hit, many shapes),
     half whole WAV files, half streamed PCM; all answered with audio, and the `alone` ones asked again one at a
     time get the crowd's audio (invariant 3: the same tokens; the codec's batches round differently, while
-    other tokens would give unrelated audio, an error near 1.4x its RMS)."""
+    other tokens would give unrelated audio, an error near 1.4x its RMS). Where the server traces its frames,
+    also the same prompt and the same tokens exactly."""
     clips = []
     for i in range(voices):
         seconds = 1.2 + 0.37 * i
@@ -208,6 +219,11 @@ def crowd_then_alone(server: Server, voices: int, alone: tuple[int, ...] = (0, 1
     for i in alone:
         again = speak(i)
         assert again.status_code == 200, again.text
+        if server.trace is not None:
+            ends = traced_ends(server.trace)
+            crowd, single = (ends[r.headers["X-Request-Id"]] for r in (replies[i], again))
+            assert crowd["prompt_digest"] == single["prompt_digest"], i
+            assert crowd["tokens"] == single["tokens"], i
         a, b = _samples(again, i), _samples(replies[i], i)
         rms = float(np.sqrt(np.mean(b**2)))
         assert a.shape == b.shape and np.sqrt(np.mean((a - b) ** 2)) <= 0.05 * rms, (i, np.abs(a - b).max(), rms)

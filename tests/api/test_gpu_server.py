@@ -77,7 +77,7 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(settings))
     server = start_server(tmp_path, tiny_cache, "--model", model, "--profile", str(path), "--device", "cuda",
-                          "--max-reference-seconds", "30")
+                          "--max-reference-seconds", "30", "--trace-frames", str(tmp_path / "frames.jsonl"))
     try:
         crowd_then_alone(server, 12)
         metrics = httpx.get(server.url("/metrics"), timeout=10).text

@@ -27,7 +27,7 @@ from intone.engine.model_runner import ModelRunner
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.stats import EngineStats, gib_so_far, gpu_memory
-from intone.engine.trace import FrameTracer
+from intone.engine.trace import FrameTracer, prompt_digest
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
 from intone.ops import fused, paged_decode
@@ -428,7 +428,7 @@ class EngineCore:
                 stop_reason=req.stop_reason if c.finished else None,
                 prompt_tokens=len(req.prompt), completion_tokens=generated,
                 timings=req.times.summary(time.perf_counter()) if c.finished else None,
-            ), context=c.context)
+            ), context=c.context, req=req)
             req.seq += 1
             req.delivered = c.end
             if c.finished:
@@ -445,7 +445,7 @@ class EngineCore:
         chunk = self._terminal(req.request_id, req.delivered, reason, error=error, req=req)
         chunk.error_code = code
         chunk.timings = req.times.summary(time.perf_counter())
-        self._send(chunk)
+        self._send(chunk, req=req)
 
     def _release(self, req: EngineRequest, reason: str | None) -> None:
         """The one cleanup for every exit path; idempotent."""
@@ -465,9 +465,11 @@ class EngineCore:
             completion_tokens=len(req.tokens) if req else 0,
         )
 
-    def _send(self, chunk: AudioChunk, context: int = 0) -> None:
+    def _send(self, chunk: AudioChunk, context: int = 0, req: EngineRequest | None = None) -> None:
         if self.tracer is not None:
             extra = dict(timings=chunk.timings) if chunk.finished and chunk.timings else {}
+            if chunk.finished and req is not None:  # what invariant 3 compares: the same prompt, the same tokens
+                extra.update(tokens=req.tokens, prompt_digest=prompt_digest(req.prompt))
             self.tracer.record(chunk.request_id, chunk.start_frame, chunk.end_frame, context, chunk.finished,
                                stop_reason=chunk.stop_reason, backlog=self.planner.backlog_active, **extra)
         self._outbox.append(chunk)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Iterable
+
+import torch
+
+from intone.models.base import Prompt
 
 
 class FrameTracer:
@@ -19,6 +24,25 @@ class FrameTracer:
 
     def close(self) -> None:
         self._file.close()
+
+
+def prompt_digest(prompt: Prompt) -> dict[str, str]:
+    """Digests of what a request's AR reads (its prompt's tokens and codes) and of what its codec reads besides
+    (the model's conditioning, e.g. a reference's mel): two requests with the same digests and the same seed
+    should draw the same tokens (invariant 3), whatever else ran beside them."""
+    conditioning = prompt.conditioning
+    parts = vars(conditioning).values() if hasattr(conditioning, "__dict__") else (
+        conditioning.values() if isinstance(conditioning, dict) else [])
+    return {"prompt": _digest([prompt.tokens, prompt.codes]),
+            "conditioning": _digest([t for t in parts if isinstance(t, torch.Tensor)])}
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 @dataclass
