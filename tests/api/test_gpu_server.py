@@ -79,7 +79,11 @@ def test_concurrent_requests_with_their_own_voices_run_on_graphs(model, profile,
     server = start_server(tmp_path, tiny_cache, "--model", model, "--profile", str(path), "--device", "cuda",
                           "--max-reference-seconds", "30", "--trace-frames", str(tmp_path / "frames.jsonl"))
     try:
-        crowd_then_alone(server, 12)
+        # A flow under bf16 autocast (the varlen kernel needs half precision) rounds by the batch its rows share:
+        # with the same prompts and tokens (the trace's digests), a stream's audio differed from its solo run by
+        # 6.3-8.2% of its RMS (H100, session 40), against ~140% for other tokens.
+        half = flow_settings.get("autocast", "none") != "none"
+        crowd_then_alone(server, 12, tolerance=0.25 if half else 0.05)
         metrics = httpx.get(server.url("/metrics"), timeout=10).text
         assert metric(metrics, "intone_graph_replays") > 0
         assert metric(metrics, "intone_eager_decode_steps") == 0
