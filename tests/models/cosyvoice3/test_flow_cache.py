@@ -18,6 +18,12 @@ from .test_flow import CHUNK, TINY, make_flow, request
 LOOKAHEAD = TINY.pre_lookahead_len
 
 
+# Flex attention runs unfused on a CPU, every score materialised, and no shipped profile uses it: its costliest
+# CPU cases here keep one (the final hop behind one cache); the GPU tests below and the streamed flex test
+# (test_streaming.py) cover the rest.
+FLEX_ON_CPU = "flex attention on a CPU: one case of this test (CI time)"
+
+
 @pytest.fixture(scope="module", params=["sdpa", "flex", "varlen"])
 def flow(request):
     f = make_flow()
@@ -81,6 +87,8 @@ def test_rows_of_every_kind_share_one_continued_solve(flow):
     """One call: a stream's first hop, two streams' later hops with caches of different lengths, a final
     hop and a whole response; each row gets what it gets alone (and its own cache), with the pause
     called after each Euler step."""
+    if flow.decoder.estimator.attention_kernel == "flex":
+        pytest.skip(FLEX_ON_CPU)
     g = torch.Generator().manual_seed(3)
     fulls = [request(g, prompt=p, tokens=n, finalize=True) for p, n in ((7, 90), (20, 100), (3, 110), (12, 60), (5, 40))]
     caches = []
@@ -191,6 +199,8 @@ def test_a_continued_final_hop_is_the_whole_solve_with_its_earlier_frames_chunk_
     each time the whole-prefix solve whose frames before the final chunk keep the chunk mask and whose final
     chunk sees every frame (float64, every kernel). The frames before it are the mel the earlier hops
     released; the final chunk's differ from the official final hop's (full attention everywhere)."""
+    if flow.decoder.estimator.attention_kernel == "flex" and behind != 1:
+        pytest.skip(FLEX_ON_CPU)
     g = torch.Generator().manual_seed(21 + behind)
     prompt, total = 9, 110
     full = request(g, prompt=prompt, tokens=total, finalize=True)
