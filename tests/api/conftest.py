@@ -103,10 +103,13 @@ def shared_flags(name: str, tmp: Path) -> tuple[str, ...]:
         # A short --engine-silence-seconds, for the hung-engine test (/health is all it changes); the
         # OpenAI SDK tests' voice aliases ('narrator' names a voice they store, 'ghost' one nobody stores); the
         # profiler's routes on; the AR step's static form, one step in flight (the shipped GPU path, its graphs
-        # aside) on the CPU; its frames traced (the crowd's tokens compared).
+        # aside) on the CPU; its frames traced (the crowd's tokens compared); streamed chunks decoded against their
+        # carried states on packed rows (codec.carry_state, codec.packed_decode; the shipped padded rows run under
+        # the GPU server test and the engine tests).
         return ("--engine-silence-seconds", "2", "--voice-alias", "narrator=house", "--voice-alias", "ghost=nobody",
                 "--profile-dir", str(tmp / "profiles"), "--set", "ar.static_step=true", "--set", "ar.async_steps=true",
-                "--trace-frames", str(tmp / "frames.jsonl"))
+                "--trace-frames", str(tmp / "frames.jsonl"), "--set", "codec.carry_state=true",
+                "--set", "codec.packed_decode=true")
     if name == "strict_server":
         # API key, SGLang's SSE dialect, and a one-seat engine with a one-place queue; its codec in the engine
         # loop, pieces gathered and playing streams' chunks held for their listeners (engine/loop_codec.py).

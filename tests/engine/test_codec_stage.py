@@ -135,11 +135,18 @@ class _RecordedDecodes(_ShapesOnly):
 
     samples_per_frame = 2
 
-    def __init__(self):
-        self.plain, self.carried = [], []
+    gap = 3  # codec.packed_decode: the full-size codec's gap
 
-    def stream_decoder(self, lean=False):
+    def __init__(self):
+        self.plain, self.carried, self.packed = [], [], []
+
+    def stream_decoder(self, lean=False, packed=False):
         return self
+
+    def packed_length(self, lengths):
+        from intone.models.fish_s2.codec_packed import packed_frames
+
+        return packed_frames(sum(lengths) + self.gap * len(lengths))
 
     def decode(self, codes, *rest):
         if len(rest) == 1:  # the plain decode: (codes, offsets)
@@ -147,6 +154,7 @@ class _RecordedDecodes(_ShapesOnly):
             return torch.zeros(codes.shape[0], codes.shape[2] * self.samples_per_frame)
         lengths, states = rest  # the stream decoder's: each row's state comes back at its new frame
         self.carried.append((codes.shape[0], codes.shape[2]))
+        self.packed.append(self.packed_length(lengths))
         new = [SimpleNamespace(frames=(s.frames if s is not None else 0) + n) for s, n in zip(states, lengths)]
         return torch.zeros(codes.shape[0], codes.shape[2] * self.samples_per_frame), new
 
@@ -156,16 +164,17 @@ class _RecordedDecodes(_ShapesOnly):
                 max_size=70),
        st.sampled_from([8, 16, 64]), st.sampled_from([256, 1024, 4096]), st.sampled_from([0, 8]),
        st.sampled_from([0, 3, 16]), st.sampled_from([(), (25, 29), (6, 9, 14, 21)]), st.sampled_from([None, 64]),
-       st.sampled_from([4, 25, 50, 60]))
+       st.sampled_from([4, 25, 50, 60]), st.booleans())
 def test_every_carried_call_shape_is_one_the_warm_up_carries(requests, max_batch, max_padded, granule, exact,
-                                                             buckets, cost, longest):
+                                                             buckets, cost, longest, packed):
     """The carried decode warms only the shapes up to its longest chunk's bucket (`carried_shapes`): whatever
     chunks of at most `longest` frames wait in one call, several of a request in a row among them (joined into
     spans, decoded in rounds), each carried decode gets a shape start-up carried; a request's only chunk
-    (finished from frame 0, up to 120 frames here) takes the plain decode, whose shapes start-up decodes."""
+    (finished from frame 0, up to 120 frames here) takes the plain decode, whose shapes start-up decodes. Packed
+    (`codec.packed_decode`), each carried call's packed length is one start-up packs."""
     model = _RecordedDecodes()
     vocoder = WindowVocoder(model, max_batch, max_padded, carry_state=True, row_granule=granule, split_cost=cost,
-                            exact_rows=exact, frame_buckets=buckets)
+                            exact_rows=exact, frame_buckets=buckets, packed_decode=packed)
     windows = []
     for key, (chunks, finished) in enumerate(requests):
         if finished and len(chunks) == 1:  # a whole response
@@ -179,7 +188,10 @@ def test_every_carried_call_shape_is_one_the_warm_up_carries(requests, max_batch
                                        0, last))
             at += n
     vocoder.decode(windows, {})
-    assert set(model.carried) <= set(vocoder.carried_shapes(512, longest))
+    if packed:
+        assert set(model.packed) <= set(vocoder.packed_lengths(bucket_frames(longest)))
+    else:
+        assert set(model.carried) <= set(vocoder.carried_shapes(512, longest))
     assert set(model.plain) <= set(vocoder.warm_shapes(512))
     assert len(model.plain) > 0 or not any(f and len(c) == 1 for c, f in requests)
 
@@ -209,10 +221,11 @@ def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny
             assert abs(audio - model.decode(req.codes[None], 0)[0].numpy()[: 6 * spf]).max() < 1e-6
 
 
-def test_exact_rows_and_frame_buckets_pad_nothing_and_give_the_same_audio(tiny_fish_dir):
+def test_exact_rows_frame_buckets_and_packing_pad_less_and_give_the_same_audio(tiny_fish_dir):
     """Five streams' 25-frame chunks and a new stream's 4-frame first chunk joined with its next 25 (one
     span of 29) in one carried call: 8 rows x 32 frames by default, 6 x 29 with codec.exact_rows and
-    codec.frame_buckets [25, 29]; each chunk its one-pass decode either way (float64)."""
+    codec.frame_buckets [25, 29], their 154 frames and six gaps packed into 192 with codec.packed_decode; each chunk
+    its one-pass decode every way (float64)."""
     from intone.engine.chunk_planner import Chunk
     from intone.engine.codec_stage import CodecStage
     from intone.engine.request import EngineRequest
@@ -222,9 +235,13 @@ def test_exact_rows_and_frame_buckets_pad_nothing_and_give_the_same_audio(tiny_f
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     g = torch.Generator().manual_seed(7)
     spf = model.samples_per_frame
-    for exact, buckets, cells in ((0, (), 8 * 32), (8, (25, 29), 6 * 29)):
-        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True,
-                                exact_rows=exact, frame_buckets=buckets)
+    from intone.models.fish_s2.codec_packed import gap_frames, packed_frames
+
+    packed = packed_frames(5 * 25 + 29 + 6 * gap_frames(model.codec))  # codec.packed_decode: the gaps and a bucket
+    assert packed < 8 * 32
+    for settings, cells in (({}, 8 * 32), (dict(exact_rows=8, frame_buckets=(25, 29)), 6 * 29),
+                            (dict(packed_decode=True), packed)):
+        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True, **settings)
         reqs = [EngineRequest(f"r{i}", prompt=None, params=SamplingParams()) for i in range(6)]
         for req in reqs:
             req.codes = torch.randint(0, 8, (model.num_codebooks, 29), generator=g)

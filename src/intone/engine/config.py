@@ -97,6 +97,11 @@ class CodecStageConfig(_Strict):
                               "concatenations, bias passes or contiguous copies of the decoder's largest tensors; "
                               "the same kernels on the same values: expected bit-equal with codec.deterministic, "
                               "GPU test pending)")
+    packed_decode: bool = Field(False, description="with carry_state: the carried decode's layers after its "
+                                "transformer run on one row of the call's chunks packed back to back (each after a "
+                                "gap its histories fill) instead of right-padded to the longest: no padding frames "
+                                "computed (Fish: 42-54% of the decoder's frames in served calls); eager (no "
+                                "stream_graph_frames, no lean_decode); off until measured")
     exact_rows: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) of at most this many "
                             "chunks run at their own row count, no blank rows (each count a shape of its own, "
                             "warmed at start-up; above it, rows pad as row_granule says)")
@@ -271,8 +276,12 @@ class Profile(_Strict):
             raise ValueError("codec.stream loop needs the in-process codec worker (codec.overlap, no codec.process) "
                              "and no codec.sms (its SM share is a stream of its own)")
         # each works on the carried decode, whose audio does not depend on where its chunks begin
+        if self.codec.packed_decode and (self.codec.stream_graph_frames or self.codec.lean_decode):
+            raise ValueError("codec.packed_decode runs eagerly on its own path: no codec.stream_graph_frames or "
+                             "codec.lean_decode")
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
                             ("codec.lean_decode", self.codec.lean_decode),
+                            ("codec.packed_decode", self.codec.packed_decode),
                             ("chunking.listener_margin_s", c.listener_margin_s),
                             ("chunking.whole_chunk_frames", c.whole_chunk_frames)):
             if value and not self.codec.carry_state:

@@ -181,10 +181,11 @@ class TTSModel(abc.ABC):
         """Whether the newest generated frame goes to the codec (all do, unless a model trims some)."""
         return True
 
-    def stream_decoder(self, lean: bool = False):
+    def stream_decoder(self, lean: bool = False, packed: bool = False):
         """A stateful decoder (`decode(codes, lengths, states) -> (audio, states)`, see
         fish_s2/codec_stream.py) whose chunks join into the one-pass decode, or None: windows are
-        decoded with re-decoded left context through `decode`. lean: `codec.lean_decode`."""
+        decoded with re-decoded left context through `decode`. lean: `codec.lean_decode`; packed:
+        `codec.packed_decode` (a decoder with `packed_length(lengths)`)."""
         return None
 
     def make_vocoder(self, config, options=None) -> Vocoder:
@@ -193,7 +194,7 @@ class TTSModel(abc.ABC):
         `codec.carry_state`) streamed chunks through `stream_decoder`."""
         return WindowVocoder(self, config.max_batch, config.max_padded_frames, config.carry_state,
                              config.stream_graph_frames or None, config.row_granule, config.split_cost,
-                             config.exact_rows, config.frame_buckets, config.lean_decode)
+                             config.exact_rows, config.frame_buckets, config.lean_decode, config.packed_decode)
 
     # ---- the AR step, in the pieces the engine's model runner drives (it owns CUDA graphs) ----
 

@@ -107,14 +107,15 @@ class WindowVocoder(Vocoder):
 
     def __init__(self, model, max_batch: int, max_padded_frames: int, carry_state: bool = False,
                  graph_frames: int | None = None, row_granule: int = 0, split_cost: int | None = None,
-                 exact_rows: int = 0, frame_buckets=(), lean_decode: bool = False):
+                 exact_rows: int = 0, frame_buckets=(), lean_decode: bool = False, packed_decode: bool = False):
         self.model = model
         self.row_granule, self.split_cost, self.exact_rows = row_granule, split_cost, exact_rows
         self.frame_buckets = with_buckets(frame_buckets)
         self.device = model.device
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
-        self.stream = model.stream_decoder(lean_decode) if carry_state else None
+        self.stream = model.stream_decoder(lean_decode, packed_decode) if carry_state else None
+        self.packed = packed_decode and self.stream is not None  # its calls' rows neither padded nor bucketed
         self.graph_frames = graph_frames if self.stream is not None else None
         self.graphs = None
         self.calls = 0
@@ -127,10 +128,25 @@ class WindowVocoder(Vocoder):
         carried = _carried_bound(max_window_frames, longest_chunk) if self.stream is not None else 0
         for rows, t in shapes:
             codes = torch.zeros(rows, k, t, dtype=torch.long)
-            if t <= carried:
+            if t <= carried and not self.packed:
                 self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
             self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
-        return len(shapes)
+        packed = self.packed_lengths(carried) if self.packed else []
+        for total in packed:  # one chunk filling each packed length: every length a call can reach
+            n = total - self.stream.gap
+            self.stream.decode(torch.zeros(1, k, n, dtype=torch.long, device=self.device), [n], [None])
+        return len(shapes) + len(packed)
+
+    def packed_lengths(self, carried: int) -> list[int]:
+        """The packed lengths (`codec.packed_decode`) of every call whose rows hold chunks of up to `carried`
+        frames, within the call bounds."""
+        most = max(carried, min(self.max_padded_frames, self.max_batch * carried))  # a call's frames (or one alone)
+        top = self.stream.packed_length([most] + [0] * (self.max_batch - 1))
+        lengths, n = [], 1
+        while not lengths or lengths[-1] < top:
+            lengths.append(self.stream.packed_length([n]))
+            n = lengths[-1] - self.stream.gap + 1
+        return lengths
 
     def carried_shapes(self, max_window_frames: int, longest_chunk: int | None) -> list[tuple[int, int]]:
         """The shapes of `warm_shapes` a carried call can reach: its rounds' spans stay within the built-in
@@ -278,14 +294,16 @@ class WindowVocoder(Vocoder):
             at = state.frames if state is not None else 0
             if at != w.start:
                 raise RuntimeError(f"{w.request_id}: chunk from frame {w.start}, but the codec state is at {at}")
-        rows = self._rows(len(windows))
-        codes = torch.zeros(rows, windows[0].codes.shape[0], self._frames(max(lengths)), dtype=torch.long)
+        rows = len(windows) if self.packed else self._rows(len(windows))
+        frames = max(lengths) if self.packed else self._frames(max(lengths))
+        codes = torch.zeros(rows, windows[0].codes.shape[0], frames, dtype=torch.long)
         for row, w in enumerate(windows):
             codes[row, :, : w.end - w.start] = w.codes[:, w.start : w.end]
         pad = rows - len(windows)
         audio, new = self.stream.decode(to_device(codes, self.device), lengths + [0] * pad,
                                         [states.get(w.key) for w in windows] + [None] * pad)
-        self._count(rows * codes.shape[2], sum(lengths))
+        # the decoder's frames: the packed row (gaps and its bucket's tail), else every row padded to the longest
+        self._count(self.stream.packed_length(lengths) if self.packed else rows * codes.shape[2], sum(lengths))
         audio = to_host(audio.float())[0].numpy()
         spf = self.model.samples_per_frame
         out = []

@@ -264,3 +264,45 @@ def test_a_shipped_codec_config_sets_what_tensor_shapes_cannot_and_streams_still
     (tiny_copy / "modded_dac_vq.yaml").write_text(CODEC_YAML.format(general_head_dim=64))
     with pytest.raises(ModelLoadError, match="transformer_general_config.head_dim"):
         load_model(str(tiny_copy))
+
+
+@settings(max_examples=2, deadline=None)
+@given(long=st.integers(130, 150), short=st.integers(5, 60),
+       long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+       short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_the_packed_decode_gives_the_padded_decodes_audio_and_states(codec64, long, short, long_sizes, short_sizes,
+                                                                     seed):
+    """codec.packed_decode: chunks of any sizes (shorter than a layer's history, too), rows of no chunk, past the
+    attention window, give the padded decode's audio and carried states (float64), so the one-pass decode too;
+    and a state left by one path continues on the other."""
+    from intone.models.fish_s2.codec_packed import PackedStreamingDecoder
+
+    g = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short, 3)]
+    plans = [cut(long, long_sizes), cut(short, short_sizes), [1, 2]]
+    (padded, padded_states), (packed, packed_states) = (
+        run_plans(d, codes, plans) for d in (StreamingDecoder(codec64), PackedStreamingDecoder(codec64)))
+    for a, b, sa, sb in zip(padded, packed, padded_states, packed_states):
+        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-9  # rounding of other shapes (float64)
+        assert sa.frames == sb.frames and all((x - y).abs().max().item() < 1e-9 for x, y in zip(sa.rows, sb.rows))
+    # the long request's next chunk, from the packed path's state, on the padded path, and the other way
+    more = torch.randint(0, 4096, (10, 9), generator=g)
+    outs = [d.decode(more[None], [9], [s[0]])[0][0] for d, s in ((StreamingDecoder(codec64), packed_states),
+                                                               (PackedStreamingDecoder(codec64), padded_states))]
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-9
+
+
+def test_the_packed_decodes_gap_covers_every_layer_of_the_tiny_and_real_codecs(codec64):
+    """The gap before each packed chunk is what the layers after the transformer read behind it: 3 frames at
+    full size (the upsampling's kernel-7 ConvNeXt at twice the frame rate); a smaller one fails loudly."""
+    from intone.models.fish_s2.codec import CodecConfig, FishCodec
+    from intone.models.fish_s2.codec_packed import PackedStreamingDecoder, gap_frames, packed_frames
+
+    with torch.device("meta"):
+        real = FishCodec(CodecConfig())
+    assert gap_frames(real) == 3
+    assert [packed_frames(n) for n in (1, 32, 33, 256, 257, 300, 3392)] == [32, 32, 64, 256, 288, 320, 3584]
+    decoder = PackedStreamingDecoder(codec64)
+    decoder.gap -= 1
+    with pytest.raises(ValueError, match="does not fit a gap"):
+        decoder.decode(torch.zeros(1, 10, 4, dtype=torch.long), [4], [None])

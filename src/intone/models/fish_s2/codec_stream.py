@@ -110,9 +110,12 @@ class StreamingDecoder:
 
     def _flat(self, codes: Tensor, n: Tensor, start: Tensor, *flats: Tensor) -> tuple[Tensor, ...]:
         """The decode as a function of tensors: (audio, the new state rows per dtype)."""
-        ctx = _Context(self._layout, flats, n)
+        ctx = self._context(flats, n)
         audio = self._forward(codes, n, start, ctx)
         return (audio, *ctx.outputs())
+
+    def _context(self, flats: tuple[Tensor, ...], n: Tensor) -> "_Context":
+        return _Context(self._layout, flats, n)
 
     def _forward(self, codes: Tensor, n: Tensor, start: Tensor, ctx) -> Tensor:
         q = self.codec.quantizer
@@ -120,14 +123,32 @@ class StreamingDecoder:
         semantic = codes[:, :1].clamp(max=q.semantic_quantizer.codebook_size - 1)
         residual = codes[:, 1:].clamp(max=q.quantizer.codebook_size - 1)
         z = q.semantic_quantizer.lookup(semantic) + q.quantizer.lookup(residual)
-        z = _transformer(q.post_module, z, start, ctx, "post")
+        z = ctx.after_transformer(_transformer(q.post_module, z, start, ctx, "post"))
         z = _run(q.upsample, z, ctx, "up")
         z = z.to(self.codec.dtype)
         run = _run_decoder if self.fused else _run
-        return run(self.codec.decoder.model, z, ctx, "dec").squeeze(1)
+        return ctx.audio(run(self.codec.decoder.model, z, ctx, "dec").squeeze(1))
 
 
-class _Context:
+class _Layers:
+    """How a context runs the layers that carry histories: here on right-padded rows."""
+
+    lengths: Tensor | None
+
+    def conv(self, module: CausalConv, x: Tensor, key: str, bias: bool = True) -> Tensor:
+        return _conv(module, x, self, key, bias)
+
+    def trans_conv(self, module: CausalTransConv, x: Tensor, key: str) -> Tensor:
+        return _trans_conv(module, x, self, key)
+
+    def after_transformer(self, z: Tensor) -> Tensor:
+        return z
+
+    def audio(self, samples: Tensor) -> Tensor:
+        return samples
+
+
+class _Context(_Layers):
     """The batch's old histories (views of the stacked state rows), the new ones as each layer
     leaves them, and each row's valid length at the current rate (it grows through the upsampling)."""
 
@@ -149,7 +170,7 @@ class _Context:
                 for g in range(len(self.layout.dtypes))]
 
 
-class _Tracer:
+class _Tracer(_Layers):
     """A context for finding the layout: every history is blank; the order of first use is kept."""
 
     def __init__(self):
@@ -177,13 +198,13 @@ def _run(module: nn.Module, x: Tensor, ctx: _Context, key: str) -> Tensor:
             x = _run(child, x, ctx, f"{key}.{i}")
         return x
     if isinstance(module, CausalConv):
-        return _conv(module, x, ctx, key)
+        return ctx.conv(module, x, key)
     if isinstance(module, CausalTransConv):
-        return _trans_conv(module, x, ctx, key)
+        return ctx.trans_conv(module, x, key)
     if isinstance(module, ResidualUnit):
-        return module.residual(x, lambda i, y, bias: _conv(module.block[i], y, ctx, f"{key}.{i}", bias))
+        return module.residual(x, lambda i, y, bias: ctx.conv(module.block[i], y, f"{key}.{i}", bias))
     if isinstance(module, ConvNeXtBlock):
-        y = _conv(module.dwconv, x, ctx, key).transpose(1, 2)
+        y = ctx.conv(module.dwconv, x, key).transpose(1, 2)
         y = module.pwconv2(module.act(module.pwconv1(module.norm(y))))
         return x + (module.gamma * y).transpose(1, 2)
     if hasattr(module, "block") or hasattr(module, "model"):  # DecoderBlock, Decoder: a Sequential inside

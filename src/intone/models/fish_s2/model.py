@@ -12,6 +12,7 @@ from intone.models.base import Prompt, TTSModel
 from intone.models.checkpoint import load_strict
 from intone.models.fish_s2.codec import CONFIG_FILE as CODEC_CONFIG_FILE
 from intone.models.fish_s2.codec import CodecConfig, FishCodec, config_from_state, fold_weight_norm, with_config_file
+from intone.models.fish_s2.codec_packed import PackedStreamingDecoder
 from intone.models.fish_s2.codec_stream import StreamingDecoder
 from intone.models.fish_s2.config import S2_PRO_CONFIG, FishS2Config
 from intone.models.fish_s2.loader import read_codec_weights, read_lm_weights
@@ -245,8 +246,8 @@ class FishS2(TTSModel):
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         return self.codec.decode(codes.to(self.device), position_offset).float()
 
-    def stream_decoder(self, lean: bool = False) -> StreamingDecoder:
-        return StreamingDecoder(self.codec, fused=lean)
+    def stream_decoder(self, lean: bool = False, packed: bool = False) -> StreamingDecoder:
+        return PackedStreamingDecoder(self.codec) if packed else StreamingDecoder(self.codec, fused=lean)
 
 
 def _codec_state(path: Path):
