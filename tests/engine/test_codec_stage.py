@@ -239,9 +239,9 @@ def test_exact_rows_frame_buckets_and_packing_pad_less_and_give_the_same_audio(t
 
     packed = packed_frames(5 * 25 + 29 + 6 * gap_frames(model.codec))  # codec.packed_decode: the gaps and a bucket
     assert packed < 8 * 32
-    for settings, cells in (({}, 8 * 32), (dict(exact_rows=8, frame_buckets=(25, 29)), 6 * 29),
-                            (dict(packed_decode=True), packed)):
-        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True, **settings)
+    for options, cells in (({}, 8 * 32), (dict(exact_rows=8, frame_buckets=(25, 29)), 6 * 29),
+                           (dict(packed_decode=True), packed)):
+        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True, **options)
         reqs = [EngineRequest(f"r{i}", prompt=None, params=SamplingParams()) for i in range(6)]
         for req in reqs:
             req.codes = torch.randint(0, 8, (model.num_codebooks, 29), generator=g)
