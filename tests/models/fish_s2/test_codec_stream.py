@@ -84,17 +84,21 @@ def test_the_lean_decode_gives_the_layer_by_layer_decodes_audio_and_states(codec
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("name", ["tiny:fish-s2", "random:fish-s2"])
-def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pass(name, tiny_cache):
+def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pass(name, packed, tiny_cache):
     """The shipped GPU precision (fp16 codec): a stream in 4/25/50-frame chunks is no further from
     the fp32 one-pass decode than the fp16 one-pass decode is (twice its error at most); streaming
-    adds only rounding of its own shapes (H200: 0.9% of peak apart from the fp16 one pass)."""
+    adds only rounding of its own shapes (H200: 0.9% of peak apart from the fp16 one pass). Packed
+    (codec.packed_decode) too: its one long row through cuDNN's and the folded dilated convolutions."""
+    from intone.models.fish_s2.codec_packed import PackedStreamingDecoder
+
     codec = load_model(name, device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16).codec
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 1024, (1, 10, 229), generator=g).cuda()
     exact = copy.deepcopy(codec).float().decode(codes)[0]
     one_pass = codec.decode(codes)[0].float()
-    decoder, state, pieces, done = StreamingDecoder(codec), None, [], 0
+    decoder, state, pieces, done = (PackedStreamingDecoder if packed else StreamingDecoder)(codec), None, [], 0
     for n in cut(229, [4, 25, 50]):
         out, (state,) = decoder.decode(codes[:, :, done: done + n], [n], [state])
         pieces.append(out[0].float())
