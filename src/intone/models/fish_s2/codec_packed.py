@@ -75,6 +75,7 @@ class _Packed(_Context):
         self.starts = torch.cumsum(lengths + gap, 0) - lengths  # each chunk's first place
         self.frame_starts, self.frames, self.frame_total = self.starts, lengths, total  # at the frame rate
         self.width = 0  # the padded rows' frames (the transformer's)
+        self.places: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
     def after_transformer(self, z: Tensor) -> Tensor:
         """z [B, D, T] right-padded -> [1, D, total], each chunk after its gap (zeros elsewhere)."""
@@ -99,10 +100,18 @@ class _Packed(_Context):
         if h > self.gap:
             raise ValueError(f"{key}: a history of {h} samples does not fit a gap of {self.gap}")
         c = x.shape[1]
-        behind = (self.starts.view(-1, 1) - h + torch.arange(h, device=x.device)).reshape(-1)
+        behind, tail = self._places(h)
         x[0].index_copy_(1, behind, self.history(key, x.new_zeros(1, c, h)).transpose(0, 1).reshape(c, -1))
-        tail = behind + self.lengths.repeat_interleave(h)
         self.keep(key, x[0][:, tail].view(c, self.rows, h).transpose(0, 1))
+
+    def _places(self, h: int) -> tuple[Tensor, Tensor]:
+        """The last h places of each chunk's gap, and the last h it leaves, at the current rate (made once a
+        call per (rate, h): a rate's layers share a few)."""
+        key = (self.gap, h)  # the gap grows with the rate
+        if key not in self.places:
+            behind = (self.starts.view(-1, 1) - h + torch.arange(h, device=self.starts.device)).reshape(-1)
+            self.places[key] = behind, behind + self.lengths.repeat_interleave(h)
+        return self.places[key]
 
     def conv(self, module: CausalConv, x: Tensor, key: str, bias: bool = True) -> Tensor:
         if module.stride != 1:
