@@ -36,6 +36,13 @@ def cut(total: int, sizes: list[int]) -> list[int]:
     return out
 
 
+# A long request past the attention window (128 frames: its kept keys roll over) and a short one, each cut into
+# chunks of sizes that cycle
+TWO_STREAMS = dict(long=st.integers(130, 150), short=st.integers(5, 60),
+                   long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
+                   short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+
+
 def run_plans(decoder, codes: list[torch.Tensor], plans: list[list[int]]):
     """Each request's chunks (sizes per plan) decoded in rounds, the live requests batched with a padding row
     (as the stage pads rows to a power of two) -> (each request's joined audio, its last state)."""
@@ -53,9 +60,7 @@ def run_plans(decoder, codes: list[torch.Tensor], plans: list[list[int]]):
 
 
 @settings(max_examples=3, deadline=None)
-@given(long=st.integers(130, 150), short=st.integers(5, 60),
-       long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
-       short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+@given(**TWO_STREAMS)
 def test_chunks_of_any_sizes_batched_join_into_the_one_pass_decode(codec64, long, short, long_sizes, short_sizes,
                                                                    seed):
     # The long request passes the attention window (128 frames), so its kept keys roll over.
@@ -271,9 +276,7 @@ def test_a_shipped_codec_config_sets_what_tensor_shapes_cannot_and_streams_still
 
 
 @settings(max_examples=2, deadline=None)
-@given(long=st.integers(130, 150), short=st.integers(5, 60),
-       long_sizes=st.lists(st.integers(1, 60), min_size=1, max_size=4),
-       short_sizes=st.lists(st.integers(1, 30), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+@given(**TWO_STREAMS)
 def test_the_packed_decode_gives_the_padded_decodes_audio_and_states(codec64, long, short, long_sizes, short_sizes,
                                                                      seed):
     """codec.packed_decode: chunks of any sizes (shorter than a layer's history, too), rows of no chunk, past the
