@@ -33,6 +33,8 @@ def test_high_concurrency_reference_values():
     ("chunking: {ramp_factor: 1.5, growth_factor: 2}", "ramp_factor"),
     ("codec: {row_granule: 65}", "codec.row_granule"),
     ("codec: {exact_rows: -1}", "codec.exact_rows"),
+    ("codec: {packed_decode: true}", "codec.packed_decode needs codec.carry_state"),
+    ("codec: {carry_state: true, packed_decode: true, lean_decode: true}", "codec.packed_decode runs eagerly"),
     ("codec: {frame_buckets: [25, 0]}", "codec.frame_buckets"),
     ("codec: {frame_buckets: 25}", "codec.frame_buckets"),
     ("nonsense: 1", "nonsense"),

@@ -275,10 +275,10 @@ class Profile(_Strict):
         if self.codec.stream == "loop" and (self.codec.process or not self.codec.overlap or self.codec.sms):
             raise ValueError("codec.stream loop needs the in-process codec worker (codec.overlap, no codec.process) "
                              "and no codec.sms (its SM share is a stream of its own)")
-        # each works on the carried decode, whose audio does not depend on where its chunks begin
         if self.codec.packed_decode and (self.codec.stream_graph_frames or self.codec.lean_decode):
             raise ValueError("codec.packed_decode runs eagerly on its own path: no codec.stream_graph_frames or "
                              "codec.lean_decode")
+        # each works on the carried decode, whose audio does not depend on where its chunks begin
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
                             ("codec.lean_decode", self.codec.lean_decode),
                             ("codec.packed_decode", self.codec.packed_decode),
