@@ -49,8 +49,8 @@ class ARConfig(_Strict):
         "auto", description="the AR step's static form (engine/step_graphs.py: the host writes a step's inputs at "
                             "offsets its bucket fixes, one upload, the decode and the head over fixed buffers, one "
                             "download; the graphs replay it): auto on a GPU where the model's head allows it; true: "
-                            "also on a CPU (the same code, no graphs; tests); false: every step eager (prefills "
-                            "packed)")
+                            "also on a CPU (the same code, no graphs; tests); false: every step eager, so no AR "
+                            "graphs at all (prefills packed; a diagnostic, not the graphs' path before session 38)")
     prefix_caching: bool = Field(False, description="a request whose prompt starts as an earlier one's (e.g. the same "
                                                     "voice first, as Fish's prompts put it) takes that prefix's KV "
                                                     "blocks instead of computing them again (whole blocks; kept until "
