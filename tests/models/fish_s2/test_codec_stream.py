@@ -277,26 +277,26 @@ def test_a_shipped_codec_config_sets_what_tensor_shapes_cannot_and_streams_still
 
 @settings(max_examples=2, deadline=None)
 @given(**TWO_STREAMS)
-def test_the_packed_decode_gives_the_padded_decodes_audio_and_states(codec64, long, short, long_sizes, short_sizes,
-                                                                     seed):
+def test_the_packed_decode_joins_into_the_one_pass_decode_and_shares_the_padded_decodes_states(
+        codec64, long, short, long_sizes, short_sizes, seed):
     """codec.packed_decode: chunks of any sizes (shorter than a layer's history, too), rows of no chunk, past the
-    attention window, give the padded decode's audio and carried states (float64), so the one-pass decode too;
-    and a state left by one path continues on the other."""
+    attention window, join into each request's one-pass decode (float64); and its states are the padded decode's:
+    a request's next chunk continues from one path's state on the other."""
     from intone.models.fish_s2.codec_packed import PackedStreamingDecoder
 
     g = torch.Generator().manual_seed(seed)
     codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short, 3)]
-    plans = [cut(long, long_sizes), cut(short, short_sizes), [1, 2]]
-    (padded, padded_states), (packed, packed_states) = (
-        run_plans(d, codes, plans) for d in (StreamingDecoder(codec64), PackedStreamingDecoder(codec64)))
-    for a, b, sa, sb in zip(padded, packed, padded_states, packed_states):
-        assert a.shape == b.shape and (a - b).abs().max().item() < 1e-9  # rounding of other shapes (float64)
-        assert sa.frames == sb.frames and all((x - y).abs().max().item() < 1e-9 for x, y in zip(sa.rows, sb.rows))
-    # the long request's next chunk, from the packed path's state, on the padded path, and the other way
-    more = torch.randint(0, 4096, (10, 9), generator=g)
-    outs = [d.decode(more[None], [9], [s[0]])[0][0] for d, s in ((StreamingDecoder(codec64), packed_states),
-                                                               (PackedStreamingDecoder(codec64), padded_states))]
-    assert (outs[0] - outs[1]).abs().max().item() < 1e-9
+    joined, states = run_plans(PackedStreamingDecoder(codec64), codes,
+                               [cut(long, long_sizes), cut(short, short_sizes), [1, 2]])
+    for r in range(3):
+        one_pass = codec64.decode(codes[r][None])[0]
+        assert joined[r].shape == one_pass.shape and states[r].frames == codes[r].shape[1]
+        assert (joined[r] - one_pass).abs().max().item() < 1e-9
+    more = torch.randint(0, 4096, (10, 18), generator=g)  # 9 frames on the padded path, then 9 packed
+    whole = codec64.decode(torch.cat([codes[0], more], dim=1)[None])[0][long * HOP:]
+    padded, after_padded = StreamingDecoder(codec64).decode(more[None, :, :9], [9], [states[0]])
+    packed, _ = PackedStreamingDecoder(codec64).decode(more[None, :, 9:], [9], after_padded)
+    assert (torch.cat([padded[0], packed[0]]) - whole).abs().max().item() < 1e-9
 
 
 def test_the_packed_decodes_gap_covers_every_layer_of_the_tiny_and_real_codecs(codec64):
