@@ -235,9 +235,9 @@ def test_exact_rows_frame_buckets_and_packing_pad_less_and_give_the_same_audio(t
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     g = torch.Generator().manual_seed(7)
     spf = model.samples_per_frame
-    from intone.models.fish_s2.codec_packed import gap_frames, packed_frames
+    from intone.models.fish_s2.codec_packed import PackedStreamingDecoder, packed_frames
 
-    packed = packed_frames(5 * 25 + 29 + 6 * gap_frames(model.codec))  # codec.packed_decode: the gaps and a bucket
+    packed = packed_frames(5 * 25 + 29 + 6 * PackedStreamingDecoder(model.codec).gap)  # the gaps and a bucket
     assert packed < 8 * 32
     for options, cells in (({}, 8 * 32), (dict(exact_rows=8, frame_buckets=(25, 29)), 6 * 29),
                            (dict(packed_decode=True), packed)):

@@ -303,11 +303,11 @@ def test_the_packed_decodes_gap_covers_every_layer_of_the_tiny_and_real_codecs(c
     """The gap before each packed chunk is what the layers after the transformer read behind it: 3 frames at
     full size (the upsampling's kernel-7 ConvNeXt at twice the frame rate); a smaller one fails loudly."""
     from intone.models.fish_s2.codec import CodecConfig, FishCodec
-    from intone.models.fish_s2.codec_packed import PackedStreamingDecoder, gap_frames, packed_frames
+    from intone.models.fish_s2.codec_packed import PackedStreamingDecoder, packed_frames
 
     with torch.device("meta"):
         real = FishCodec(CodecConfig())
-    assert gap_frames(real) == 3
+    assert PackedStreamingDecoder(real).gap == 3
     assert [packed_frames(n) for n in (1, 32, 33, 256, 257, 300, 3392)] == [32, 32, 64, 256, 288, 320, 3584]
     decoder = PackedStreamingDecoder(codec64)
     decoder.gap -= 1

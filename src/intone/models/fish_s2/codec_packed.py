@@ -12,8 +12,8 @@ Before each convolution that carries a history of h samples, each chunk's histor
 places of its gap and its new history read from the last h places it leaves (a chunk shorter than h reads part of
 the history back, as the padded decode does), and the convolution runs over the whole row with its causal
 left padding: a chunk's outputs read only its own samples and its history. The gap, in frames, is the most any
-layer needs at its rate (h over the upsampling so far, rounded up; 3 frames at full size), and every layer's
-output in the gaps and the tail is never read by a chunk. So each chunk gets the padded decode's sums, and a
+layer needs at its rate (h over the upsampling so far, rounded up; 3 frames at full size; found by the
+layout's trace), and every layer's output in the gaps and the tail is never read by a chunk. So each chunk gets the padded decode's sums, and a
 request's state moves between packed and padded calls unchanged.
 
 The packed length is rounded up to `packed_frames` (one of a few shapes for cuDNN's plans and the warm-up,
@@ -22,12 +22,12 @@ whatever the call's rows); no CUDA graphs yet.
 
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from intone.models.fish_s2.codec_modules import CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit
+from intone.models.fish_s2.codec_modules import CausalConv, CausalTransConv
 from intone.models.fish_s2.codec_stream import StateLayout, StreamingDecoder, _Context
 
 
@@ -36,33 +36,6 @@ def packed_frames(frames: int) -> int:
     frames (at most 12.5% more), multiples of 32 below."""
     unit = max(32, 1 << max(0, frames.bit_length() - 4))
     return -(-frames // unit) * unit
-
-
-def gap_frames(codec) -> int:
-    """The gap a chunk needs before it, in frames: the most any carried layer after the transformer reads
-    behind a chunk at its rate, over the upsampling before it."""
-    need, rate = 0, 1
-
-    def walk(module: nn.Module) -> None:
-        nonlocal need, rate
-        if isinstance(module, nn.Sequential):
-            for child in module:
-                walk(child)
-        elif isinstance(module, CausalConv):
-            need = max(need, math.ceil((module.span - 1) / rate))
-        elif isinstance(module, CausalTransConv):
-            need = max(need, math.ceil(min(module.trim, 1) / rate))
-            rate *= module.conv.stride[0]
-        elif isinstance(module, ResidualUnit):
-            walk(module.block)
-        elif isinstance(module, ConvNeXtBlock):
-            walk(module.dwconv)
-        elif hasattr(module, "block") or hasattr(module, "model"):
-            walk(getattr(module, "block", None) or module.model)
-
-    walk(codec.quantizer.upsample)
-    walk(codec.decoder.model)
-    return max(need, 1)
 
 
 class _Packed(_Context):
@@ -137,9 +110,11 @@ class PackedStreamingDecoder(StreamingDecoder):
     """The carried decode, the layers after its transformer on a packed row (eager: its shapes follow the
     call's lengths, bucketed by `packed_frames`)."""
 
-    def __init__(self, codec):
-        super().__init__(codec)
-        self.gap = gap_frames(codec)
+    @functools.cached_property
+    def gap(self) -> int:
+        """The frames before each chunk: the most any layer after the transformer reads behind it (3 at full size:
+        the upsampling's kernel-7 ConvNeXt at twice the frame rate), found by the layout's trace of `_run`."""
+        return max(self.layout(next(self.codec.parameters()).device).reach, 1)
 
     def packed_length(self, lengths: list[int]) -> int:
         return packed_frames(sum(lengths) + self.gap * len(lengths))

@@ -47,8 +47,11 @@ class StateLayout:
     (one per dtype), so a call gathers a batch's states in one stack per dtype and the decode is a
     function of fixed-shape tensors (a CUDA graph replays it). Found by tracing one decode."""
 
-    def __init__(self, blanks: dict[str, Tensor]):
-        """blanks: each layer's history of a request with none yet ([1, ...]), in the decode's order."""
+    def __init__(self, blanks: dict[str, Tensor], reach: int = 0):
+        """blanks: each layer's history of a request with none yet ([1, ...]), in the decode's order; reach: the
+        most frames a layer after the transformer reads behind a chunk (its history over the upsampling before it,
+        rounded up: the packed decode's gap)."""
+        self.reach = reach
         self.dtypes = list(dict.fromkeys(t.dtype for t in blanks.values()))
         self.entries: dict[str, tuple[int, int, torch.Size]] = {}
         sizes = [0] * len(self.dtypes)
@@ -76,7 +79,7 @@ class StreamingDecoder:
             one = torch.ones(1, dtype=torch.long, device=device)
             with torch.inference_mode():
                 self._forward(codes, one, one - 1, tracer)
-            self._layout = StateLayout(tracer.blanks)
+            self._layout = StateLayout(tracer.blanks, tracer.reach)
         return self._layout
 
     @torch.inference_mode()
@@ -176,6 +179,16 @@ class _Tracer(_Layers):
     def __init__(self):
         self.blanks: dict[str, Tensor] = {}
         self.lengths = None
+        self.rate, self.reach = 1, 0  # the upsampling so far; `StateLayout.reach`
+
+    def conv(self, module: CausalConv, x: Tensor, key: str, bias: bool = True) -> Tensor:
+        self.reach = max(self.reach, -(-(module.span - 1) // self.rate))
+        return super().conv(module, x, key, bias)
+
+    def trans_conv(self, module: CausalTransConv, x: Tensor, key: str) -> Tensor:
+        self.reach = max(self.reach, -(-min(module.trim, 1) // self.rate))
+        self.rate *= module.conv.stride[0]
+        return super().trans_conv(module, x, key)
 
     def history(self, key: str, empty: Tensor) -> Tensor:
         self.blanks[key] = empty
