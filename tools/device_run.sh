@@ -18,6 +18,12 @@ COSY_FULL=${COSY_FULL:-cosyvoice3-full-response}  # the profile of cosy-http, co
 TAG=${TAG:-}  # suffix of the bench output folders (e.g. -process), with SERVE_ARGS for `intone serve`
 INTONE="python3 -m intone.cli.main"
 summary=()
+# MPS=1: every stage under CUDA MPS (processes' kernels side by side, as threads' are; codec.process, frontend.process)
+if [ "${MPS:-0}" = 1 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p /tmp/mps-pipe /tmp/mps-log && nvidia-cuda-mps-control -d && echo "MPS on"
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 healthy() {  # the server on port $1 answers /health with 200
   python3 -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:$1/health', timeout=2).status_code != 200)" 2>/dev/null
 }
