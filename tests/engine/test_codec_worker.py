@@ -481,3 +481,36 @@ def test_on_the_loops_stream_the_worker_decodes_on_the_stream_current_where_it_w
     worker.submit([item], [20])
     got = _drain(worker, 1)
     assert seen[-1] == loop and np.allclose(got[0].audio[0], want, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_codec_high_priority_decodes_on_a_stream_of_the_highest_priority(tiny_fish_dir):
+    """codec.high_priority: the worker's calls run on a stream of its own at CUDA's most urgent priority, and
+    decode what the default stream does."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.codec_worker import CodecWorker
+    from intone.engine.config import load_profile
+    from intone.engine.request import EngineRequest
+    from intone.models.vocoder import WindowVocoder
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = load_model(str(tiny_fish_dir), device="cuda")
+    stage = CodecStage(WindowVocoder(model, max_batch=64, max_padded_frames=4096))
+    seen, decode = [], stage.run
+
+    def recorded(items, pause=None):
+        seen.append(torch.cuda.current_stream(device))
+        return decode(items)
+    stage.run = recorded
+    req = EngineRequest("r0", prompt=None, params=SamplingParams())
+    req.codes = torch.randint(0, 8, (model.num_codebooks, 20), generator=torch.Generator().manual_seed(0))
+    item = (req, Chunk("r0", 0, 20, 0, True))
+    want = decode([item])[0]
+    priority = load_profile("fish-s2-high-concurrency", **{"codec.high_priority": True}).codec.stream_priority
+    worker = CodecWorker(stage, device, priority=priority)
+    worker.submit([item], [20])
+    got = _drain(worker, 1)
+    most_urgent = torch.cuda.Stream.priority_range()[1]
+    assert seen[-1].priority == most_urgent and seen[-1] != torch.cuda.current_stream(device)
+    assert np.allclose(got[0].audio[0], want, atol=1e-4)

@@ -130,16 +130,16 @@ class ChunkQueue:
         return len({id(t[2][0]) for t in self._heap})
 
 
-def codec_stream(device: torch.device, sms: int | None, shared: bool = False):
+def codec_stream(device: torch.device, sms: int | None, shared: bool = False, priority: int = 0):
     """(stream, its green context or None) for the codec worker. With `sms`, the stream belongs to a
     green context of that many of the GPU's SMs (`sm_share`). shared: the calling thread's
-    current stream (the engine loop's, `codec.stream: loop`)."""
+    current stream (the engine loop's, `codec.stream: loop`). priority: of its own stream (lower is more urgent)."""
     if device.type != "cuda":
         return None, None
     if shared:
         return torch.cuda.current_stream(device), None
     if sms is None:
-        return own_stream(device, "codec worker"), None
+        return own_stream(device, "codec worker", priority), None
     context = sm_share(device, sms, "codec.sms")
     return context.Stream(), context
 
@@ -233,7 +233,7 @@ class Preemption:
 class CodecWorker:
     def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
                  sms: int | None = None, preempt: bool = False, gather_s: float = 0.0, full: int = 64,
-                 shared_stream: bool = False, lead_s: float | None = None):
+                 shared_stream: bool = False, lead_s: float | None = None, priority: int = 0):
         """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
         sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
         decode the first chunks that arrive meanwhile at their pause points (`Preemption`).
@@ -241,7 +241,8 @@ class CodecWorker:
         long, at once if `full` requests wait or any stream's chunk does (fewer, larger calls: `_hold`).
         shared_stream: decode on the constructing thread's current stream (the loop's) instead of one of
         its own, so the GPU runs the codec's kernels and the AR's one after the other. lead_s: a stream's
-        later chunk waits until its deadline is that near (`hold_seconds`)."""
+        later chunk waits until its deadline is that near (`hold_seconds`). priority: of the worker's own
+        stream (`codec.high_priority`)."""
         self.stage = stage
         self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
         self._gather_s, self._full, self._lead_s = gather_s, full, lead_s
@@ -254,7 +255,7 @@ class CodecWorker:
         self._stop = False
         self.in_flight = 0  # chunks handed over and not yet collected
         self.prepares_skipped = 0  # `_skip_prepares`
-        stream, self._green_context = codec_stream(device, sms, shared_stream)
+        stream, self._green_context = codec_stream(device, sms, shared_stream, priority)
         self._thread = threading.Thread(target=self._work, args=(stream,), name="intone-codec", daemon=True)
         self._thread.start()
 

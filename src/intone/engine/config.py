@@ -138,6 +138,11 @@ class CodecStageConfig(_Strict):
     sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
                                                  "(a CUDA green context; GPU, in-process worker): the rest stay free "
                                                  "for the AR step's kernels whatever the codec runs (None: all)")
+    high_priority: bool = Field(False, description="the in-process codec worker's CUDA stream (and the stream its "
+                                "graphs are captured on) at the highest priority, so its kernels' blocks go before "
+                                "the AR step's waiting ones as SMs free up: beside the step's GEMMs a call's small "
+                                "kernels otherwise wait for SMs (GPU; no codec.sms, codec.stream: loop or "
+                                "codec.process)")
     gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec (worker or loop) starts a call "
                              "made only of non-streamed requests' pieces once the oldest has waited this long (at once "
                              "when max_batch requests wait or any stream's chunk does, which takes them along; in "
@@ -168,6 +173,11 @@ class CodecStageConfig(_Strict):
     def call_size(self) -> int | None:
         """Chunks per codec worker call at most (None: every waiting chunk), in a thread or a process."""
         return self.max_call or (self.max_batch if self.schedule == "deadline" else None)
+
+    @property
+    def stream_priority(self) -> int:
+        """The codec worker's stream priority (CUDA clamps -100 to its highest)."""
+        return -100 if self.high_priority else 0
 
 
 class FrontendConfig(_Strict):
@@ -272,6 +282,10 @@ class Profile(_Strict):
             raise ValueError("codec.sms needs the in-process codec worker (codec.overlap, no codec.process)")
         if self.frontend.sms is not None and self.frontend.process:
             raise ValueError("frontend.sms needs the in-process frontend workers (no frontend.process)")
+        if self.codec.high_priority and (self.codec.process or not self.codec.overlap or self.codec.sms
+                                         or self.codec.stream == "loop"):
+            raise ValueError("codec.high_priority is the in-process codec worker's own stream: no codec.process, "
+                             "codec.overlap false, codec.sms or codec.stream loop")
         if self.codec.stream == "loop" and (self.codec.process or not self.codec.overlap or self.codec.sms):
             raise ValueError("codec.stream loop needs the in-process codec worker (codec.overlap, no codec.process) "
                              "and no codec.sms (its SM share is a stream of its own)")

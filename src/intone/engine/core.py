@@ -97,7 +97,8 @@ class EngineCore:
                                             first_alone=codec.schedule == "first", sms=codec.sms,
                                             preempt=codec.schedule == "preempt",
                                             gather_s=codec.gather_ms / 1000, full=codec.max_batch,
-                                            shared_stream=codec.stream == "loop", lead_s=self._lead_s)
+                                            shared_stream=codec.stream == "loop", lead_s=self._lead_s,
+                                            priority=codec.stream_priority)
         elif codec_process is None:
             self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch,
                                           self._lead_s)
