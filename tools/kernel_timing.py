@@ -46,13 +46,12 @@ def race(rows, n):
     probs = torch.softmax(torch.randn(rows, n, device="cuda"), -1)
     idx = torch.argsort(torch.rand(rows, n, device="cuda"), -1)
     seeds, steps = torch.arange(rows, device="cuda"), torch.zeros(rows, dtype=torch.long, device="cuda")
-    keys = sampling.row_keys(seeds, steps, 3)
 
     def torch_race():
         u = sampling.request_uniforms(seeds, steps, 3, idx)
         return idx.gather(1, (probs / (-torch.log(u)).to(probs.dtype)).argmax(-1, keepdim=True))
     print(f"race rows={rows} n={n}: torch {1000 * timed(torch_race):.0f} us, "
-          f"triton {1000 * timed(lambda: race_kernel.race_argmax(probs, idx, keys)):.0f} us")
+          f"triton {1000 * timed(lambda: race_kernel.race_argmax(probs, idx, seeds, steps, 3)):.0f} us")
 
 
 def snake_timing(shape, dtype):

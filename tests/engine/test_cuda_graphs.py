@@ -186,10 +186,10 @@ def test_triton_race_draws_the_tokens_of_the_torch_race(temperature, n):
     params = sampling.SamplingBatch(
         temperature=torch.full((rows,), temperature, device="cuda"), top_p=torch.ones(rows, device="cuda"),
         top_k=torch.full((rows,), n, device="cuda"), repetition_penalty=torch.ones(rows, device="cuda"),
-        seeds=torch.randint(0, 2**62, (rows,), device="cuda", generator=g),
+        seeds=torch.randint(-2**63, 2**63 - 1, (rows,), device="cuda", generator=g),
         steps=torch.randint(0, 3000, (rows,), device="cuda", generator=g), max_top_k=n)
-    for draw in (0, 1, 9):
-        got = race_kernel.race_argmax(probs, idx, sampling.row_keys(params.seeds, params.steps, draw))
+    for draw in (0, 1, 9, 10):  # Fish's draws reach 10
+        got = race_kernel.race_argmax(probs, idx, params.seeds, params.steps, draw)
         u = sampling.request_uniforms(params.seeds, params.steps, draw, idx)
         want = idx.gather(1, (probs / (-torch.log(u)).to(probs.dtype)).argmax(-1, keepdim=True)).squeeze(1)
         assert torch.equal(got, want)

@@ -1,8 +1,10 @@
 """The exponential race of `sampling.sample` as one Triton kernel (CUDA): per row, the candidate with
-the largest p_i / E_i, E_i = -log(U_i), the uniforms hashed on the fly from the row's key.
+the largest p_i / E_i, E_i = -log(U_i), the uniforms hashed on the fly from the row's key, itself hashed
+from the row's seed, step and the draw (`sampling.row_keys`).
 
-The torch version builds every uniform with ~15 int64 elementwise kernels over [rows, candidates]
-per draw (Fish draws 11 times a step); this reads the probabilities and token ids once. It does the
+The torch version builds the keys with ~35 int64 elementwise kernels over [rows] and every uniform
+with ~15 more over [rows, candidates] per draw (Fish draws 11 times a step, so ~550 small kernels of
+its ~1250 a step); this reads the seeds, steps, probabilities and token ids once. It does the
 same integer and floating-point operations in the same precisions (hash in 64-bit integers masked
 to 32 bits, uniform and log in fp64, the race in the probabilities' dtype), so it picks the same
 token; a GPU test checks that against the torch version.
@@ -36,9 +38,18 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _race(probs_ptr, idx_ptr, keys_ptr, out_ptr, n, stride_p, stride_i, BLOCK_N: tl.constexpr):
+    def _row_key(seed, step, salt):
+        """`sampling.row_keys` for one row (salt: the draw's term, made on the host)."""
+        key = _mix32(_mix32(seed & 0xFFFFFFFF) ^ ((seed >> 32) & 0xFFFFFFFF) ^ 0x9E3779B9)
+        key = _mix32(key ^ ((step * 0x27D4EB2F) & 0xFFFFFFFF))
+        return _mix32(key ^ salt)
+
+    @triton.jit
+    def _race(probs_ptr, idx_ptr, seeds_ptr, steps_ptr, salt, out_ptr, n, stride_p, stride_i,
+              BLOCK_N: tl.constexpr):
         row = tl.program_id(0)
-        key = tl.load(keys_ptr + row).to(tl.int64)
+        key = _row_key(tl.load(seeds_ptr + row).to(tl.int64), tl.load(steps_ptr + row).to(tl.int64),
+                       salt.to(tl.int64))
         best = tl.full([], -1.0, tl.float32)
         best_id = tl.full([], 0, tl.int64)
         for start in range(0, n, BLOCK_N):
@@ -60,13 +71,19 @@ if triton is not None:
         tl.store(out_ptr + row, best_id)
 
 
-def race_argmax(probs: Tensor, idx: Tensor, keys: Tensor) -> Tensor:
+def race_argmax(probs: Tensor, idx: Tensor, seeds: Tensor, steps: Tensor, draw: int) -> Tensor:
     """probs [R, N] (float32: probabilities, or any non-negative weights proportional to them), idx [R, N]
-    token ids (int64), keys [R] (int64, 32-bit values) -> [R] ids."""
+    token ids (int64), seeds and steps [R] (integers), the draw's index -> [R] ids."""
     rows, n = probs.shape
     probs, idx = probs.contiguous(), idx.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=probs.device)
     # no wider than the candidates (64 for Fish's usual draws): masked lanes would hash and log for nothing
     block = min(BLOCK, max(16, triton.next_power_of_2(n)))
-    _race[(rows,)](probs, idx, keys.contiguous(), out, n, probs.stride(0), idx.stride(0), BLOCK_N=block)
+    _race[(rows,)](probs, idx, seeds.contiguous(), steps.contiguous(), draw_salt(draw), out, n, probs.stride(0),
+                   idx.stride(0), BLOCK_N=block)
     return out
+
+
+def draw_salt(draw: int) -> int:
+    """The draw's term of a row's key (`sampling.row_keys`); below 2**63 for any draw a model makes."""
+    return draw * 0x165667B1 + 0x61C88647

@@ -50,7 +50,7 @@ def row_keys(seeds: Tensor, steps: Tensor, draw: int) -> Tensor:
     seeds = seeds.to(torch.int64)
     key = _mix32(_mix32(seeds & _M32) ^ ((seeds >> 32) & _M32) ^ 0x9E3779B9)
     key = _mix32(key ^ ((steps.to(torch.int64) * 0x27D4EB2F) & _M32))
-    return _mix32(key ^ (draw * 0x165667B1 + 0x61C88647))
+    return _mix32(key ^ race_kernel.draw_salt(draw))
 
 
 def request_uniforms(seeds: Tensor, steps: Tensor, draw: int, token_ids: Tensor) -> Tensor:
@@ -64,7 +64,7 @@ def race(probs: Tensor, idx: Tensor, params: "SamplingBatch", draw: int) -> Tens
     """The exponential race over candidates: idx [R, N] token ids with probabilities probs (or weights
     proportional to them) -> [R]."""
     if race_kernel.available(probs):
-        return race_kernel.race_argmax(probs, idx, row_keys(params.seeds, params.steps, draw))
+        return race_kernel.race_argmax(probs, idx, params.seeds, params.steps, draw)
     u = request_uniforms(params.seeds, params.steps, draw, idx)
     score = probs / (-torch.log(u)).to(probs.dtype)
     return idx.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)
