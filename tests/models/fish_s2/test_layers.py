@@ -61,3 +61,28 @@ def test_semantic_logits_are_the_allowed_columns_of_the_full_logits(tiny_fish):
     small = lm.semantic_logits(h, tok.im_end_id)
     assert torch.allclose(small[:, :4096], full[:, tok.semantic_begin : tok.semantic_end + 1], atol=1e-6)
     assert torch.allclose(small[:, 4096], full[:, tok.im_end_id], atol=1e-6)
+
+
+def test_the_fast_ars_first_two_positions_together_are_the_two_one_after_the_other(tiny_fish_dir):
+    """The head runs fast-AR positions 0 and 1 in one pass; each row's position-1 hidden state and the cache it
+    leaves are those of the official order, one position at a time (float64: equal to rounding)."""
+    from intone.models.registry import load_model
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    lm, rows = model.lm, 5
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(rows, model.cfg.text_dim, generator=g, dtype=torch.float64)
+    code = torch.randint(0, model.cfg.codebook_size, (rows,), generator=g)
+    with torch.inference_mode():
+        first, embedded = lm.audio_decoder.project(hidden), lm.audio_decoder.embeddings(code)
+        apart = lm.new_fast_cache(rows, torch.float64, "cpu")
+        lm.fast_step(first, 0, apart)
+        want = lm.fast_step(embedded, 1, apart)
+        together = lm.new_fast_cache(rows, torch.float64, "cpu")
+        got = lm.fast_step(torch.stack([first, embedded], dim=1), 0, together)
+        after_apart = lm.fast_step(embedded * 0.5, 2, apart)  # the next position reads both caches alike
+        after_together = lm.fast_step(embedded * 0.5, 2, together)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    for (k1, v1), (k2, v2) in zip(apart, together):
+        assert torch.allclose(k1, k2, rtol=0, atol=1e-12) and torch.allclose(v1, v2, rtol=0, atol=1e-12)
+    assert torch.allclose(after_together, after_apart, rtol=0, atol=1e-12)

@@ -228,14 +228,16 @@ class FishS2(TTSModel):
 
         Position 0 sees the hidden state (its logits are unused); position k sees the
         embedding of code k-1. Residual codes are drawn over all 4096 logits, as officially.
+        Positions 0 and 1 go through the layers together (the official code runs them one after the
+        other; the same sums, one pass of the fast layers' weights fewer a step).
         """
         lm = self.lm
         cache = lm.new_fast_cache(hidden.shape[0], hidden.dtype, hidden.device)
-        lm.fast_step(lm.audio_decoder.project(hidden), 0, cache)
         code = (tokens - self.tokenizer.semantic_begin).clamp(0, self.cfg.codebook_size - 1)
         codes = [code]
+        x = torch.stack([lm.audio_decoder.project(hidden), lm.audio_decoder.embeddings(code)], dim=1)
         for k in range(1, self.num_codebooks):
-            h = lm.fast_step(lm.audio_decoder.embeddings(code), k, cache)
+            h = lm.fast_step(x, 0, cache) if k == 1 else lm.fast_step(lm.audio_decoder.embeddings(code), k, cache)
             logits = lm.fast_logits(h).float()
             code = sample(logits, params, DRAW_FIRST_CODEBOOK + k - 1, candidates or logits.shape[-1])
             codes.append(code)

@@ -175,27 +175,31 @@ class DualARTransformer(nn.Module):
     # ---- fast AR ---------------------------------------------------------------------------
 
     def fast_step(self, x: Tensor, position: int, cache: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """One fast-AR position for a batch: x [B, dim] -> normed hidden [B, dim].
+        """Fast-AR positions for a batch: x [B, dim] (one position) or [B, T, dim] (T positions from
+        `position`, each attending causally) -> the last position's normed hidden [B, dim].
 
-        cache[layer] = (k, v), each [B, num_codebooks, H_kv, D]; position p writes slot p and
-        attends to slots 0..p.
+        cache[layer] = (k, v), each [B, num_codebooks, H_kv, D]; positions p..p+T-1 write their slots
+        and attend to slots 0..their own.
         """
-        rope = self.fast_rope[position : position + 1]
-        h = x.unsqueeze(1)
+        h = x.unsqueeze(1) if x.dim() == 2 else x
+        end = position + h.shape[1]
+        if position and end > position + 1:
+            raise ValueError("several fast-AR positions at once only from position 0")
+        rope = self.fast_rope[position:end]
         for layer, (k_buf, v_buf) in zip(self.audio_decoder.layers, cache):
 
             def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
-                k_buf[:, position] = k[:, 0]
-                v_buf[:, position] = v[:, 0]
-                keys, values = k_buf[:, : position + 1], v_buf[:, : position + 1]
-                out = F.scaled_dot_product_attention(
+                k_buf[:, position:end] = k
+                v_buf[:, position:end] = v
+                keys, values = k_buf[:, :end], v_buf[:, :end]
+                out = F.scaled_dot_product_attention(  # from position 0, queries and keys align: causal
                     q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                    enable_gqa=q.shape[2] != keys.shape[2],
+                    is_causal=end > position + 1, enable_gqa=q.shape[2] != keys.shape[2],
                 )
                 return out.transpose(1, 2)
 
             h = layer(h, rope, attend)
-        return self.audio_decoder.norm(h[:, 0])
+        return self.audio_decoder.norm(h[:, -1])
 
     def new_fast_cache(self, batch: int, dtype: torch.dtype, device) -> list[tuple[Tensor, Tensor]]:
         f = self.cfg.fast
