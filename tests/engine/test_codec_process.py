@@ -44,11 +44,15 @@ def spans(chunks):
     return [(c.start_frame, c.end_frame, c.finished, c.stop_reason) for c in chunks]
 
 
-def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache):
-    """CosyVoice3: the stage whose per-request state (mel history, released samples) lives in the process."""
-    spec, profile = "tiny:cosyvoice3", "cosyvoice3-streaming"
-    thread, _, _ = run(spec, profile, process=False)
-    process, snap, worker = run(spec, profile, process=True, **{"codec.device": "cpu"})  # placed explicitly
+@pytest.mark.parametrize("spec, profile, overrides", [
+    ("tiny:cosyvoice3", "cosyvoice3-streaming", {}),
+    ("tiny:fish-s2", "fish-s2-high-concurrency", {"codec.packed_decode": True}),
+])
+def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache, spec, profile, overrides):
+    """CosyVoice3: the stage whose per-request state (mel history, released samples) lives in the process.
+    Fish: its carried decode states, whole responses in pieces, the packed decode."""
+    thread, _, _ = run(spec, profile, process=False, **overrides)
+    process, snap, worker = run(spec, profile, process=True, **{"codec.device": "cpu"}, **overrides)  # placed explicitly
     assert thread.keys() == process.keys() == {f"r{i}" for i in range(4)}
     for rid in thread:
         assert spans(thread[rid]) == spans(process[rid])

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", default="1,16,64")
     ap.add_argument("--context", default="256,1024")
     ap.add_argument("--sample-candidates", default="64", help="ar.sample_candidates values to time (0: every token)")
-    ap.add_argument("--codec-frames", default="50")
+    ap.add_argument("--codec-frames", default="50", help="codec window lengths to time ('': none)")
     ap.add_argument("--codec-dtype", default="float32,float16,bfloat16")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     for dtype_name in args.codec_dtype.split(","):
         model.codec.to(getattr(torch, dtype_name))
-        for frames in map(int, args.codec_frames.split(",")):
+        for frames in [int(f) for f in args.codec_frames.split(",") if f]:
             for batch in map(int, args.batch.split(",")):
                 codes = torch.randint(0, 1024, (batch, model.num_codebooks, frames), device="cuda")
                 ms = timed(lambda: model.codec.decode(codes))
