@@ -452,13 +452,11 @@ def test_each_frontend_worker_with_an_sm_share_runs_only_on_that_share(tiny_fish
         FrontendStage(model, 0, sms=total)
 
 
-@pytest.mark.gpu
-def test_on_the_loops_stream_the_worker_decodes_on_the_stream_current_where_it_was_built(tiny_fish_dir):
-    """codec.stream: loop: the worker thread decodes on the loop's stream (so the GPU runs the codec's
-    kernels and the loop's in launch order, none beside another), and the audio is the loop's decode."""
+def _recording_stage(tiny_fish_dir):
+    """A tiny Fish codec stage on the GPU whose calls record the stream they ran on (`seen`), one whole
+    response's chunk for it, and the stage's own decode (to call on a stream of the test's choosing)."""
     from intone.engine.chunk_planner import Chunk
     from intone.engine.codec_stage import CodecStage
-    from intone.engine.codec_worker import CodecWorker
     from intone.engine.request import EngineRequest
     from intone.models.vocoder import WindowVocoder
 
@@ -473,7 +471,17 @@ def test_on_the_loops_stream_the_worker_decodes_on_the_stream_current_where_it_w
     stage.run = recorded
     req = EngineRequest("r0", prompt=None, params=SamplingParams())
     req.codes = torch.randint(0, 8, (model.num_codebooks, 20), generator=torch.Generator().manual_seed(0))
-    item = (req, Chunk("r0", 0, 20, 0, True))
+    return stage, seen, (req, Chunk("r0", 0, 20, 0, True)), decode
+
+
+@pytest.mark.gpu
+def test_on_the_loops_stream_the_worker_decodes_on_the_stream_current_where_it_was_built(tiny_fish_dir):
+    """codec.stream: loop: the worker thread decodes on the loop's stream (so the GPU runs the codec's
+    kernels and the loop's in launch order, none beside another), and the audio is the loop's decode."""
+    from intone.engine.codec_worker import CodecWorker
+
+    stage, seen, item, decode = _recording_stage(tiny_fish_dir)
+    device = torch.device("cuda", torch.cuda.current_device())
     loop = torch.cuda.Stream(device)
     with torch.cuda.stream(loop):
         worker = CodecWorker(stage, device, shared_stream=True)
@@ -487,25 +495,11 @@ def test_on_the_loops_stream_the_worker_decodes_on_the_stream_current_where_it_w
 def test_codec_high_priority_decodes_on_a_stream_of_the_highest_priority(tiny_fish_dir):
     """codec.high_priority: the worker's calls run on a stream of its own at CUDA's most urgent priority, and
     decode what the default stream does."""
-    from intone.engine.chunk_planner import Chunk
-    from intone.engine.codec_stage import CodecStage
     from intone.engine.codec_worker import CodecWorker
     from intone.engine.config import load_profile
-    from intone.engine.request import EngineRequest
-    from intone.models.vocoder import WindowVocoder
 
+    stage, seen, item, decode = _recording_stage(tiny_fish_dir)
     device = torch.device("cuda", torch.cuda.current_device())
-    model = load_model(str(tiny_fish_dir), device="cuda")
-    stage = CodecStage(WindowVocoder(model, max_batch=64, max_padded_frames=4096))
-    seen, decode = [], stage.run
-
-    def recorded(items, pause=None):
-        seen.append(torch.cuda.current_stream(device))
-        return decode(items)
-    stage.run = recorded
-    req = EngineRequest("r0", prompt=None, params=SamplingParams())
-    req.codes = torch.randint(0, 8, (model.num_codebooks, 20), generator=torch.Generator().manual_seed(0))
-    item = (req, Chunk("r0", 0, 20, 0, True))
     want = decode([item])[0]
     priority = load_profile("fish-s2-high-concurrency", **{"codec.high_priority": True}).codec.stream_priority
     worker = CodecWorker(stage, device, priority=priority)
