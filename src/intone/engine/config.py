@@ -138,11 +138,10 @@ class CodecStageConfig(_Strict):
     sms: int | None = Field(None, ge=1, description="the codec worker's share of the GPU's streaming multiprocessors "
                                                  "(a CUDA green context; GPU, in-process worker): the rest stay free "
                                                  "for the AR step's kernels whatever the codec runs (None: all)")
-    high_priority: bool = Field(False, description="the in-process codec worker's CUDA stream (and the stream its "
-                                "graphs are captured on) at the highest priority, so its kernels' blocks go before "
-                                "the AR step's waiting ones as SMs free up: beside the step's GEMMs a call's small "
-                                "kernels otherwise wait for SMs (GPU; no codec.sms, codec.stream: loop or "
-                                "codec.process)")
+    high_priority: bool = Field(False, description="experimental: the in-process codec worker's CUDA stream (and "
+                                "the stream its graphs are captured on) at the highest priority, so its kernels' "
+                                "blocks go before the AR step's waiting ones as SMs free up (GPU; no codec.sms, "
+                                "codec.stream: loop or codec.process). Fish non-streamed, session 41: -14%")
     gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec (worker or loop) starts a call "
                              "made only of non-streamed requests' pieces once the oldest has waited this long (at once "
                              "when max_batch requests wait or any stream's chunk does, which takes them along; in "
