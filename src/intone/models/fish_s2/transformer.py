@@ -37,13 +37,16 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, attend: AttendFn) -> Tensor:
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.unflatten(-1, (self.n_head, self.head_dim))
-        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))
-        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
+        qkv = self.wqkv(x)
+        v = qkv[..., q_size + kv_size:].unflatten(-1, (self.n_kv_head, self.head_dim))
         if self.qk_norm:  # before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = fused.rope_pairs(q, rope), fused.rope_pairs(k, rope)
+            q, k = qkv[..., :q_size], qkv[..., q_size: q_size + kv_size]
+            q = self.q_norm(q.unflatten(-1, (self.n_head, self.head_dim)))
+            k = self.k_norm(k.unflatten(-1, (self.n_kv_head, self.head_dim)))
+            q, k = fused.rope_pairs(q, rope), fused.rope_pairs(k, rope)
+        else:  # the queries' and keys' heads rotated in one pass (the fast AR: a kernel fewer a layer)
+            qk = fused.rope_pairs(qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_kv_head, -1)), rope)
+            q, k = qk.split([self.n_head, self.n_kv_head], dim=-2)
         return self.wo(attend(q, k, v).flatten(-2))
 
 
