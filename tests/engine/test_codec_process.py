@@ -86,3 +86,54 @@ def test_a_dead_codec_process_fails_the_engine_loudly(tiny_cache):
                 core.step()
     finally:
         core.close()
+
+
+@pytest.mark.parametrize("gather_ms, calls", [(400, 1), (0, 2)])
+def test_the_codec_process_gathers_non_streamed_pieces_as_the_worker_does(tiny_fish_dir, gather_ms, calls):
+    """codec.gather_ms in the process: a non-streamed request's piece waits for company until the oldest has
+    waited that long, so two pieces handed over 100 ms apart go in one call; with no gathering, in two."""
+    import pickle
+    import threading
+    import time
+
+    import zmq
+
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_process import Job, _loop, call_hold
+    from intone.engine.codec_worker import ChunkQueue
+    from intone.engine.loading import codec_stage_for
+    from intone.models.base import Prompt
+    from intone.models.registry import load_model
+
+    model = load_model(str(tiny_fish_dir))
+    profile = load_profile("fish-s2-high-concurrency", device="cpu", **{"codec.gather_ms": gather_ms})
+    stage = codec_stage_for(model, profile)
+    k = model.num_codebooks
+    context = zmq.Context.instance()
+    name = f"inproc://codec-gather-{gather_ms}"
+    engine_push, child_pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    child_push, engine_pull = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    child_pull.bind(name + "-in"), engine_push.connect(name + "-in")
+    engine_pull.bind(name + "-out"), child_push.connect(name + "-out")
+    child = threading.Thread(target=_loop, args=(stage, ChunkQueue(None), child_pull, child_push, call_hold(profile)))
+    child.start()
+
+    def piece(i: int) -> Job:
+        prompt = Prompt(torch.zeros(0, dtype=torch.long), torch.zeros(0, k, dtype=torch.long))
+        codes = torch.randint(0, 8, (k, 12), generator=torch.Generator().manual_seed(i))
+        return Job(i, Chunk(f"r{i}", 0, 12, 0, False), codes, prompt, 1.0, time.perf_counter(), False)
+    try:
+        engine_push.send(pickle.dumps(("chunks", [piece(0)])))
+        time.sleep(0.1)
+        engine_push.send(pickle.dumps(("chunks", [piece(1)])))
+        decoded = []
+        while sum(len(m[1]) for m in decoded) < 2:
+            assert engine_pull.poll(5000), "the codec process sent nothing"
+            decoded.append(pickle.loads(engine_pull.recv()))
+        assert [m[0] for m in decoded] == ["decoded"] * calls
+        assert all(isinstance(audio, np.ndarray) and audio.shape == (12 * 2048,) for m in decoded for _, audio in m[1])
+    finally:
+        engine_push.send(pickle.dumps(("shutdown",)))
+        child.join(10)
+        for s in (engine_push, child_pull, child_push, engine_pull):
+            s.close(linger=0)

@@ -18,6 +18,7 @@ Deadlines are perf_counter instants: CLOCK_MONOTONIC, the same clock in both pro
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 import zmq
 
 from intone.engine.child import StageChild, stage_main
-from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch
+from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch, hold_seconds
 from intone.engine.config import Profile
 from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
 
@@ -40,6 +41,27 @@ class Job:
     prompt: object  # the codec part of the request's Prompt on its first chunk, else None
     speed: float
     deadline: float
+    listened: bool | None  # its request's frontier: streamed (True), a non-streamed piece (False), none (None)
+
+    # a queued (request, job) reads as the worker's (request, chunk) to `hold_seconds`' predicates
+    @property
+    def start(self) -> int:
+        return self.chunk.start
+
+    @property
+    def finished(self) -> bool:
+        return self.chunk.finished
+
+    @property
+    def prepare(self) -> bool:
+        return self.chunk.prepare
+
+
+@dataclass
+class Listening:
+    """The part of a request's frontier the codec's schedule reads."""
+
+    listened: bool
 
 
 @dataclass
@@ -51,6 +73,7 @@ class CodecRequest:
     speed: float
     codes: object = None
     codec_state: object = None
+    frontier: Listening | None = None
 
 
 class CodecProcess:
@@ -77,7 +100,8 @@ class CodecProcess:
         jobs = []
         for (req, chunk), n, deadline in zip(items, tokens, deadlines or [now] * len(items)):
             # clone: a pickled view carries its whole buffer (max_new_tokens frames), the copy only these
-            job = Job(self._next_id, chunk, req.codes[:, : req.num_frames].clone(), None, req.speed, deadline)
+            listened = req.frontier.listened if req.frontier is not None else None
+            job = Job(self._next_id, chunk, req.codes[:, : req.num_frames].clone(), None, req.speed, deadline, listened)
             if req.request_id not in self._prompted:
                 self._prompted.add(req.request_id)
                 p = req.prompt
@@ -147,13 +171,25 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
             warm_up_codec(stage, profile, model)
         push.send(pickle.dumps(("ready", None)))
         first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else None
-        _loop(stage, ChunkQueue(c.call_size, first), pull, push)
+        _loop(stage, ChunkQueue(c.call_size, first), pull, push, call_hold(profile))
 
 
-def _loop(stage, queue: ChunkQueue, pull: zmq.Socket, push: zmq.Socket) -> None:
+def call_hold(profile: Profile):
+    """(queue, oldest) -> seconds the process's next call should still wait: the in-process worker's
+    `hold_seconds` with the profile's codec section (gathering pieces, a stream's lead)."""
+    c = profile.codec
+    lead_s = c.stream_lead_ms / 1000 if c.stream_lead_ms is not None else None
+    return lambda queue, oldest: hold_seconds(queue, oldest, c.gather_ms / 1000, c.max_batch, lead_s)
+
+
+def _loop(stage, queue: ChunkQueue, pull: zmq.Socket, push: zmq.Socket, hold=lambda queue, oldest: 0.0) -> None:
+    """hold(queue, oldest): seconds the next call should still wait for more chunks (`hold_seconds`: the
+    in-process worker's gathering, with the same profile)."""
     requests: dict[str, CodecRequest] = {}
+    oldest = None  # when the oldest chunk still waiting arrived
     while True:
-        timeout = 0 if len(queue) else None  # block only with nothing to decode
+        wait = hold(queue, oldest) if len(queue) else None
+        timeout = None if wait is None else math.ceil(wait * 1000)  # block only with nothing to decode
         while pull.poll(timeout):
             msg = pickle.loads(pull.recv())
             if msg[0] == "shutdown":
@@ -168,13 +204,16 @@ def _loop(stage, queue: ChunkQueue, pull: zmq.Socket, push: zmq.Socket) -> None:
                 for job in msg[1]:
                     rid = job.chunk.request_id
                     if job.prompt is not None:
-                        requests[rid] = CodecRequest(rid, job.prompt, job.speed)
+                        listening = Listening(job.listened) if job.listened is not None else None
+                        requests[rid] = CodecRequest(rid, job.prompt, job.speed, frontier=listening)
                     req = requests[rid]
                     req.codes = job.codes
+                    oldest = oldest if len(queue) else time.perf_counter()
                     queue.push((req, job), 0, job.deadline)
             timeout = 0
-        if len(queue):
+        if len(queue) and hold(queue, oldest) <= 0:
             _decode(stage, queue, requests, push)
+            oldest = oldest if len(queue) else None  # a capped call's leftovers stay due
 
 
 def _decode(stage, queue: ChunkQueue, requests: dict, push: zmq.Socket) -> None:

@@ -142,11 +142,11 @@ class CodecStageConfig(_Strict):
                                 "the stream its graphs are captured on) at the highest priority, so its kernels' "
                                 "blocks go before the AR step's waiting ones as SMs free up (GPU; no codec.sms, "
                                 "codec.stream: loop or codec.process). Fish non-streamed, session 41: -14%")
-    gather_ms: float = Field(0.0, ge=0, le=1000, description="the in-process codec (worker or loop) starts a call "
+    gather_ms: float = Field(0.0, ge=0, le=1000, description="the codec (worker, loop or process) starts a call "
                              "made only of non-streamed requests' pieces once the oldest has waited this long (at once "
                              "when max_batch requests wait or any stream's chunk does, which takes them along; in "
                              "the loop also when nothing else runs): fewer, larger calls (0: every call as soon as "
-                             "the codec is free; the codec process takes what waits)")
+                             "the codec is free; the codec process gathers alike)")
     stream_lead_ms: float | None = Field(None, ge=0, le=10000, description="the in-process codec (worker or loop) "
                                          "holds a stream's chunk between its first and its last until its listener "
                                          "would run "
