@@ -45,7 +45,8 @@ class Attention(nn.Module):
             k = self.k_norm(k.unflatten(-1, (self.n_kv_head, self.head_dim)))
             q, k = fused.rope_pairs(q, rope), fused.rope_pairs(k, rope)
         else:  # the queries' and keys' heads rotated in one pass (the fast AR: a kernel fewer a layer)
-            qk = fused.rope_pairs(qkv[..., : q_size + kv_size].unflatten(-1, (self.n_head + self.n_kv_head, -1)), rope)
+            heads = self.n_head + self.n_kv_head
+            qk = fused.rope_pairs(qkv[..., : q_size + kv_size].unflatten(-1, (heads, self.head_dim)), rope)
             q, k = qk.split([self.n_head, self.n_kv_head], dim=-2)
         return self.wo(attend(q, k, v).flatten(-2))
 
