@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, host-interference, probe-streams, codec-timing, codec-convs, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, host-interference, probe-streams, codec-timing, codec-convs, carried-host, encoder, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -47,6 +47,8 @@ for stage in "$@"; do
     # '--shapes= --hift 12x256,48x256': CosyVoice3's HiFT on full responses' calls instead)
     codec-convs) timeout ${T:-300} python3 tools/codec_convs.py ${CONVS_ARGS:-} 2>&1 | grep -v Warn > "$OUT/codec-convs$TAG.txt"
       grep -A3 "==" "$OUT/codec-convs$TAG.txt" | cut -c1-400 ;;
+    # carried-host: one carried codec call alone, its host part against its whole span, kernels, top ops (CH_ARGS)
+    carried-host) timeout 240 python3 tools/carried_host.py ${CH_ARGS:-} 2>&1 | grep -v "Warn\|USDT" | tee "$OUT/carried-host.txt" | tail -60 ;;
     codec-timing) timeout 300 python3 tools/codec_timing.py ${CODEC_ARGS:-} 2>&1 | tee "$OUT/codec-timing.txt" | grep -v Warning | tail -40 ;;
     encoder) timeout 200 python3 tools/encoder_timing.py 2>&1 | tee "$OUT/encoder.txt" | tail -30 ;;
     # step-time: Fish's whole step (decode + head) at real size, per ar.sample_candidates (STEP_ARGS)
