@@ -4,7 +4,7 @@ from the row's seed, step and the draw (`sampling.row_keys`).
 
 The torch version builds the keys with ~35 int64 elementwise kernels over [rows] and every uniform
 with ~15 more over [rows, candidates] per draw (Fish draws 11 times a step, so ~550 small kernels of
-its ~1250 a step); this reads the seeds, steps, probabilities and token ids once. It does the
+its ~2,490 a step); this reads the seeds, steps, probabilities and token ids once. It does the
 same integer and floating-point operations in the same precisions (hash in 64-bit integers masked
 to 32 bits, uniform and log in fp64, the race in the probabilities' dtype), so it picks the same
 token; a GPU test checks that against the torch version.
