@@ -54,7 +54,7 @@ for stage in "$@"; do
     # step-time: Fish's whole step (decode + head) at real size, per ar.sample_candidates (STEP_ARGS)
     step-time) timeout 300 python3 -m intone.bench.step_time --batch 16,64 --context 1024 --codec-dtype float16 \
         ${STEP_ARGS:---sample-candidates 64,0} --out "$OUT/step-time$TAG.json" 2>&1 | grep -v Warn | tail -20 ;;
-    ar-timing) timeout 400 python3 tools/ar_step_timing.py ${AR_ARGS:-} 2>&1 | tee "$OUT/ar-timing.txt" | grep -v Warning | tail -30 ;;
+    ar-timing) timeout 400 python3 tools/ar_step_timing.py ${AR_ARGS:-} 2>&1 | tee "$OUT/ar-timing$TAG.txt" | grep -v Warning | tail -30 ;;
     probe) timeout 300 python3 tools/engine_probe.py ${PROBE:---model random:cosyvoice3 --set frontend.cuda_graphs=true} 2>&1 \
         | tee "$OUT/probe-${PROBE_TAG:-0}.txt" | grep -v Warning | tail -${PROBE_TAIL:-60} ;;
     flow-calls) timeout ${T:-400} python3 -m intone.bench.cosy_flow_calls ${FLOW_ARGS:-} 2>&1 | tee "$OUT/flow-calls.txt" \
