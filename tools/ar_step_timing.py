@@ -56,7 +56,8 @@ def variant(model, kv, rows, kv_tokens, compiled: bool):
     decode, decode_out = capture_graph(lambda: decode_fn(d["x"], d["positions"], d["slots"], d["tables"],
                                                          d["seq_lens"], kv), None, stream)  # the first run compiles
     if head_fn is not None:
-        head, head_out = capture_graph(lambda: head_fn(h["hidden"], h["sampling"], h["history"], None),
+        candidates = 64 if model.head_takes_candidates else None  # the shipped ar.sample_candidates, as served
+        head, head_out = capture_graph(lambda: head_fn(h["hidden"], h["sampling"], h["history"], candidates),
                                        decode.pool(), stream)
     setup = time.perf_counter() - start
     out = dict(setup_s=round(setup, 1), decode_ms=timed(lambda: decode.replay()))
