@@ -6,7 +6,8 @@ Runs Fish S2 Pro's real-size architecture (or any config.json via --config) on t
 numbers are the yardstick for the engine's step times; compare them with
 shared/tools/roofline-h200.txt. A row times the runner's whole step as the engine runs it (`ModelRunner.run`:
 the host's packing, the upload, the decode and head, the download's start); the rows without graphs run the same
-static step eagerly at its padded shapes (what an engine without graphs runs on a GPU).
+static step eagerly at its padded shapes (what an engine without graphs runs on a GPU). Served steps run the
+AR's fused pieces (`--fuse-elementwise`); without the flag they are the plain ops (before session 42, always).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.models.base import Prompt
 from intone.models.fish_s2.model import FishS2, random_s2_pro
+from intone.ops import fused
 from intone.ops.kv_cache import KVCache
 from intone.protocol import SamplingParams
 
@@ -69,11 +71,15 @@ def main(argv=None) -> None:
     ap.add_argument("--sample-candidates", default="64", help="ar.sample_candidates values to time (0: every token)")
     ap.add_argument("--codec-frames", default="50", help="codec window lengths to time ('': none)")
     ap.add_argument("--codec-dtype", default="float32,float16,bfloat16")
+    ap.add_argument("--fuse-elementwise", action="store_true",
+                    help="the AR's norms, RoPE and gate compiled (`ar.fuse_elementwise`, on in the shipped profiles)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    fused.use_compiled(args.fuse_elementwise)
 
     model = random_s2_pro(device="cuda", dtype=torch.bfloat16)
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": []}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "decode": [], "codec": [],
+               "fuse_elementwise": args.fuse_elementwise}
     bounds = [int(c) for c in args.sample_candidates.split(",")]
     for graphs, context, bound in [(g, c, b) for g in (False, True) for c in map(int, args.context.split(","))
                                    for b in bounds]:
