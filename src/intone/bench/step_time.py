@@ -7,7 +7,7 @@ numbers are the yardstick for the engine's step times; compare them with
 shared/tools/roofline-h200.txt. A row times the runner's whole step as the engine runs it (`ModelRunner.run`:
 the host's packing, the upload, the decode and head, the download's start); the rows without graphs run the same
 static step eagerly at its padded shapes (what an engine without graphs runs on a GPU). Served steps run the
-AR's fused pieces (`--fuse-elementwise`); without the flag they are the plain ops (before session 42, always).
+AR's fused pieces (`--fuse-elementwise`); without the flag, as in every step_time row up to session 41, the plain ops.
 """
 
 from __future__ import annotations
