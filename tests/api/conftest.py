@@ -57,11 +57,11 @@ def wait_ready(server: Server, timeout: float = 120) -> Server:
             pass
         time.sleep(0.3)
     server.process.kill()
-    raise RuntimeError("server did not come up")
+    raise RuntimeError(f"server did not come up within {timeout} s: {server.log.read_text()[-3000:]}")
 
 
-def start_server(tmp: Path, cache: Path, *extra: str) -> Server:
-    return wait_ready(launch_server(tmp, cache, *extra))
+def start_server(tmp: Path, cache: Path, *extra: str, timeout: float = 120) -> Server:
+    return wait_ready(launch_server(tmp, cache, *extra), timeout)
 
 
 def stop_server(server: Server) -> None:

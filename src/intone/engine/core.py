@@ -54,7 +54,7 @@ class TooLarge(IntoneError):
 class EngineCore:
     def __init__(self, model: TTSModel, profile: Profile, tracer: FrameTracer | None = None,
                  codec_process: CodecProcess | None = None, frontend_processes: list[FrontendProcess] | None = None):
-        """codec_process: the codec stage in a process of its own (started by `build`), else a
+        """codec_process: the codec stage in a process of its own (started and warmed up by `build`), else a
         stage here, on a worker thread (`codec.overlap`) or in the loop. frontend_processes: one per
         frontend worker (`frontend.process`, started by `build`), encoding its clips."""
         self.model, self.profile, self.tracer = model, profile, tracer
@@ -126,10 +126,6 @@ class EngineCore:
                 warm_up_codec(self.codec, self.profile, self.model)
             log.info("start-up: capturing CUDA graphs (%.1f s so far; GPU memory peak %s)",
                      time.perf_counter() - start, gib_so_far(self.model.device))
-        if isinstance(self.codec_worker, CodecProcess):  # its warm-up is GPU work too: done before the captures
-            self.codec_worker.wait_ready()
-        for encoder in self.frontend.encoders:  # so are theirs
-            encoder.wait_ready()
         self.stats.warm_up_seconds = time.perf_counter() - start
         max_kv = min(self.model.max_seq_len, self.kv.num_blocks * self.kv.block_size)
         report = self.runner.capture(self.profile.ar.max_num_seqs, max_kv, self.profile.ar.max_num_batched_tokens)
@@ -487,6 +483,12 @@ class EngineCore:
             for i in range(profile.frontend.workers if profile.frontend.process else 0):
                 frontend_processes.append(FrontendProcess(model_spec, profile, i))
             model = load_for_profile(model_spec, profile)
+            # Their warm-ups are GPU work (none may run during the captures) and hold GPU memory that the KV
+            # cache, sized from what is free, must leave them (session 42: sized first, it took the codec
+            # process's and its warm-up ran out of memory on an 80 GB card).
+            for child in [codec_process, *frontend_processes]:
+                if child is not None:
+                    child.wait_ready()
             return cls(model, profile, FrameTracer(trace_frames) if trace_frames else None, codec_process,
                        frontend_processes or None)
         except BaseException:

@@ -155,8 +155,9 @@ def test_the_lean_decode_gives_the_layer_by_layer_decodes_bits(name, tiny_cache)
 
 
 DEFAULT_PLANS_DIFFER = pytest.mark.xfail(
-    strict=True, reason="H200, session 23: with cuDNN's default plans the same call differs by up to 6.5e-3 (fp16 "
-    "audio) from one run to the next; codec.deterministic is the switch under test")
+    strict=False, reason="H200, session 23: with cuDNN's default plans the same call differs by up to 6.5e-3 (fp16 "
+    "audio) from one run to the next; on an H100 (session 42) it gave equal bits: whether it does depends on the "
+    "plans cuDNN picks there. codec.deterministic is the switch under test")
 
 
 @pytest.fixture
