@@ -30,10 +30,18 @@ def rope_pairs_eager(x: Tensor, table: Tensor) -> Tensor:
     """Rotate interleaved pairs (x[2i], x[2i+1]), GPT-J style, in fp32 (fp64 for fp64 models).
 
     x: [..., T, H, D]; table: [..., T, D/2, 2] (cos, sin at x's positions)."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    xs = x.to(compute).reshape(*x.shape[:-1], -1, 2)
-    cos = table[..., 0].unsqueeze(-2).to(compute)  # [T, 1, D/2]
-    sin = table[..., 1].unsqueeze(-2).to(compute)
+    return rotate_pairs(x, *rope_pairs_factors(table, x.dtype))
+
+
+def rope_pairs_factors(table: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`rope_pairs_eager`'s (cos, sin) [..., T, 1, D/2] for inputs of `dtype`: made once, they serve every layer."""
+    compute = torch.promote_types(dtype, torch.float32)
+    return table[..., 0].unsqueeze(-2).to(compute), table[..., 1].unsqueeze(-2).to(compute)
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`rope_pairs_eager` with its factors made (`rope_pairs_factors`)."""
+    xs = x.to(cos.dtype).reshape(*x.shape[:-1], -1, 2)
     x0, x1 = xs[..., 0], xs[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], dim=-1)
     return out.flatten(-2).type_as(x)

@@ -74,7 +74,7 @@ class _Packed(_Context):
             raise ValueError(f"{key}: a history of {h} samples does not fit a gap of {self.gap}")
         c = x.shape[1]
         behind, tail = self._places(h)
-        x[0].index_copy_(1, behind, self.history(key, x.new_zeros(1, c, h)).transpose(0, 1).reshape(c, -1))
+        x[0].index_copy_(1, behind, self.history(key, lambda: x.new_zeros(1, c, h)).transpose(0, 1).reshape(c, -1))
         self.keep(key, x[0][:, tail].view(c, self.rows, h).transpose(0, 1))
 
     def _places(self, h: int) -> tuple[Tensor, Tensor]:

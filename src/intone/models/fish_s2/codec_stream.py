@@ -27,7 +27,8 @@ from intone.models.fish_s2.codec_modules import (
     CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, Snake, WindowTransformer,
     masked_attention,
 )
-from intone.models.fish_s2.layers import apply_rope, rope_table
+from intone.models.fish_s2.layers import rope_table
+from intone.ops.fused import rope_pairs_factors, rotate_pairs
 from intone.ops.snake import bias_residual, snake
 
 NO_POSITION = -(2**40)  # the position of a history slot not yet filled: outside every window
@@ -137,6 +138,18 @@ class _Layers:
     """How a context runs the layers that carry histories: here on right-padded rows."""
 
     lengths: Tensor | None
+    _tails: tuple[Tensor | None, dict[int, Tensor]] = (None, {})  # `tail`'s indices: (for these lengths, per h)
+
+    def tail(self, x: Tensor, h: int) -> Tensor:
+        """x [B, C, lengths + h]-ish: each row's h samples from lengths[i] on (a layer's new history, read behind
+        the row's valid end). The index is made once per h at each rate: a call reads ~40 histories."""
+        lengths, index = self._tails
+        if lengths is not self.lengths:
+            lengths, index = self.lengths, {}
+            self._tails = lengths, index
+        if h not in index:
+            index[h] = (lengths.view(-1, 1) + torch.arange(h, device=x.device)).unsqueeze(1)
+        return torch.gather(x, 2, index[h].expand(-1, x.shape[1], -1))
 
     def conv(self, module: CausalConv, x: Tensor, key: str, bias: bool = True) -> Tensor:
         return _conv(module, x, self, key, bias)
@@ -159,10 +172,10 @@ class _Context(_Layers):
         self.layout, self.flats, self.lengths = layout, flats, lengths
         self.kept: dict[str, Tensor] = {}
 
-    def history(self, key: str, empty: Tensor) -> Tensor:
-        """The rows' histories for this layer ([B, *empty.shape[1:]])."""
+    def history(self, key: str, blank) -> Tensor:
+        """The rows' histories for this layer ([B, *blank().shape[1:]]; blank is the tracer's, not called here)."""
         group, offset, shape = self.layout.entries[key]
-        return self.flats[group][:, offset: offset + empty[0].numel()].unflatten(1, shape)
+        return self.flats[group][:, offset: offset + shape.numel()].unflatten(1, shape)
 
     def keep(self, key: str, rows: Tensor) -> None:
         self.kept[key] = rows.reshape(rows.shape[0], -1)
@@ -190,18 +203,12 @@ class _Tracer(_Layers):
         self.rate *= module.conv.stride[0]
         return super().trans_conv(module, x, key)
 
-    def history(self, key: str, empty: Tensor) -> Tensor:
-        self.blanks[key] = empty
-        return empty
+    def history(self, key: str, blank) -> Tensor:
+        self.blanks[key] = blank()
+        return self.blanks[key]
 
     def keep(self, key: str, rows: Tensor) -> None:
         pass
-
-
-def _tail(x: Tensor, ends: Tensor, h: int) -> Tensor:
-    """x [B, C, L]: each row's h samples ending at ends[i] (exclusive)."""
-    index = (ends.view(-1, 1) - h + torch.arange(h, device=x.device)).view(-1, 1, h).expand(-1, x.shape[1], -1)
-    return torch.gather(x, 2, index)
 
 
 def _run(module: nn.Module, x: Tensor, ctx: _Context, key: str) -> Tensor:
@@ -231,8 +238,8 @@ def _conv(module: CausalConv, x: Tensor, ctx: _Context, key: str, bias: bool = T
     h = module.span - 1
     if h == 0:
         return module.valid(x, bias)
-    xh = torch.cat([ctx.history(key, x.new_zeros(1, x.shape[1], h)), x], dim=2)
-    ctx.keep(key, _tail(xh, ctx.lengths + h, h))
+    xh = torch.cat([ctx.history(key, lambda: x.new_zeros(1, x.shape[1], h)), x], dim=2)
+    ctx.keep(key, ctx.tail(xh, h))
     return module.valid(xh, bias)
 
 
@@ -241,8 +248,8 @@ def _trans_conv(module: CausalTransConv, x: Tensor, ctx: _Context, key: str) -> 
     if trim == 0:
         out = module.conv(x)
     elif trim == stride:  # kernel 2 x stride: the last input's second half reaches the next block
-        xh = torch.cat([ctx.history(key, x.new_zeros(1, x.shape[1], 1)), x], dim=2)
-        ctx.keep(key, _tail(xh, ctx.lengths + 1, 1))
+        xh = torch.cat([ctx.history(key, lambda: x.new_zeros(1, x.shape[1], 1)), x], dim=2)
+        ctx.keep(key, ctx.tail(xh, 1))
         out = module.conv(xh)[..., stride: stride * (x.shape[2] + 1)]
     else:
         raise ValueError(f"transposed conv with kernel {trim + stride} and stride {stride}: not streamable here")
@@ -256,12 +263,12 @@ def _transformer(module: WindowTransformer, x: Tensor, start: Tensor, ctx: _Cont
     b, _, t = x.shape
     keep = module.window - 1
     positions = start.view(-1, 1) + torch.arange(t, device=x.device)  # [B, T]
-    rope = rope_table(positions, module.head_dim, module.rope_base)
-    unfilled = torch.full((1, keep), NO_POSITION, device=x.device, dtype=torch.long)
-    past = ctx.history(f"{key}.pos", unfilled)  # [B, keep]
+    # the rotation's factors once for every layer: made per layer they were ~20% of a call's torch calls
+    rope = rope_pairs_factors(rope_table(positions, module.head_dim, module.rope_base), x.dtype)
+    past = ctx.history(f"{key}.pos", lambda: torch.full((1, keep), NO_POSITION, device=x.device, dtype=torch.long))
     key_pos = torch.cat([past, torch.where(torch.arange(t, device=x.device) < ctx.lengths.view(-1, 1),
                                            positions, NO_POSITION)], dim=1)  # [B, keep + T]
-    ctx.keep(f"{key}.pos", _tail(key_pos.unsqueeze(1), ctx.lengths + keep, keep).squeeze(1))
+    ctx.keep(f"{key}.pos", ctx.tail(key_pos.unsqueeze(1), keep).squeeze(1))
     qp, kp = positions.unsqueeze(2), key_pos.unsqueeze(1)
     mask = (kp <= qp) & (kp > qp - module.window)
     # A padding query row sees its own key, so no row is all -inf (a NaN there would reach valid rows
@@ -274,17 +281,20 @@ def _transformer(module: WindowTransformer, x: Tensor, start: Tensor, ctx: _Cont
     return module.norm(h).transpose(1, 2)
 
 
-def _block(layer, h: Tensor, rope: Tensor, mask: Tensor, ctx: _Context, key: str, keep: int) -> Tensor:
+def _block(layer, h: Tensor, rope: tuple[Tensor, Tensor], mask: Tensor, ctx: _Context, key: str,
+           keep: int) -> Tensor:
+    """rope: (cos, sin) from `rope_pairs_factors`."""
     attn = layer.attention
     heads, head_dim = attn.n_head, attn.head_dim
-    q, k, v = (t.unflatten(-1, (heads, head_dim)) for t in attn.wqkv(layer.attention_norm(h)).chunk(3, dim=-1))
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    empty = k.new_zeros(1, keep, heads, head_dim)
-    k = torch.cat([ctx.history(f"{key}.k", empty), k], dim=1)  # [B, keep + T, H, d]
-    v = torch.cat([ctx.history(f"{key}.v", empty), v], dim=1)
-    ends = ctx.lengths + keep
-    ctx.keep(f"{key}.k", _tail(k.flatten(2).transpose(1, 2), ends, keep).transpose(1, 2).unflatten(2, (heads, -1)))
-    ctx.keep(f"{key}.v", _tail(v.flatten(2).transpose(1, 2), ends, keep).transpose(1, 2).unflatten(2, (heads, -1)))
+    qkv = attn.wqkv(layer.attention_norm(h)).unflatten(-1, (3 * heads, head_dim))
+    # queries and keys are adjacent heads of one projection: rotated in one pass, the same values
+    q, k = rotate_pairs(qkv[..., : 2 * heads, :], *rope).split(heads, dim=-2)
+    v = qkv[..., 2 * heads:, :]
+    # [B, keep + T, H, d]; the blank histories are the tracer's
+    k = torch.cat([ctx.history(f"{key}.k", lambda: qkv.new_zeros(1, keep, heads, head_dim)), k], dim=1)
+    v = torch.cat([ctx.history(f"{key}.v", lambda: qkv.new_zeros(1, keep, heads, head_dim)), v], dim=1)
+    ctx.keep(f"{key}.k", ctx.tail(k.flatten(2).transpose(1, 2), keep).transpose(1, 2).unflatten(2, (heads, -1)))
+    ctx.keep(f"{key}.v", ctx.tail(v.flatten(2).transpose(1, 2), keep).transpose(1, 2).unflatten(2, (heads, -1)))
     y = masked_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
     h = h + layer.attention_layer_scale(attn.wo(y.transpose(1, 2).flatten(-2)))
     return h + layer.ffn_layer_scale(layer.feed_forward(layer.ffn_norm(h)))
@@ -332,11 +342,11 @@ def _doubled_trans_conv(layer: nn.Module) -> bool:
 def _snake_into(act: Snake, x: Tensor, h: int, ctx: _Context, key: str, bias: Tensor | None = None) -> Tensor:
     """The input of the convolution at `key` that follows `act`: its rows' histories of h samples, then
     act(x + bias) written after them (no concatenation); its new histories kept."""
-    history = ctx.history(key, x.new_zeros(1, x.shape[1], h))
+    history = ctx.history(key, lambda: x.new_zeros(1, x.shape[1], h))
     buffer = torch.empty(x.shape[0], x.shape[1], h + x.shape[2], dtype=x.dtype, device=x.device)
     buffer[..., :h] = history
     snake(x, act.alpha, bias, out=buffer[..., h:])
-    ctx.keep(key, _tail(buffer, ctx.lengths + h, h))
+    ctx.keep(key, ctx.tail(buffer, h))
     return buffer
 
 
