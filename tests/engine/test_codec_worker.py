@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from intone.engine.codec_worker import is_awaited, is_first_chunk
 from intone.engine.config import load_profile
 from intone.engine.core import EngineCore
 from intone.models.registry import load_model
@@ -54,7 +55,7 @@ def test_aborts_with_chunks_in_flight_end_once_at_the_delivered_frontier(tiny_fi
     assert snap["live_requests"] == 0 and snap["kv_tables"] == 0 and snap["planner_requests"] == 0
 
 
-def _gated_worker(tiny_fish, max_call, first_alone=False, **options):
+def _gated_worker(tiny_fish, max_call, alone=None, **options):
     """A worker whose decode calls wait for `gate`; calls records the request ids of each call."""
     import threading
 
@@ -71,7 +72,7 @@ def _gated_worker(tiny_fish, max_call, first_alone=False, **options):
         return decode(items)
     stage.run = gated
     items = whole_responses(tiny_fish)
-    worker = CodecWorker(stage, tiny_fish.device, max_call=max_call, first_alone=first_alone, **options)
+    worker = CodecWorker(stage, tiny_fish.device, max_call=max_call, alone=alone, **options)
     return worker, gate, calls, items, decode
 
 
@@ -193,7 +194,7 @@ def test_schedule_first_decodes_new_streams_first_chunks_in_a_call_of_their_own(
     request's chunks come out in order, with the audio they get alone."""
     from intone.engine.chunk_planner import Chunk
 
-    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=max_call, first_alone=True)
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=max_call, alone=is_first_chunk)
     later = {rid: (req, Chunk(rid, 6, req.codes.shape[1], 4, True)) for rid, (req, _) in items.items()}
     worker.submit([items["r0"]], [12])
     _until_busy(calls)
@@ -212,7 +213,7 @@ def test_schedule_first_does_not_put_a_non_streamed_requests_earlier_pieces_ahea
     piece, so it waits its turn with the backlog; a stream's first chunk and a whole response still go first."""
     from intone.engine.chunk_planner import Chunk, Frontier
 
-    worker, gate, calls, items, _ = _gated_worker(tiny_fish, max_call=None, first_alone=True)
+    worker, gate, calls, items, _ = _gated_worker(tiny_fish, max_call=None, alone=is_first_chunk)
     stream, piece = items["r1"][0], items["r2"][0]
     stream.frontier, piece.frontier = Frontier(4), Frontier(0, hop=8)
     worker.submit([items["r0"]], [12])
@@ -222,6 +223,45 @@ def test_schedule_first_does_not_put_a_non_streamed_requests_earlier_pieces_ahea
     gate.set()
     _drain(worker, 4)
     assert calls == [["r0"], ["r3"], ["r1", "r2"]]
+
+
+def test_schedule_awaited_decodes_a_non_streamed_requests_last_piece_ahead_with_its_earlier_one(tiny_fish):
+    """codec.schedule: awaited: a non-streamed request's last piece is awaited (its client waits for the whole
+    response), so it goes in a call ahead of other requests' earlier pieces, and takes its own earlier piece
+    still waiting with it, before it (its state needs that one first); every chunk gets the audio it gets alone."""
+    from intone.engine.chunk_planner import Chunk, Frontier
+
+    worker, gate, calls, items, decode = _gated_worker(tiny_fish, max_call=None, alone=is_awaited)
+    generating, ending = items["r1"][0], items["r2"][0]
+    generating.frontier, ending.frontier = Frontier(0, hop=8), Frontier(0, hop=8)
+    worker.submit([items["r0"]], [12])
+    _until_busy(calls)
+    worker.submit([(generating, Chunk("r1", 0, 8, 0, False)), (ending, Chunk("r2", 0, 8, 0, False)),
+                   (generating, Chunk("r1", 8, 12, 0, False)), (ending, Chunk("r2", 8, 14, 0, True))], [8, 8, 12, 14])
+    gate.set()
+    got = _drain(worker, 5)
+    assert calls == [["r0"], ["r2", "r2"], ["r1", "r1"]]
+    assert [(c.start, c.end) for d in got for _, c in d.items if c.request_id == "r2"] == [(0, 8), (8, 14)]
+    for d in got:
+        for item, audio in zip(d.items, d.audio):
+            assert np.allclose(audio, decode([item])[0], atol=1e-4)
+
+
+def test_a_first_chunks_queue_takes_the_earlier_chunks_of_an_awaited_request_only():
+    """ChunkQueue with a predicate: the awaited items, and their requests' earlier items (none later, none of
+    other requests), in deadline order; with nothing else waiting, everything."""
+    from types import SimpleNamespace as NS
+
+    from intone.engine.codec_worker import ChunkQueue
+
+    a, b = NS(), NS()
+    queue = ChunkQueue(None, lambda item: item[1].awaited)
+    for req, start, awaited in ((a, 0, False), (b, 0, False), (a, 5, True), (a, 9, False), (b, 5, False)):
+        queue.push((req, NS(start=start, awaited=awaited)), 0, float(len(queue)))
+    taken, _ = queue.take()
+    assert [(item[0] is a, item[1].start) for item in taken] == [(True, 0), (True, 5)]
+    rest, _ = queue.take()
+    assert [(item[0] is a, item[1].start) for item in rest] == [(False, 0), (True, 9), (False, 5)]
 
 
 def test_preempt_decodes_a_new_streams_first_chunk_at_the_backlog_calls_next_pause_point(tiny_fish):
@@ -332,15 +372,15 @@ def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
 
-@pytest.mark.parametrize("pieces", [0, 30])
-def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir, pieces):
+@pytest.mark.parametrize("pieces, schedule", [(0, "fifo"), (30, "fifo"), (30, "awaited")])
+def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir, pieces, schedule):
     """codec.carry_state: chunks of 4, 25 and 50 frames (first, steady, backlog), several requests per
     codec call, join into the one-pass decode of the request's codes (float64: equal to rounding); so do
     the non-streamed requests' pieces under chunking.whole_chunk_frames."""
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True,
-        "chunking.whole_chunk_frames": pieces})
+        "chunking.whole_chunk_frames": pieces, "codec.schedule": schedule})
     requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
                 for i in range(5)]

@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from intone.engine.child import StageChild, stage_main
-from intone.engine.codec_worker import ChunkQueue, DecodedBatch, decode_batch, hold_seconds
+from intone.engine.codec_worker import ChunkQueue, DecodedBatch, alone_predicate, decode_batch, hold_seconds
 from intone.engine.config import Profile
 from intone.engine.loading import codec_stage_for, load_for_profile, set_cudnn, warm_up_codec
 
@@ -170,7 +170,8 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
             set_cudnn(profile)
             warm_up_codec(stage, profile, model)
         push.send(pickle.dumps(("ready", None)))
-        first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else None
+        first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else \
+            alone_predicate(c.schedule)
         _loop(stage, ChunkQueue(c.call_size, first), pull, push, call_hold(profile))
 
 

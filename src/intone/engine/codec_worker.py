@@ -76,9 +76,10 @@ def decode_batch(stage, items: list, pause=None) -> list:
 class ChunkQueue:
     """Chunks waiting for the codec, earliest deadline first (ties: as handed over); `take` hands
     out one decode call's worth: up to max_call (None: all that wait). With `first` (a predicate:
-    is this item its request's first chunk?), a call takes only the first chunks while any wait
-    beside others, so a new stream's first audio does not wait for a call over the whole backlog.
-    Not thread-safe."""
+    is this item one a client waits on now, e.g. its request's first chunk?), a call takes only those
+    while any wait beside others (and their requests' earlier chunks still waiting, which their
+    states need first), so a new stream's first audio does not wait for a call over the whole
+    backlog. Not thread-safe."""
 
     def __init__(self, max_call: int | None = None, first=None):
         self.max_call = max_call
@@ -93,9 +94,9 @@ class ChunkQueue:
         """only: a predicate on items; the others stay queued (a call may then take nothing)."""
         candidates = self._heap if only is None else [t for t in self._heap if only(t[2])]
         if self.first is not None:
-            firsts = [t for t in candidates if self.first(t[2])]
+            firsts = {id(t[2][0]): t[2][1].start for t in candidates if self.first(t[2])}  # request -> its start
             if 0 < len(firsts) < len(candidates):
-                candidates = firsts
+                candidates = [t for t in candidates if t[2][1].start <= firsts.get(id(t[2][0]), -1)]
         n = len(candidates) if self.max_call is None else min(self.max_call, len(candidates))
         taken = heapq.nsmallest(n, candidates)
         if len(taken) == len(self._heap):
@@ -168,6 +169,17 @@ def is_first_chunk(item) -> bool:
     return item[1].start == 0 and not item[1].prepare and (item[1].finished or not is_piece(item))
 
 
+def is_awaited(item) -> bool:
+    """A chunk a client waits on now: `is_first_chunk`, or a non-streamed request's last piece (its whole
+    response waits for it; its earlier pieces only had to be done before it)."""
+    return is_first_chunk(item) or (is_piece(item) and item[1].finished)
+
+
+def alone_predicate(schedule: str):
+    """The chunks that `codec.schedule` decodes in calls of their own, ahead of the rest (None: none)."""
+    return {"first": is_first_chunk, "preempt": is_first_chunk, "awaited": is_awaited}.get(schedule)
+
+
 def decode_timed(stage, items: list, tokens: list[int], pause=None, preempted: bool = False) -> DecodedBatch:
     """`decode_batch` with its wall time and the stage's GPU spans; pause: `Preemption` (the calls it
     makes at the pause points are timed by it, and taken out of this call's times)."""
@@ -231,10 +243,11 @@ class Preemption:
 
 
 class CodecWorker:
-    def __init__(self, stage, device: torch.device, max_call: int | None = None, first_alone: bool = False,
+    def __init__(self, stage, device: torch.device, max_call: int | None = None, alone=None,
                  sms: int | None = None, preempt: bool = False, gather_s: float = 0.0, full: int = 64,
                  shared_stream: bool = False, lead_s: float | None = None, priority: int = 0):
-        """first_alone: a call takes only the waiting first chunks while others wait too (ChunkQueue).
+        """alone: a predicate (`alone_predicate`); while chunks it holds for wait beside others, a call takes only
+        those (ChunkQueue); preempt implies `is_first_chunk`.
         sms: the codec's share of the GPU's SMs (`codec_stream`). preempt: calls over the backlog
         decode the first chunks that arrive meanwhile at their pause points (`Preemption`).
         gather_s: a call of non-streamed requests' chunks starts once its oldest has waited this
@@ -244,7 +257,7 @@ class CodecWorker:
         later chunk waits until its deadline is that near (`hold_seconds`). priority: of the worker's own
         stream (`codec.high_priority`)."""
         self.stage = stage
-        self._waiting = ChunkQueue(max_call, is_first_chunk if first_alone or preempt else None)
+        self._waiting = ChunkQueue(max_call, is_first_chunk if preempt else alone)
         self._gather_s, self._full, self._lead_s = gather_s, full, lead_s
         self._oldest: float | None = None  # when the oldest chunk still waiting was handed over
         self._preempt = preempt

@@ -157,12 +157,15 @@ class CodecStageConfig(_Strict):
     max_call: int | None = Field(None, ge=1, description="chunks per codec worker call at most (None: every waiting "
                                                          "chunk; with schedule deadline: max_batch). Smaller calls "
                                                          "bound how long a new stream's first chunk waits behind one")
-    schedule: Literal["fifo", "deadline", "first", "preempt"] = Field(
+    schedule: Literal["fifo", "deadline", "first", "awaited", "preempt"] = Field(
         "fifo", description="order of the chunks waiting for the codec worker: as handed over (each call takes "
                             "all of them); earliest listener deadline first (each call takes up to max_batch; "
                             "experimental, not measured since the H200 crash that session 10 saw fixed); "
                             "first: as handed over, but while new streams' first chunks wait beside others, a "
-                            "call takes only those (a new stream's first audio skips the backlog's call); or "
+                            "call takes only those (a new stream's first audio skips the backlog's call); "
+                            "awaited: as first, and a non-streamed request's last piece goes with the first chunks "
+                            "(with its request's earlier pieces still waiting): its client waits for it, not for "
+                            "the pieces of requests still generating (experimental, off); or "
                             "preempt: as first, and a call over the backlog also stops at each of its pause points "
                             "(CosyVoice3: each Euler step of an eager flow solve, and before HiFT) to decode the "
                             "first chunks that arrived meanwhile (the in-process worker; the codec process "

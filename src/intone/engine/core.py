@@ -15,7 +15,7 @@ import torch
 from intone.engine.ar_loop import ARLoop
 from intone.engine.chunk_planner import Chunk, ChunkPlanner
 from intone.engine.codec_process import CodecProcess
-from intone.engine.codec_worker import CodecWorker, DecodedBatch
+from intone.engine.codec_worker import CodecWorker, DecodedBatch, alone_predicate
 from intone.engine.config import Profile
 from intone.engine.cuda_graphs import FunctionGraphs
 from intone.engine.device_lost import check_device
@@ -94,7 +94,7 @@ class EngineCore:
             # Before the start-up's minutes of warm-ups and captures, so a codec.sms the GPU cannot
             # give fails at once; its threads stay idle until the first chunk.
             self.codec_worker = CodecWorker(self.codec, model.device, codec.call_size,
-                                            first_alone=codec.schedule == "first", sms=codec.sms,
+                                            alone=alone_predicate(codec.schedule), sms=codec.sms,
                                             preempt=codec.schedule == "preempt",
                                             gather_s=codec.gather_ms / 1000, full=codec.max_batch,
                                             shared_stream=codec.stream == "loop", lead_s=self._lead_s,
