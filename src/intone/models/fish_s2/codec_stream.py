@@ -138,11 +138,12 @@ class _Layers:
     """How a context runs the layers that carry histories: here on right-padded rows."""
 
     lengths: Tensor | None
-    _tails: tuple[Tensor | None, dict[int, Tensor]] = (None, {})  # `tail`'s indices: (for these lengths, per h)
+    _tails: tuple = (None, None)  # `tail`'s indices: (the lengths they are for, {h: index})
 
     def tail(self, x: Tensor, h: int) -> Tensor:
-        """x [B, C, lengths + h]-ish: each row's h samples from lengths[i] on (a layer's new history, read behind
-        the row's valid end). The index is made once per h at each rate: a call reads ~40 histories."""
+        """x [B, C, L], a layer's input behind its h samples of history: each row's h samples from lengths[i] on
+        (the history the row leaves: the last h before its valid end). Each index is made once per h and rate
+        (a call reads ~40 histories, of 19 distinct shapes)."""
         lengths, index = self._tails
         if lengths is not self.lengths:
             lengths, index = self.lengths, {}
@@ -263,7 +264,7 @@ def _transformer(module: WindowTransformer, x: Tensor, start: Tensor, ctx: _Cont
     b, _, t = x.shape
     keep = module.window - 1
     positions = start.view(-1, 1) + torch.arange(t, device=x.device)  # [B, T]
-    # the rotation's factors once for every layer: made per layer they were ~20% of a call's torch calls
+    # the rotation's factors once for every layer (made per layer and per q and k: ~100 torch calls a call)
     rope = rope_pairs_factors(rope_table(positions, module.head_dim, module.rope_base), x.dtype)
     past = ctx.history(f"{key}.pos", lambda: torch.full((1, keep), NO_POSITION, device=x.device, dtype=torch.long))
     key_pos = torch.cat([past, torch.where(torch.arange(t, device=x.device) < ctx.lengths.view(-1, 1),
