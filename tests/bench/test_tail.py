@@ -5,7 +5,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from intone.bench.tail import tail_breakdown, traced_timings
+from intone.bench.tail import tail_breakdown, tail_lines, traced_timings
 
 
 def _trace(tmp_path, rows, cut: bool = False):
@@ -40,3 +40,17 @@ def test_the_slowest_tenth_holds_the_largest_values_and_the_groups_split_the_joi
     assert abs(slow["stages"]["total"] - 2 * slow["metric_mean"]) < 1e-9
     assert rest["metric_mean"] <= slow["metric_mean"]
     assert slow["stages"]["frontend"] == 0.0  # a stage the trace lacks counts 0
+
+
+def test_the_time_after_the_last_frame_is_the_total_less_the_stages_before_it():
+    """after_last: a request's last frame -> its end, its total less frontend, queue, prefill and decode (the
+    codec stages overlap decode and are not subtracted); printed as the last column."""
+    records = [{"ok": True, "completion_s": 1.0 + i, "server_id": f"r{i}"} for i in range(10)]
+    timings = {f"r{i}": dict(frontend_s=0.1, queue_s=0.05, prefill_s=0.05, decode_s=1.0 + i, first_codec_s=0.5,
+                             codec_s=0.7, total_s=1.5 + 1.5 * i) for i in range(10)}
+    tail = tail_breakdown(records, timings, stream=False)
+    assert abs(tail["groups"]["slowest"]["stages"]["after_last"] - (1.5 + 13.5 - 0.2 - 10.0)) < 1e-9  # r9
+    assert abs(tail["groups"]["rest"]["stages"]["after_last"] - (0.3 + 0.5 * 4)) < 1e-9  # r0-r8: 0.3 + 0.5 i
+    table = tail_lines(tail, 64)
+    assert table[2].endswith("| total | after_last |") and table[-2].startswith("| rest | 9 |")
+    assert table[-2].endswith(f"| {tail['groups']['rest']['stages']['after_last']:.3f} |")

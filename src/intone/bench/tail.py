@@ -40,10 +40,22 @@ def traced_timings(paths) -> dict[str, dict[str, float]]:
     return out
 
 
+# Derived from a request's stages: its last frame -> its end (the codec's tail, for a non-streamed request
+# the wait for its last piece's audio: the AR seat is free, the client still waits).
+AFTER_LAST_FRAME = "after_last"
+BEFORE_LAST_FRAME = ("frontend", "queue", "prefill", "decode")
+
+
+def after_last_frame(stages: dict[str, float]) -> float:
+    """A request's seconds from its last frame to its end, from its engine stages (`{stage}_s`)."""
+    return stages.get("total_s", 0.0) - sum(stages.get(f"{s}_s", 0.0) for s in BEFORE_LAST_FRAME)
+
+
 def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
                    share: float = 0.1) -> dict | None:
     """The slowest `share` of the joined requests by the client's metric against the rest: per group the
-    requests, the metric's mean and each engine stage's mean seconds. None below 5 joined requests."""
+    requests, the metric's mean and each engine stage's mean seconds (and `after_last`). None below 5 joined
+    requests."""
     metric = "first_audio_s" if stream else "completion_s"
     joined = sorted(((r[metric], timings[r["server_id"]]) for r in records
                      if r.get("ok") and r.get(metric) is not None and r.get("server_id") in timings),
@@ -54,7 +66,8 @@ def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], st
     groups = {"slowest": joined[-n:], "rest": joined[:-n]}
     return dict(metric=metric, share=share, joined=len(joined), groups={
         name: dict(requests=len(rows), metric_mean=_mean([m for m, _ in rows]),
-                   stages={s: _mean([t.get(f"{s}_s", 0.0) for _, t in rows]) for s in ENGINE_STAGES})
+                   stages={**{s: _mean([t.get(f"{s}_s", 0.0) for _, t in rows]) for s in ENGINE_STAGES},
+                           AFTER_LAST_FRAME: _mean([after_last_frame(t) for _, t in rows])})
         for name, rows in groups.items()})
 
 
@@ -62,13 +75,13 @@ def tail_lines(tail: dict | None, concurrency) -> list[str]:
     if not tail:
         return []
     metric = tail["metric"].removesuffix("_s").replace("_", " ")
+    stages = [*ENGINE_STAGES, AFTER_LAST_FRAME]
     lines = [f"C{concurrency}, the slowest {tail['share']:.0%} by {metric} against the rest ({tail['joined']} "
-             "requests found in the server's trace), engine seconds per request:", "",
-             f"| group | requests | {metric} s | " + " | ".join(ENGINE_STAGES) + " |",
-             "|---" * (3 + len(ENGINE_STAGES)) + "|"]
+             "requests found in the server's trace), engine seconds per request (after_last: last frame -> end):",
+             "", f"| group | requests | {metric} s | " + " | ".join(stages) + " |", "|---" * (3 + len(stages)) + "|"]
     for name, g in tail["groups"].items():
         lines.append(f"| {name} | {g['requests']} | {g['metric_mean']:.3f} | "
-                     + " | ".join(f"{g['stages'][s]:.3f}" for s in ENGINE_STAGES) + " |")
+                     + " | ".join(f"{g['stages'][s]:.3f}" for s in stages) + " |")
     return lines + [""]
 
 
