@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 # bf16 autocast (FlashAttention needs half precision), whole responses packed and streams padded, HiFT from graphs
 # in calls split by length, the codec worker on the loop's stream.
 # A GPU server compiles its fused pieces and captures its graphs before it is ready: on a fresh machine (cold
-# inductor cache) the shipped Fish profile took over 120 s (session 42, H100).
+# inductor cache) one with the shipped Fish profile did not come up within 120 s (session 42, H100).
 GPU_START_S = 400
 
 CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),

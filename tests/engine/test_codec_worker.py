@@ -249,7 +249,7 @@ def test_schedule_awaited_decodes_a_non_streamed_requests_last_piece_ahead_with_
 
 def test_a_first_chunks_queue_takes_the_earlier_chunks_of_an_awaited_request_only():
     """ChunkQueue with a predicate: the awaited items, and their requests' earlier items (none later, none of
-    other requests), in deadline order; with nothing else waiting, everything."""
+    other requests), in deadline order; with none of them waiting, everything."""
     from types import SimpleNamespace as NS
 
     from intone.engine.codec_worker import ChunkQueue
