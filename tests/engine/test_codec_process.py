@@ -47,10 +47,12 @@ def spans(chunks):
 @pytest.mark.parametrize("spec, profile, overrides", [
     ("tiny:cosyvoice3", "cosyvoice3-streaming", {}),
     ("tiny:fish-s2", "fish-s2-high-concurrency", {"codec.packed_decode": True}),
+    ("tiny:fish-s2", "fish-s2-high-concurrency", {"codec.schedule": "awaited", "chunking.whole_chunk_frames": 8}),
 ])
 def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache, spec, profile, overrides):
     """CosyVoice3: the stage whose per-request state (mel history, released samples) lives in the process.
-    Fish: its carried decode states, whole responses in pieces, the packed decode."""
+    Fish: its carried decode states, whole responses in pieces, the packed decode; the `awaited` schedule (the
+    process's queue reads its jobs' requests as the worker reads its own)."""
     thread, _, _ = run(spec, profile, process=False, **overrides)
     process, snap, worker = run(spec, profile, process=True, **{"codec.device": "cpu"}, **overrides)  # placed explicitly
     assert thread.keys() == process.keys() == {f"r{i}" for i in range(4)}
