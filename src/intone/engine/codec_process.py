@@ -170,6 +170,8 @@ def serve(model_spec: str, profile: Profile, pull: zmq.Socket, push: zmq.Socket)
             set_cudnn(profile)
             warm_up_codec(stage, profile, model)
         push.send(pickle.dumps(("ready", None)))
+        # first and preempt: every chunk from frame 0 goes ahead here, prepares included (design.md); awaited:
+        # the worker's predicate, whose reads a queued (request, job) answers as the worker's items do
         first = (lambda item: item[1].chunk.start == 0) if c.schedule in ("first", "preempt") else \
             alone_predicate(c.schedule)
         _loop(stage, ChunkQueue(c.call_size, first), pull, push, call_hold(profile))
