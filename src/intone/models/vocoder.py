@@ -202,9 +202,11 @@ class WindowVocoder(Vocoder):
         if self.stream is None:
             return self._decode_windows(windows, pause), states
         # A window that is its request's whole utterance (a full response) is the one-pass decode
-        # either way, and the plain decode is cheaper (H200, Fish C64 full responses: 64.8 audio-s/s
-        # plain in session 7, 59.8 carried in session 8).
-        whole = [w.start == 0 and w.finished and states.get(w.key) is None for w in windows]
+        # either way, and the plain decode is cheaper eagerly (H200, Fish C64 full responses: 64.8
+        # audio-s/s plain in session 7, 59.8 carried in session 8); one a graph covers goes carried,
+        # one replay beside the call's other chunks rather than a call of its own.
+        graphed = self._frames(self.graph_frames) if self.graphs is not None else 0
+        whole = [w.start == 0 and w.finished and states.get(w.key) is None and w.end > graphed for w in windows]
         out: list = [None] * len(windows)
         for wanted in (True, False):
             idx = [i for i, w in enumerate(whole) if w is wanted]
