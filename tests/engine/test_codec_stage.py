@@ -254,6 +254,37 @@ def test_exact_rows_frame_buckets_and_packing_pad_less_and_give_the_same_audio(t
             assert abs(audio - whole[chunk.start * spf: chunk.end * spf]).max() < 1e-9
 
 
+def test_with_codec_graphs_a_whole_piece_joins_the_carried_call_and_stays_its_one_pass(tiny_fish_dir):
+    """Three streams' 8-frame chunks and two requests' whole 6-frame utterances: without graphs the whole
+    ones take the plain decode, a call of their own (2 calls); once the carried decode has graphs (none
+    captured on a CPU: each replay runs eagerly, the same function) they go carried, in the streams' call
+    (1 call). Each piece its one-pass decode either way (float64)."""
+    from intone.engine.chunk_planner import Chunk
+    from intone.engine.codec_stage import CodecStage
+    from intone.engine.cuda_graphs import FunctionGraphs
+    from intone.engine.request import EngineRequest
+    from intone.models.registry import load_model
+    from intone.protocol import SamplingParams
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
+    g = torch.Generator().manual_seed(11)
+    spf = model.samples_per_frame
+    for graphs, calls in ((None, 2), (FunctionGraphs(), 1)):
+        vocoder = WindowVocoder(model, max_batch=16, max_padded_frames=4096, carry_state=True, graph_frames=16)
+        if graphs is not None:
+            vocoder.capture_graphs(graphs)
+        reqs = [EngineRequest(f"r{i}", prompt=None, params=SamplingParams()) for i in range(5)]
+        for req in reqs:
+            req.codes = torch.randint(0, 8, (model.num_codebooks, 8), generator=g)
+        items = [(req, Chunk(req.request_id, 0, 8, 0, False)) for req in reqs[:3]]
+        items += [(req, Chunk(req.request_id, 0, 6, 0, True)) for req in reqs[3:]]
+        out = CodecStage(vocoder).run(items)
+        assert vocoder.calls == calls
+        for (req, chunk), audio in zip(items, out):
+            whole = model.decode(req.codes[None, :, : chunk.end], 0)[0].numpy()
+            assert abs(audio - whole[: chunk.end * spf]).max() < 1e-9
+
+
 def test_batched_windows_equal_windows_decoded_alone(tiny_fish_dir):
     from intone.models.registry import load_model
 
