@@ -330,6 +330,35 @@ def test_frontend_graph_copies_replay_side_by_side_with_the_eager_bits():
     assert graphs.replays == 240 and graphs.eager == 0
 
 
+def test_the_graphs_of_one_set_share_their_buffers_and_each_replays_its_eager_bits():
+    """Eight shapes of a function captured in one set, largest first (as the vocoder captures), replayed in a
+    shuffled order: each replay gives the eager result's bits, and the captured graphs keep about one largest
+    shape's inputs and outputs (their shared buffers), not one copy per shape."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(1024, 1024).cuda().eval()
+    fn = lambda x, y: (net(x) + y, x * 2)  # noqa: E731
+    rows = [4024, 4016, 4008, 4000, 1024, 1016, 1008, 1000]
+    inputs = {r: (torch.randn(r, 1024, device="cuda"), torch.randn(r, 1024, device="cuda")) for r in rows}
+    graphs = FunctionGraphs()
+    with torch.no_grad():
+        eager = {r: fn(*inputs[r]) for r in rows}
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for r in rows:
+            graphs.capture("net", fn, *inputs[r])
+        torch.cuda.synchronize()
+        kept = torch.cuda.memory_allocated() - before
+        assert graphs.report.graphs == len(rows) and graphs.report.failed == 0
+        largest = 4 * 4024 * 1024 * 4  # two inputs and two outputs of the largest shape, fp32
+        assert kept < 2 * largest, kept  # one copy per shape would keep ~5x it
+        order = rows * 3
+        np.random.default_rng(1).shuffle(order)
+        for r in order:
+            out = graphs.run("net", fn, *inputs[r])
+            assert all(torch.equal(o, e) for o, e in zip(out, eager[r])), r
+    assert graphs.replays == len(order) and graphs.eager == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("high", [False, True])
 def test_the_loop_stream_takes_the_highest_priority_only_when_asked(tiny_cache, high):

@@ -67,7 +67,13 @@ def _tensors(tree) -> list[Tensor]:
 
 class _GraphSet:
     """One copy of every captured function: its graphs share a memory pool, so they are replayed
-    one at a time (its lock), on whatever stream the replaying thread is on."""
+    one at a time (its lock), on whatever stream the replaying thread is on.
+
+    Since no two of its graphs run at once, they share their input and output buffers too: each
+    graph's are views of one arena per argument place and dtype, sized by the first capture that
+    needs it, so shapes captured largest first share one (a Fish codec graph's state rows are ~4 MB
+    a row: one copy of the largest call's, rather than one per captured shape). A graph copies its
+    outputs into its views as its last kernels, so the pool keeps none of them."""
 
     def __init__(self, priority: int):
         self.priority = priority
@@ -76,14 +82,34 @@ class _GraphSet:
         self.last: torch.cuda.Event | None = None
         self.pool = None
         self.capture_stream: torch.cuda.Stream | None = None  # this set's own (see capture_graph)
+        self._arenas: dict[tuple, Tensor] = {}
+
+    def _view(self, place: tuple, like: Tensor) -> Tensor:
+        """A buffer shaped like `like` at the start of the arena for `place` (grown by a new arena when
+        too small: the graphs captured on the old one keep it)."""
+        key = (*place, like.dtype, like.device)
+        arena = self._arenas.get(key)
+        if arena is None or arena.numel() < like.numel():
+            arena = self._arenas[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return arena[: like.numel()].view(like.shape)
 
     def capture(self, key: tuple, fn: Callable, inputs) -> None:
         if self.capture_stream is None:
             self.capture_stream = own_stream(None, "graph set's capture", self.priority)
-        static = [t.clone() for t in inputs]
-        graph, out = capture_graph(lambda: fn(*static), self.pool, self.capture_stream)
+        static = [self._view(("in", i), t).copy_(t) for i, t in enumerate(inputs)]
+        outs: list[Tensor] = []
+
+        def run() -> list[Tensor]:
+            result = _tensors(fn(*static))
+            if not outs:  # the eager run before the capture: the outputs' views, outside the graph's pool
+                outs.extend(self._view(("out", i), t) for i, t in enumerate(result))
+            for buffer, value in zip(outs, result):
+                buffer.copy_(value)
+            return outs
+
+        graph, _ = capture_graph(run, self.pool, self.capture_stream)
         self.pool = graph.pool()
-        self.graphs[key] = (graph, static, _tensors(out))
+        self.graphs[key] = (graph, static, outs)
 
     def replay(self, key: tuple, inputs) -> list[Tensor]:
         graph, static, out = self.graphs[key]
