@@ -96,7 +96,8 @@ class _GraphSet:
     def capture(self, key: tuple, fn: Callable, inputs) -> None:
         if self.capture_stream is None:
             self.capture_stream = own_stream(None, "graph set's capture", self.priority)
-        static = [self._view(("in", i), t).copy_(t) for i, t in enumerate(inputs)]
+        # an input of other strides keeps them (a clone of its own): the kernels fn picks may depend on them
+        static = [self._view(("in", i), t).copy_(t) if t.is_contiguous() else t.clone() for i, t in enumerate(inputs)]
         outs: list[Tensor] = []
 
         def run() -> list[Tensor]:
