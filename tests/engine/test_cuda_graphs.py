@@ -195,6 +195,33 @@ def test_triton_race_draws_the_tokens_of_the_torch_race(temperature, n):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("temperature", [0.05, 0.8, 1.5])
+@pytest.mark.parametrize("k", [64, 30, 5])
+def test_the_filtered_race_kernel_draws_the_tokens_of_the_torch_ops(temperature, k):
+    """`sampling.sample` on CUDA (one kernel after the sort: the running total, top-p and top-k, the temperature
+    and the race) and the torch ops it replaces pick the same token on every row, for rows of their own top_p
+    and top_k, at every draw Fish makes; and the kernel's running total is the torch one's, to the bit, where
+    the top-p boundary falls (rows whose top_p is one of their own running totals)."""
+    from intone.ops import sampling
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows, vocab = 512, 4096
+    logits = torch.randn(rows, vocab, device="cuda", generator=g) * 4
+    idx = sampling.best_tokens(logits, k)
+    cum = sampling.running_total(torch.exp(logits.gather(1, idx) - torch.logsumexp(logits, -1, keepdim=True)))
+    top_p = torch.rand(rows, device="cuda", generator=g) * 0.9 + 0.1
+    at = torch.randint(0, k, (rows // 4,), device="cuda", generator=g)
+    top_p[: rows // 4] = cum[: rows // 4].gather(1, at[:, None]).squeeze(1)  # a boundary token kept only by <=
+    params = sampling.SamplingBatch(
+        temperature=torch.full((rows,), temperature, device="cuda"), top_p=top_p,
+        top_k=torch.randint(1, k + 1, (rows,), device="cuda", generator=g), repetition_penalty=torch.ones(rows, device="cuda"),
+        seeds=torch.randint(-2**63, 2**63 - 1, (rows,), device="cuda", generator=g),
+        steps=torch.randint(0, 3000, (rows,), device="cuda", generator=g), max_top_k=k)
+    for draw in (0, 1, 9, 10):
+        assert torch.equal(sampling.sample(logits, params, draw, idx=idx),
+                           sampling.filtered_race(logits, idx, params, draw)), draw
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_triton_snake_returns_the_torch_expression(dtype):
     from intone.ops.snake import snake, snake_reference

@@ -22,6 +22,7 @@ request's draws never depend on which other requests share the batch (invariant 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ from intone.ops import race as race_kernel
 from intone.sampling_bounds import MAX_SAMPLE_CANDIDATES
 
 _M32 = 0xFFFFFFFF
+_KERNEL_FAILED: list[bool] = []  # non-empty once `race.filtered_race` has failed in this process
+log = logging.getLogger(__name__)
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -125,6 +128,17 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
     """
     if idx is None:
         idx = best_tokens(logits, min(candidates or params.max_top_k, logits.shape[-1]))
+    if race_kernel.available(logits) and idx.shape[-1] <= MAX_SAMPLE_CANDIDATES and not _KERNEL_FAILED:
+        try:  # one kernel for the ~15 of filtered_race
+            return race_kernel.filtered_race(logits, idx, torch.logsumexp(logits, dim=-1), params, draw)
+        except Exception:  # it compiles at its first call (a warm-up, before any capture): the same ops in torch
+            log.exception("the filtered race kernel failed; sampling runs its torch ops instead")
+            _KERNEL_FAILED.append(True)
+    return filtered_race(logits, idx, params, draw)
+
+
+def filtered_race(logits: Tensor, idx: Tensor, params: SamplingBatch, draw: int) -> Tensor:
+    """The draw among each row's sorted candidates idx [R, K]: steps 2-4 of the module docstring."""
     k = idx.shape[-1]
     top = logits.gather(1, idx)
     cum = running_total(torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True)))
