@@ -102,7 +102,7 @@ def warm_up_encoder(codec: FishCodec, graphs=None, plan: ReferencePlan = Referen
     `graphs` too, when given); returns the count."""
     device = next(codec.parameters()).device
     shapes = plan.shapes(codec.sample_rate, codec.hop_length)
-    for rows, length in shapes:
+    for rows, length in sorted(shapes, key=lambda s: -s[0] * s[1]):  # largest first: the graphs share buffers
         silence = torch.zeros(rows, length * codec.hop_length, device=device)
         codec.encode(silence)
         if graphs is not None:
