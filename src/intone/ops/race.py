@@ -74,7 +74,6 @@ if triton is not None:
             best = tl.where(take, top, best)
         tl.store(out_ptr + row, best_id)
 
-
     @triton.jit
     def _filtered_race(logits_ptr, idx_ptr, lse_ptr, top_p_ptr, top_k_ptr, temp_ptr, seeds_ptr, steps_ptr, salt,
                        scratch_ptr, out_ptr, k, stride_l, stride_i, BLOCK_N: tl.constexpr):
@@ -113,9 +112,10 @@ if triton is not None:
 
 def filtered_race(logits: Tensor, idx: Tensor, lse: Tensor, params, draw: int) -> Tensor:
     """`sampling.sample`'s work after its sort, as one kernel: logits [R, V] float32, idx [R, K] the sorted
-    candidates (K <= 1024), lse [R] the rows' logsumexp over V, params a `SamplingBatch` -> [R] ids. The same
-    operations in the same order and precisions as the torch ops it replaces (the running total one add at a
-    time; IEEE divisions; libdevice's exp, which torch's CUDA exp is); a GPU test checks the tokens."""
+    candidates (K <= 64 as `sample` calls it), lse [R] the rows' logsumexp over V, params a `SamplingBatch`
+    -> [R] ids. The same operations in the same order and precisions as the torch ops it replaces (the running
+    total one add at a time; IEEE divisions; libdevice's exp, which torch's CUDA exp is); a GPU test checks the
+    tokens."""
     rows, k = idx.shape
     block = max(16, triton.next_power_of_2(k))
     idx = idx.contiguous()
