@@ -164,17 +164,25 @@ class _RecordedDecodes(_ShapesOnly):
                 max_size=70),
        st.sampled_from([8, 16, 64]), st.sampled_from([256, 1024, 4096]), st.sampled_from([0, 8]),
        st.sampled_from([0, 3, 16]), st.sampled_from([(), (25, 29), (6, 9, 14, 21)]), st.sampled_from([None, 64]),
-       st.sampled_from([4, 25, 50, 60]), st.booleans())
+       st.sampled_from([4, 25, 50, 60]), st.sampled_from(["padded", "packed", "graphs"]))
 def test_every_carried_call_shape_is_one_the_warm_up_carries(requests, max_batch, max_padded, granule, exact,
-                                                             buckets, cost, longest, packed):
+                                                             buckets, cost, longest, mode):
     """The carried decode warms only the shapes up to its longest chunk's bucket (`carried_shapes`): whatever
     chunks of at most `longest` frames wait in one call, several of a request in a row among them (joined into
     spans, decoded in rounds), each carried decode gets a shape start-up carried; a request's only chunk
     (finished from frame 0, up to 120 frames here) takes the plain decode, whose shapes start-up decodes. Packed
-    (`codec.packed_decode`), each carried call's packed length is one start-up packs."""
+    (`codec.packed_decode`), each carried call's packed length is one start-up packs. With the carried decode's
+    graphs (up to 50 frames), an only chunk within them goes carried, at a shape start-up captured, and the plain
+    decode meets only the shapes longer than the graphs, all that start-up then decodes (`plain_shapes`)."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+
     model = _RecordedDecodes()
+    packed, graphs = mode == "packed", mode == "graphs"
     vocoder = WindowVocoder(model, max_batch, max_padded, carry_state=True, row_granule=granule, split_cost=cost,
-                            exact_rows=exact, frame_buckets=buckets, packed_decode=packed)
+                            exact_rows=exact, frame_buckets=buckets, packed_decode=packed,
+                            graph_frames=50 if graphs else None)
+    if graphs:
+        vocoder.graphs = FunctionGraphs()  # as `capture_graphs` leaves it (on a CPU nothing is captured)
     windows = []
     for key, (chunks, finished) in enumerate(requests):
         if finished and len(chunks) == 1:  # a whole response
@@ -191,9 +199,10 @@ def test_every_carried_call_shape_is_one_the_warm_up_carries(requests, max_batch
     if packed:
         assert set(model.packed) <= set(vocoder.packed_lengths(bucket_frames(longest)))
     else:
-        assert set(model.carried) <= set(vocoder.carried_shapes(512, longest))
-    assert set(model.plain) <= set(vocoder.warm_shapes(512))
-    assert len(model.plain) > 0 or not any(f and len(c) == 1 for c, f in requests)
+        assert set(model.carried) <= set(vocoder.carried_shapes(512, longest)) | set(vocoder.graph_shapes())
+    assert set(model.plain) <= set(vocoder.plain_shapes(512, graphs))
+    only = [2 * c[0] for c, f in requests if f and len(c) == 1]  # the only chunks' lengths
+    assert len(model.plain) > 0 or not any(n > (vocoder.graph_bound if graphs else 0) for n in only)
 
 
 def test_rows_padded_to_a_granule_give_the_same_audio_with_fewer_blank_rows(tiny_fish_dir):

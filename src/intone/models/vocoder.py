@@ -126,11 +126,14 @@ class WindowVocoder(Vocoder):
         k = self.model.num_codebooks
         shapes = self.warm_shapes(max_window_frames)
         carried = _carried_bound(max_window_frames, longest_chunk) if self.stream is not None else 0
+        # the engine captures the carried graphs right after (`loading.warm_up_codec`, on a GPU)
+        plain = set(self.plain_shapes(max_window_frames, self.device.type == "cuda"))
         for rows, t in shapes:
             codes = torch.zeros(rows, k, t, dtype=torch.long)
             if t <= carried and not self.packed:
                 self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
-            self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
+            if (rows, t) in plain:
+                self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
         packed = self.packed_lengths(carried) if self.packed else []
         for total in packed:  # one chunk filling each packed length: every length a call can reach
             n = total - self.stream.gap
@@ -147,6 +150,13 @@ class WindowVocoder(Vocoder):
             lengths.append(self.stream.packed_length([n]))
             n = lengths[-1] - self.stream.gap + 1
         return lengths
+
+    def plain_shapes(self, max_window_frames: int, graphed: bool) -> list[tuple[int, int]]:
+        """The shapes of `warm_shapes` the plain decode can meet: all of them, but with the carried decode's graphs
+        (`graphed`) only those longer than the graphs reach, since a whole utterance within them goes carried
+        (`decode`; Fish's shipped profile: 61 of 96 shapes, the 35 within 50 frames left out)."""
+        bound = self.graph_bound if graphed and self.wants_graphs else 0
+        return [(rows, t) for rows, t in self.warm_shapes(max_window_frames) if t > bound]
 
     def carried_shapes(self, max_window_frames: int, longest_chunk: int | None) -> list[tuple[int, int]]:
         """The shapes of `warm_shapes` a carried call can reach: its rounds' spans stay within the built-in
@@ -188,12 +198,19 @@ class WindowVocoder(Vocoder):
         return group_jobs(lengths, self.max_batch, self.max_padded_frames, self.split_cost,
                           lambda rows, longest: self._rows(rows) * self._frames(longest))
 
+    @property
+    def graph_bound(self) -> int:
+        """The longest padded chunk `capture_graphs` gives a graph (0: none)."""
+        return self._frames(self.graph_frames) if self.graph_frames else 0
+
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """The (rows, frames) shapes `capture_graphs` captures: every one a call reaches up to `graph_frames`."""
+        return [(r, t) for r, t in self.warm_shapes(self.graph_frames) if t <= self.graph_bound] if self.graph_frames else []
+
     def capture_graphs(self, graphs) -> None:
-        """The carried decode at every (rows, frames) shape a call reaches (`warm_shapes`), up to
-        `graph_frames`; largest first (the graphs share one memory pool, sized once)."""
-        limit = self._frames(self.graph_frames)
-        shapes = [(r, t) for r, t in self.warm_shapes(self.graph_frames) if t <= limit]
-        for r, t in sorted(shapes, key=lambda s: s[0] * s[1], reverse=True):
+        """The carried decode at every shape of `graph_shapes`; largest first (the graphs share one memory
+        pool and their buffers, sized once)."""
+        for r, t in sorted(self.graph_shapes(), key=lambda s: s[0] * s[1], reverse=True):
             self.stream.capture(graphs, r, t, self.device)
         self.graphs = graphs
 
@@ -205,7 +222,7 @@ class WindowVocoder(Vocoder):
         # either way, and the plain decode is cheaper eagerly (H200, Fish C64 full responses: 64.8
         # audio-s/s plain in session 7, 59.8 carried in session 8); one a graph covers goes carried,
         # one replay beside the call's other chunks rather than a call of its own.
-        graphed = self._frames(self.graph_frames) if self.graphs is not None else 0
+        graphed = self.graph_bound if self.graphs is not None else 0
         whole = [w.start == 0 and w.finished and states.get(w.key) is None and w.end > graphed for w in windows]
         out: list = [None] * len(windows)
         for wanted in (True, False):
