@@ -126,11 +126,14 @@ class WindowVocoder(Vocoder):
         k = self.model.num_codebooks
         shapes = self.warm_shapes(max_window_frames)
         carried = _carried_bound(max_window_frames, longest_chunk) if self.stream is not None else 0
-        # the engine captures the carried graphs right after (`loading.warm_up_codec`, on a GPU)
-        plain = set(self.plain_shapes(max_window_frames, self.device.type == "cuda"))
+        # the engine captures the carried graphs right after (`loading.warm_up_codec`, on a GPU), each after a
+        # decode of its own: a shape with a graph needs no warm-up here
+        graphed = self.device.type == "cuda"
+        plain = set(self.plain_shapes(max_window_frames, graphed))
+        captured = set(self.graph_shapes()) if graphed else set()
         for rows, t in shapes:
             codes = torch.zeros(rows, k, t, dtype=torch.long)
-            if t <= carried and not self.packed:
+            if t <= carried and not self.packed and (rows, t) not in captured:
                 self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
             if (rows, t) in plain:
                 self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
