@@ -1,5 +1,5 @@
-"""The AR models' per-layer elementwise pieces (RMSNorm, RoPE, SwiGLU's gate, the sampler's sort keys)
-behind one switch.
+"""The AR models' per-layer elementwise pieces (RMSNorm, a residual add with the RMSNorm after it, RoPE,
+SwiGLU's gate, the sampler's sort keys) behind one switch.
 
 By default they run as plain PyTorch in the official op order (several kernels each). With
 `use_compiled(True)` (the profile's `ar.fuse_elementwise`, GPU only) the same functions run through
@@ -24,6 +24,12 @@ def rms_norm_eager(x: Tensor, weight: Tensor, eps: float, compute: torch.dtype) 
     xf = x.to(compute)
     normed = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
     return normed.type_as(x) * weight
+
+
+def add_rms_norm_eager(x: Tensor, y: Tensor, weight: Tensor, eps: float, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(x + y, its RMSNorm): a residual add and the norm that reads it, one kernel when compiled."""
+    s = x + y
+    return s, rms_norm_eager(s, weight, eps, compute)
 
 
 def rope_pairs_eager(x: Tensor, table: Tensor) -> Tensor:
@@ -68,8 +74,8 @@ def order_keys_eager(logits: Tensor) -> Tensor:
     return order * (1 << 32) + ids
 
 
-_EAGER = {"rms_norm": rms_norm_eager, "rope_pairs": rope_pairs_eager, "rope_halves": rope_halves_eager,
-          "silu_mul": silu_mul_eager, "order_keys": order_keys_eager}
+_EAGER = {"rms_norm": rms_norm_eager, "add_rms_norm": add_rms_norm_eager, "rope_pairs": rope_pairs_eager,
+          "rope_halves": rope_halves_eager, "silu_mul": silu_mul_eager, "order_keys": order_keys_eager}
 _active = dict(_EAGER)
 
 
@@ -88,6 +94,10 @@ def compiled() -> bool:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, compute: torch.dtype) -> Tensor:
     return _active["rms_norm"](x, weight, eps, compute)
+
+
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float, compute: torch.dtype) -> tuple[Tensor, Tensor]:
+    return _active["add_rms_norm"](x, y, weight, eps, compute)
 
 
 def rope_pairs(x: Tensor, table: Tensor) -> Tensor:

@@ -21,6 +21,11 @@ class RMSNorm(nn.Module):
         norm = fused.rms_norm if self.fusable else fused.rms_norm_eager
         return norm(x, self.weight, self.eps, torch.promote_types(x.dtype, torch.float32))
 
+    def add(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + y, this norm of it), in one kernel where the AR's pieces are fused."""
+        add_norm = fused.add_rms_norm if self.fusable else fused.add_rms_norm_eager
+        return add_norm(x, y, self.weight, self.eps, torch.promote_types(x.dtype, torch.float32))
+
 
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, fusable: bool = False):

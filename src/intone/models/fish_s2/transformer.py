@@ -63,6 +63,25 @@ class Block(nn.Module):
         h = x + self.attention(self.attention_norm(x), rope, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def residual(self, x: Tensor, delta: Tensor | None, rope: Tensor, attend: AttendFn) -> tuple[Tensor, Tensor]:
+        """`forward` on the stream x + delta (delta None: x), its last add left to whatever reads it next:
+        (h, the feed-forward's output), the layer's output being their sum. Each add is done with the norm
+        that reads it (`RMSNorm.add`): the same sums, two kernels fewer a layer where the pieces are fused."""
+        if delta is None:
+            normed = self.attention_norm(x)
+        else:
+            x, normed = self.attention_norm.add(x, delta)
+        h, normed = self.ffn_norm.add(x, self.attention(normed, rope, attend))
+        return h, self.feed_forward(normed)
+
+
+def run_layers(layers, x: Tensor, rope: Tensor, attends) -> tuple[Tensor, Tensor | None]:
+    """The layers along one residual stream (`Block.residual`): (x, delta), the output being x + delta."""
+    delta = None
+    for layer, attend in zip(layers, attends):
+        x, delta = layer.residual(x, delta, rope, attend)
+    return x, delta
+
 
 class SlowModel(nn.Module):
     """`text_model.model`: embeddings, layers, final norm (and `output` when not tied)."""
@@ -139,29 +158,31 @@ class DualARTransformer(nn.Module):
 
     def forward_slow(self, x: Tensor, meta: AttentionMetadata, kv: KVCache) -> Tensor:
         """Packed embeddings x [T, dim] -> final normed hidden of each request's last token [R, dim]."""
-        h = self._slow_layers(x, meta.positions, meta.slot_mapping, kv,
-                              lambda q, kc, vc: paged_attention(q, kc, vc, meta))
-        return self.text_model.model.norm(h[meta.last_token_rows])
+        h, delta = self._slow_layers(x, meta.positions, meta.slot_mapping, kv,
+                                     lambda q, kc, vc: paged_attention(q, kc, vc, meta))
+        return self.text_model.model.norm((h + delta)[meta.last_token_rows])
 
     def decode_slow(self, x: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
                     kv: KVCache) -> Tensor:
         """One new token per row, static shapes (CUDA-graph capture): [B, dim] -> normed hidden [B, dim]."""
-        h = self._slow_layers(x, positions, slots, kv,
-                              lambda q, kc, vc: decode_attention(q, kc, vc, tables, seq_lens))
-        return self.text_model.model.norm(h)
+        h, delta = self._slow_layers(x, positions, slots, kv,
+                                     lambda q, kc, vc: decode_attention(q, kc, vc, tables, seq_lens))
+        return self.text_model.model.norm.add(h, delta)[1]
 
-    def _slow_layers(self, x: Tensor, positions: Tensor, slots: Tensor, kv: KVCache, attention) -> Tensor:
-        """attention(q, k_cache, v_cache) runs after this step's keys are stored at `slots`."""
-        rope = self.slow_rope[positions]
-        for i, layer in enumerate(self.text_model.model.layers):
+    def _slow_layers(self, x: Tensor, positions: Tensor, slots: Tensor, kv: KVCache, attention) -> tuple[Tensor, Tensor]:
+        """attention(q, k_cache, v_cache) runs after this step's keys are stored at `slots`. (x, delta):
+        the last layer's output is their sum (`run_layers`)."""
+
+        def attend(i):
             k_cache, v_cache = kv.layer(i)
 
-            def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
+            def run(q, k, v):
                 store_kv(k_cache, v_cache, k, v, slots)
                 return attention(q, k_cache, v_cache)
+            return run
 
-            x = layer(x, rope, attend)
-        return x
+        layers = self.text_model.model.layers
+        return run_layers(layers, x, self.slow_rope[positions], (attend(i) for i in range(len(layers))))
 
     def full_logits(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.text_model.model.output_weight())
@@ -189,10 +210,9 @@ class DualARTransformer(nn.Module):
         end = position + h.shape[1]
         if position and end > position + 1:
             raise ValueError("several fast-AR positions at once only from position 0")
-        rope = self.fast_rope[position:end]
-        for layer, (k_buf, v_buf) in zip(self.audio_decoder.layers, cache):
 
-            def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
+        def attend(k_buf, v_buf):
+            def run(q, k, v):
                 k_buf[:, position:end] = k
                 v_buf[:, position:end] = v
                 keys, values = k_buf[:, :end], v_buf[:, :end]
@@ -201,9 +221,13 @@ class DualARTransformer(nn.Module):
                     is_causal=end > position + 1, enable_gqa=q.shape[2] != keys.shape[2],
                 )
                 return out.transpose(1, 2)
+            return run
 
-            h = layer(h, rope, attend)
-        return self.audio_decoder.norm(h[:, -1])
+        h, delta = run_layers(self.audio_decoder.layers, h, self.fast_rope[position:end],
+                              (attend(k_buf, v_buf) for k_buf, v_buf in cache))
+        if h.shape[1] == 1:  # every row's only position: the last add goes with the norm
+            return self.audio_decoder.norm.add(h[:, 0], delta[:, 0])[1]
+        return self.audio_decoder.norm((h + delta)[:, -1])
 
     def new_fast_cache(self, batch: int, dtype: torch.dtype, device) -> list[tuple[Tensor, Tensor]]:
         f = self.cfg.fast
