@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from intone.ops import fused
+from intone.ops.joined_linear import JoinedLinear, join_linears
 
 
 class RMSNorm(nn.Module):
@@ -34,10 +35,15 @@ class SwiGLU(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w13: JoinedLinear | None = None  # w1 and w3 as one GEMM (`join`)
+
+    def join(self) -> None:
+        """w1 and w3 as one GEMM from now on (`ops.joined_linear`; once the weights are where they run)."""
+        self.w13 = join_linears(self.w1, self.w3)
 
     def forward(self, x: Tensor) -> Tensor:
         gate = fused.silu_mul if self.fusable else fused.silu_mul_eager
-        return self.w2(gate(self.w1(x), self.w3(x)))
+        return self.w2(gate(*(self.w13(x) if self.w13 is not None else (self.w1(x), self.w3(x)))))
 
 
 def rope_table(positions: int | Tensor, head_dim: int, base: float) -> Tensor:

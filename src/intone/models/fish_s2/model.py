@@ -42,6 +42,7 @@ class FishS2(TTSModel):
 
     def __init__(self, lm: DualARTransformer, codec: FishCodec, tokenizer: FishTokenizer, cfg: FishS2Config):
         self.lm, self.codec, self.tokenizer, self.cfg = lm, codec, tokenizer, cfg
+        lm.join_projections()
         self.sample_rate = codec.sample_rate
         self.samples_per_frame = codec.hop_length
         self.num_codebooks = cfg.num_codebooks

@@ -131,6 +131,11 @@ class DualARTransformer(nn.Module):
         self.audio_decoder = AudioDecoder(cfg)
         self.make_buffers()
 
+    def join_projections(self) -> None:
+        """Each AR layer's w1 and w3 as one GEMM (`SwiGLU.join`): call once the weights are where they run."""
+        for layer in (*self.text_model.model.layers, *self.audio_decoder.layers):
+            layer.feed_forward.join()
+
     def make_buffers(self, device=None) -> None:
         """(Re)build the non-persistent tables, e.g. after loading into a meta-device model."""
         cfg = self.cfg
