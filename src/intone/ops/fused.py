@@ -1,5 +1,5 @@
-"""The AR models' per-layer elementwise pieces (RMSNorm, a residual add with the RMSNorm after it, RoPE,
-SwiGLU's gate, the sampler's sort keys) behind one switch.
+"""The AR models' per-layer elementwise pieces (RMSNorm, a residual add with the RMSNorm after it, RoPE, the
+per-head norms of queries and keys with their RoPE, SwiGLU's gate, the sampler's sort keys) behind one switch.
 
 By default they run as plain PyTorch in the official op order (several kernels each). With
 `use_compiled(True)` (the profile's `ar.fuse_elementwise`, GPU only) the same functions run through
@@ -53,6 +53,15 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.flatten(-2).type_as(x)
 
 
+def qk_norm_rope_eager(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                       table: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries and keys [..., T, H, D] each RMS-normed per head (torch's `rms_norm`, as `nn.RMSNorm`), then
+    rotated (`rope_pairs_eager`): four kernels eager, one piece compiled."""
+    q = F.rms_norm(q, q.shape[-1:], q_weight, eps)
+    k = F.rms_norm(k, k.shape[-1:], k_weight, eps)
+    return rope_pairs_eager(q, table), rope_pairs_eager(k, table)
+
+
 def rope_halves_eager(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """NeoX/Qwen2 halves in x's dtype. x [T, H, D]; cos/sin [T, D]."""
     half = x.shape[-1] // 2
@@ -75,7 +84,8 @@ def order_keys_eager(logits: Tensor) -> Tensor:
 
 
 _EAGER = {"rms_norm": rms_norm_eager, "add_rms_norm": add_rms_norm_eager, "rope_pairs": rope_pairs_eager,
-          "rope_halves": rope_halves_eager, "silu_mul": silu_mul_eager, "order_keys": order_keys_eager}
+          "qk_norm_rope": qk_norm_rope_eager, "rope_halves": rope_halves_eager, "silu_mul": silu_mul_eager,
+          "order_keys": order_keys_eager}
 _active = dict(_EAGER)
 
 
@@ -102,6 +112,11 @@ def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float, compute: torc
 
 def rope_pairs(x: Tensor, table: Tensor) -> Tensor:
     return _active["rope_pairs"](x, table)
+
+
+def qk_norm_rope(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+                 table: Tensor) -> tuple[Tensor, Tensor]:
+    return _active["qk_norm_rope"](q, k, q_weight, k_weight, eps, table)
 
 
 def rope_halves(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -39,11 +39,10 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
         qkv = self.wqkv(x)
         v = qkv[..., q_size + kv_size:].unflatten(-1, (self.n_kv_head, self.head_dim))
-        if self.qk_norm:  # before RoPE
-            q, k = qkv[..., :q_size], qkv[..., q_size: q_size + kv_size]
-            q = self.q_norm(q.unflatten(-1, (self.n_head, self.head_dim)))
-            k = self.k_norm(k.unflatten(-1, (self.n_kv_head, self.head_dim)))
-            q, k = fused.rope_pairs(q, rope), fused.rope_pairs(k, rope)
+        if self.qk_norm:  # before RoPE, in one piece with it
+            q = qkv[..., :q_size].unflatten(-1, (self.n_head, self.head_dim))
+            k = qkv[..., q_size: q_size + kv_size].unflatten(-1, (self.n_kv_head, self.head_dim))
+            q, k = fused.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope)
         else:  # the queries' and keys' heads rotated in one pass (the fast AR: a kernel fewer a layer)
             heads = self.n_head + self.n_kv_head
             qk = fused.rope_pairs(qkv[..., : q_size + kv_size].unflatten(-1, (heads, self.head_dim)), rope)
