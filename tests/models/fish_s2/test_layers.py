@@ -86,3 +86,42 @@ def test_the_fast_ars_first_two_positions_together_are_the_two_one_after_the_oth
     for (k1, v1), (k2, v2) in zip(apart, together):
         assert torch.allclose(k1, k2, rtol=0, atol=1e-12) and torch.allclose(v1, v2, rtol=0, atol=1e-12)
     assert torch.allclose(after_together, after_apart, rtol=0, atol=1e-12)
+
+
+def test_the_layers_along_one_residual_stream_give_each_layers_forward_bit_for_bit(tiny_fish_dir):
+    """`run_layers` (each residual add done with the norm that reads it) against the layers' own `forward`
+    one after another, then the final norm: the same bits in bf16, for the slow AR's layers and the fast AR's;
+    with w1 and w3 apart (not joined), the same to a few ulps."""
+    from intone.models.fish_s2.transformer import run_layers
+    from intone.models.registry import load_model
+
+    model = load_model(str(tiny_fish_dir), dtype=torch.bfloat16)
+    lm = model.lm
+    g = torch.Generator().manual_seed(1)
+    for layers, norm, rope in ((lm.text_model.model.layers, lm.text_model.model.norm, lm.slow_rope[:6]),
+                               (lm.audio_decoder.layers, lm.audio_decoder.norm, lm.fast_rope[:6])):
+        x = torch.randn(6, layers[0].attention_norm.weight.shape[0], generator=g).bfloat16()
+
+        def attend(q, k, v):  # causal attention over the 6 positions, GQA by repeating the keys' heads
+            rep = q.shape[-2] // k.shape[-2]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k.repeat_interleave(rep, -2).transpose(0, 1),
+                v.repeat_interleave(rep, -2).transpose(0, 1), is_causal=True)
+            return out.transpose(0, 1)
+
+        with torch.inference_mode():
+            want = x
+            for layer in layers:
+                want = layer(want, rope, attend)
+            want = norm(want)
+            h, delta = run_layers(layers, x, rope, [attend] * len(layers))
+            assert torch.equal(norm.add(h, delta)[1], want)
+            joined = [layer.feed_forward.w13 for layer in layers]
+            assert all(j is not None and j.joined() for j in joined)
+            for layer in layers:
+                layer.feed_forward.w13 = None
+            h2, delta2 = run_layers(layers, x, rope, [attend] * len(layers))
+            for layer, j in zip(layers, joined):
+                layer.feed_forward.w13 = j
+            # the same dot products, as the GEMM's blocking for the joined width sums them: a few bf16 ulps at most
+            assert (norm.add(h2, delta2)[1].float() - want.float()).abs().max() <= 4 * 2**-8 * want.abs().max()
