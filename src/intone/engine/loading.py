@@ -103,7 +103,7 @@ def warm_up_codec(stage, profile: Profile, model) -> None:
         + c.left_context_frames
     window = min(max(chunk, profile.codec.warm_up_frames), model.max_seq_len)
     vocoder.warm_up(window, chunk_policy(profile, model).longest_chunk())
-    if vocoder.wants_graphs and vocoder.device.type == "cuda":
+    if vocoder.captures_graphs:
         graphs = FunctionGraphs(profile.codec.stream_priority)  # replayed on the worker's stream, captured alike
         vocoder.capture_graphs(graphs)
         r = graphs.report

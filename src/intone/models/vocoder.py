@@ -67,6 +67,11 @@ class Vocoder(abc.ABC):
         """Whether `capture_graphs` has any call to capture."""
         return self.graph_frames is not None
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether start-up captures them (`loading.warm_up_codec`): they are wanted and the device is a GPU."""
+        return self.wants_graphs and self.device.type == "cuda"
+
     def capture_graphs(self, graphs) -> None:
         """Capture CUDA graphs of the vocoder's calls (start-up, when `wants_graphs`)."""
 
@@ -126,11 +131,10 @@ class WindowVocoder(Vocoder):
         k = self.model.num_codebooks
         shapes = self.warm_shapes(max_window_frames)
         carried = _carried_bound(max_window_frames, longest_chunk) if self.stream is not None else 0
-        # the engine captures the carried graphs right after (`loading.warm_up_codec`, on a GPU), each after a
-        # decode of its own: a shape with a graph needs no warm-up here
-        graphed = self.device.type == "cuda"
-        plain = set(self.plain_shapes(max_window_frames, graphed))
-        captured = set(self.graph_shapes()) if graphed else set()
+        # start-up captures the carried graphs right after, each after a decode of its own: a shape with a graph
+        # needs no warm-up here
+        plain = set(self.plain_shapes(max_window_frames, self.captures_graphs))
+        captured = set(self.graph_shapes()) if self.captures_graphs else set()
         for rows, t in shapes:
             codes = torch.zeros(rows, k, t, dtype=torch.long)
             if t <= carried and not self.packed and (rows, t) not in captured:
@@ -208,7 +212,9 @@ class WindowVocoder(Vocoder):
 
     def graph_shapes(self) -> list[tuple[int, int]]:
         """The (rows, frames) shapes `capture_graphs` captures: every one a call reaches up to `graph_frames`."""
-        return [(r, t) for r, t in self.warm_shapes(self.graph_frames) if t <= self.graph_bound] if self.graph_frames else []
+        if not self.graph_frames:
+            return []
+        return [(r, t) for r, t in self.warm_shapes(self.graph_frames) if t <= self.graph_bound]
 
     def capture_graphs(self, graphs) -> None:
         """The carried decode at every shape of `graph_shapes`; largest first (the graphs share one memory

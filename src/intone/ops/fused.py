@@ -56,7 +56,7 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def qk_norm_rope_eager(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
                        table: Tensor) -> tuple[Tensor, Tensor]:
     """Queries and keys [..., T, H, D] each RMS-normed per head (torch's `rms_norm`, as `nn.RMSNorm`), then
-    rotated (`rope_pairs_eager`): four kernels eager, one piece compiled."""
+    rotated (`rope_pairs_eager`): four pieces eager, one compiled."""
     q = F.rms_norm(q, q.shape[-1:], q_weight, eps)
     k = F.rms_norm(k, k.shape[-1:], k_weight, eps)
     return rope_pairs_eager(q, table), rope_pairs_eager(k, table)

@@ -33,7 +33,7 @@ from intone.ops import race as race_kernel
 from intone.sampling_bounds import MAX_SAMPLE_CANDIDATES
 
 _M32 = 0xFFFFFFFF
-_KERNEL_FAILED: list[bool] = []  # non-empty once `race.filtered_race` has failed in this process
+_kernel_failed = False  # set once `race.filtered_race` has failed in this process (its torch ops run instead)
 log = logging.getLogger(__name__)
 
 
@@ -126,14 +126,15 @@ def sample(logits: Tensor, params: SamplingBatch, draw: int, candidates: int | N
     may pass a fixed bound at least the batch's max_top_k. idx: `best_tokens(logits, k)` when the caller has
     them (another draw on the same logits; k is then theirs).
     """
+    global _kernel_failed
     if idx is None:
         idx = best_tokens(logits, min(candidates or params.max_top_k, logits.shape[-1]))
-    if race_kernel.available(logits) and idx.shape[-1] <= MAX_SAMPLE_CANDIDATES and not _KERNEL_FAILED:
+    if race_kernel.available(logits) and idx.shape[-1] <= MAX_SAMPLE_CANDIDATES and not _kernel_failed:
         try:  # one kernel for the ~15 of filtered_race
             return race_kernel.filtered_race(logits, idx, torch.logsumexp(logits, dim=-1), params, draw)
         except Exception:  # it compiles at its first call (a warm-up, before any capture): the same ops in torch
             log.exception("the filtered race kernel failed; sampling runs its torch ops instead")
-            _KERNEL_FAILED.append(True)
+            _kernel_failed = True
     return filtered_race(logits, idx, params, draw)
 
 
