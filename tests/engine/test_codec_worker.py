@@ -380,7 +380,8 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True,
-        "chunking.whole_chunk_frames": pieces, "codec.schedule": schedule})
+        "chunking.whole_chunk_frames": pieces, "codec.schedule": schedule,
+        "chunking.ramp_factor": 0})  # the three sizes without the ramp's hops between them
     requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
                 for i in range(5)]
