@@ -57,6 +57,9 @@ def test_sweep_writes_results_report_and_plots(benches):
         rows = k["engine_frames"] / k["engine_steps"]
         assert 0.9 < rows <= 1.0 if lvl["concurrency"] == 1 else 1.2 < rows <= 3.0, (lvl["concurrency"], rows)
     assert "| rows per step |" in report
+    # C1's first request alone is its opening burst; C3's 6 requests are too few to tell a burst from the rest
+    assert results["levels"][0]["burst"]["burst"]["requests"] == 1 and results["levels"][1]["burst"] is None
+    assert "- C1: the opening burst (1 sent at once) first audio mean" in report and "- C3: the opening" not in report
     for lvl in results["levels"]:  # every stream that stalled is counted at the chunk it first waited for
         s = lvl["summary"]
         assert sum(s["first_stall_chunk"].values()) == s["streams_with_underrun"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from intone.bench.metrics import RequestRecord, stalls, summarize, underrun
+from intone.bench.metrics import RequestRecord, opening_burst, stalls, summarize, underrun
 
 
 def rec(chunks, completion, ok=True):
@@ -47,3 +47,25 @@ def test_summary_counts_failures_and_uses_the_measured_wall_time():
     assert s["first_audio_s"]["p50"] == pytest.approx(0.75)
     assert s["streams_with_underrun"] == 0
     assert summarize(records, 4.0, stream=False)["first_audio_s"] is None
+
+
+def test_the_opening_burst_is_each_clients_first_request_whatever_the_records_order():
+    """Two clients: their first requests (sent together) slow and stalling, the later ones quick; the records
+    come in completion order, not send order."""
+    def sent(at, first_audio, stalls_after=False, ok=True):
+        chunks = [(first_audio, 0.2), (first_audio + (1.0 if stalls_after else 0.1), 1.0)]
+        r = rec(chunks, first_audio + 1.0, ok=ok)
+        r.sent_at = at
+        return r
+
+    later = [sent(1.0 + i, 0.3 + 0.01 * i) for i in range(4)] + [sent(9.0, 0.0, ok=False)]
+    first = [sent(0.0, 1.2, stalls_after=True), sent(0.001, 1.4)]
+    records = later[:2] + first[:1] + later[2:] + first[1:]
+    b = opening_burst(records, concurrency=2, stream=True)
+    assert b["metric"] == "first_audio_s"
+    assert b["burst"]["requests"] == 2 and b["burst"]["stats"]["mean"] == pytest.approx(1.3)
+    assert b["burst"]["streams_with_underrun"] == 1
+    assert b["rest"]["requests"] == 5 and b["rest"]["stats"]["p50"] == pytest.approx(0.315)  # the failed one not timed
+    assert b["rest"]["streams_with_underrun"] == 0
+    assert opening_burst(records, concurrency=2, stream=False)["burst"]["stats"]["mean"] == pytest.approx(2.3)
+    assert opening_burst(records[:4], concurrency=2, stream=True) is None  # no steady state to tell it from

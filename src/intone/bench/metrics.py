@@ -90,6 +90,25 @@ def _stats(values: list[float]) -> dict:
                 p99=float(np.percentile(a, 99)))
 
 
+def opening_burst(records: list[RequestRecord], concurrency: int, stream: bool) -> dict | None:
+    """A closed loop starts its clients together, so a level's first `concurrency` requests (by send time) reach
+    the idle server at once: their latencies are that burst's, the rest's the steady state's. Per group the
+    requests, the metric's stats (first audio for streams, else completion) and the streams that stalled; None
+    unless the level holds more than twice `concurrency` requests."""
+    if len(records) <= 2 * concurrency:
+        return None
+    ordered = sorted(records, key=lambda r: r.sent_at)
+    metric = "first_audio_s" if stream else "completion_s"
+
+    def group(rows: list[RequestRecord]) -> dict:
+        ok = [r for r in rows if r.ok]
+        values = [v for v in (getattr(r, metric) for r in ok) if v is not None]
+        return dict(requests=len(rows), stats=_stats(values),
+                    streams_with_underrun=sum(1 for r in ok if r.underrun_s > 0) if stream else None)
+
+    return dict(metric=metric, burst=group(ordered[:concurrency]), rest=group(ordered[concurrency:]))
+
+
 def summarize(records: list[RequestRecord], wall_s: float, stream: bool) -> dict:
     ok = [r for r in records if r.ok]
     audio = sum(r.audio_s for r in ok)

@@ -255,6 +255,27 @@ def stall_lines(results: dict) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def burst_lines(results: dict) -> list[str]:
+    """Closed-loop levels: the opening burst (every client's first request at once) against the rest."""
+    lines = []
+    for level in results["levels"]:
+        b = level.get("burst")
+        if not b:
+            continue
+        metric = b["metric"].removesuffix("_s").replace("_", " ")
+        burst, rest = b["burst"], b["rest"]
+        lines.append(f"- C{level['concurrency']}: the opening burst ({burst['requests']} sent at once) {metric} "
+                     f"mean {_fmt(burst['stats']['mean'])} s{_stalled(burst)}; the {rest['requests']} after it: "
+                     f"p50 {_fmt(rest['stats']['p50'])}, p90 {_fmt(rest['stats']['p90'])}, "
+                     f"p99 {_fmt(rest['stats']['p99'])} s{_stalled(rest)}")
+    return ["", *lines] if lines else []
+
+
+def _stalled(group: dict) -> str:
+    n = group["streams_with_underrun"]
+    return f", {n} streams stalled" if n is not None else ""
+
+
 def write_report(results: dict, out_dir: Path) -> Path:
     lines = [f"# intone bench: {results['title']}", ""]
     if reference_line(results):
@@ -274,7 +295,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
         lines.append(f"| {level['concurrency']} | {_fmt(c['p50'])} | {_fmt(c['p90'])} | {_fmt(c['p99'])} | "
                      f"{_fmt(f.get('p50'))} | {_fmt(f.get('p90'))} | {_fmt(f.get('p99'))} | "
                      f"{_fmt(s['rtf']['p50'])} | {_fmt(s.get('streams_with_underrun'))} |")
-    lines += stall_lines(results)
+    lines += stall_lines(results) + burst_lines(results)
     if results.get("after_run"):
         lines += ["", "After the run: " + after_run_line(results["after_run"])]
     lines += [""] + stage_tables(results) + memory_table(results)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from intone.bench.client import LoadSpec, ReferencePlan, run_load
 from intone.bench.dataset import synthetic_items
-from intone.bench.metrics import summarize
+from intone.bench.metrics import opening_burst, summarize
 from intone.bench.presets import apply_preset
 from intone.bench.profile_window import with_profile
 from intone.bench.report import after_run_line, write_plots, write_report
@@ -134,7 +134,9 @@ def sweep(args, base_url: str, out_dir: Path, tag: str = "") -> dict:
         else:
             (records, wall), profile = asyncio.run(load), None
         after = scrape(base_url, headers)
-        levels.append(dict(concurrency=c, summary=summarize(records, wall, args.stream),
+        closed_loop = getattr(args, "request_rate", float("inf")) == float("inf")
+        burst = opening_burst(records, c, args.stream) if closed_loop else None
+        levels.append(dict(concurrency=c, summary=summarize(records, wall, args.stream), burst=burst,
                            server=level_breakdown(before, after), profile=profile,
                            records=[r.to_dict() for r in records], audio_dir=str(save) if save else None))
         s = levels[-1]["summary"]
