@@ -33,9 +33,10 @@ for stage in "$@"; do
     # the tests' whole output is kept in $OUT (the device tool returns only the last 12,000 characters printed)
     tests) timeout ${TT:-420} python3 -m pytest -q -m gpu tests --ignore=tests/api/test_openai_sdk.py -p no:cacheprovider 2>&1 \
         | tee "$OUT/tests$TAG.txt" | tail -25 ;;
-    # eval: PYTEST_ARGS may quote a -k expression ("a or b")
-    pytest) eval "timeout ${TT:-300} python3 -m pytest -q -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 \
-        | tee "$OUT/pytest$TAG.txt" | tail -25 ;;
+    # eval: PYTEST_ARGS may quote a -k expression ("a or b"); -v names each test as it ends, so a run cut by TT
+    # still says which passed
+    pytest) eval "timeout ${TT:-300} python3 -m pytest -v --tb=short -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 \
+        | tee "$OUT/pytest$TAG.txt" | grep -E "PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED|passed|failed|Error" | tail -60 ;;
     kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     # host-interference: a loop-like thread's launches beside neighbour threads' host reads (HI_ARGS='--seconds 5')
     host-interference) timeout 200 python3 tools/host_interference.py ${HI_ARGS:-} 2>&1 | tee "$OUT/host-interference.txt" | tail -12 ;;
