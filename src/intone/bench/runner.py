@@ -134,8 +134,7 @@ def sweep(args, base_url: str, out_dir: Path, tag: str = "") -> dict:
         else:
             (records, wall), profile = asyncio.run(load), None
         after = scrape(base_url, headers)
-        closed_loop = getattr(args, "request_rate", float("inf")) == float("inf")
-        burst = opening_burst(records, c, args.stream) if closed_loop else None
+        burst = opening_burst(records, c, args.stream) if args.request_rate == float("inf") else None
         levels.append(dict(concurrency=c, summary=summarize(records, wall, args.stream), burst=burst,
                            server=level_breakdown(before, after), profile=profile,
                            records=[r.to_dict() for r in records], audio_dir=str(save) if save else None))

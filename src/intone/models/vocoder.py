@@ -162,7 +162,7 @@ class WindowVocoder(Vocoder):
         """The shapes of `warm_shapes` the plain decode can meet: all of them, but with the carried decode's graphs
         (`graphed`) only those longer than the graphs reach, since a whole utterance within them goes carried
         (`decode`; Fish's shipped profile: 61 of 96 shapes, the 35 within 50 frames left out)."""
-        bound = self.graph_bound if graphed and self.wants_graphs else 0
+        bound = self.graph_bound if graphed else 0
         return [(rows, t) for rows, t in self.warm_shapes(max_window_frames) if t > bound]
 
     def carried_shapes(self, max_window_frames: int, longest_chunk: int | None) -> list[tuple[int, int]]:
