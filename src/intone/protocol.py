@@ -24,6 +24,10 @@ SAMPLING_MODES = ("ras", "standard")
 # (with api_in, frontend, queue and prefill: a stream's first audio, stage by stage).
 ENGINE_STAGES = ("frontend", "queue", "prefill", "first_hop", "first_codec", "decode", "codec", "total")
 REQUEST_STAGES = ("api_in", *ENGINE_STAGES[:-1], "api_out", "total")
+# An AR step's company on the GPU, one of these (exclusive; their steps add up to all the timed ones): it carried
+# a prefill, else it ran beside the codec's work and the frontend's, beside one of them, or beside neither. The
+# engine splits its steps' GPU time by it (`engine.activity`).
+STEP_COMPANY = ("prefill", "codec+frontend", "codec", "frontend", "alone")
 StopReason = Literal["stop", "length", "abort", "error"]
 # The engine's refusals and failures; "aborted" and "engine_dead" are the API's own (its engine
 # shutting down, or gone).

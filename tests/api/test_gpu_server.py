@@ -142,6 +142,14 @@ def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(ti
         metrics = httpx.get(server.url("/metrics"), timeout=30).text  # the steps timed on the loop's stream
         assert 0 < metric(metrics, "intone_engine_gpu_timed_steps") <= metric(metrics, "intone_engine_steps")
         assert metric(metrics, "intone_engine_step_gpu_seconds") > 0
+        # split by what ran beside each step: every timed step in one company, requests' prefills among them
+        # (8 voices encoded and decoded beside them), the seconds adding up to the whole
+        split = {c: (metric(metrics, f"intone_engine_step_gpu_seconds_{c}"),
+                     metric(metrics, f"intone_engine_gpu_timed_steps_{c}"))
+                 for c in ("prefill", "codec_frontend", "codec", "frontend", "alone") if f"_steps_{c}_total" in metrics}
+        assert split.get("prefill", (0, 0))[1] >= 1 and len(split) >= 2, split
+        assert sum(n for _, n in split.values()) == metric(metrics, "intone_engine_gpu_timed_steps")
+        assert abs(sum(s for s, _ in split.values()) - metric(metrics, "intone_engine_step_gpu_seconds")) < 1e-6
         # the allocator's device calls: start-up's cudaMallocs at least, and counts that never fall
         assert metric(metrics, "intone_gpu_device_mallocs") > 0
         assert metric(metrics, "intone_gpu_alloc_retries") >= 0 and metric(metrics, "intone_gpu_device_frees") >= 0

@@ -98,6 +98,22 @@ def scraped(counters: dict) -> dict:
             for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
 
 
+def test_the_steps_gpu_span_by_their_company_goes_from_the_engines_snapshot_to_the_report():
+    """The engine's split of its steps' GPU span (`STEP_COMPANY`), exported per company, scraped before and after
+    a level and said per step in the report; companies no step had are left out, and a CPU server says nothing."""
+    before = scraped({"steps": 100, "mean_step_ms": 10.0, "step_wait_seconds": 0.2, "step_gpu_seconds_alone": 0.1,
+                      "gpu_timed_steps_alone": 10, "step_gpu_seconds_codec": 0.0, "gpu_timed_steps_codec": 0})
+    after = scraped({"steps": 300, "mean_step_ms": 11.0, "step_wait_seconds": 1.4, "step_gpu_seconds_alone": 1.3, "gpu_timed_steps_alone": 110, "step_gpu_seconds_codec": 0.9,
+                     "gpu_timed_steps_codec": 60, "step_gpu_seconds_codec+frontend": 0.4,
+                     "gpu_timed_steps_codec+frontend": 20, "step_gpu_seconds_prefill": 0.25, "gpu_timed_steps_prefill": 10})
+    assert ("intone_engine_step_gpu_seconds_codec_frontend_total", ()) in after
+    lines = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, after)}]})
+    assert "- C64: the step on the GPU by what ran beside it, ms (steps): prefill 25.00 (10), codec+frontend 20.00 " \
+        "(20), codec 15.00 (60), alone 12.00 (100)" in lines
+    cpu = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(scraped({}), scraped({}))}]})
+    assert not any("by what ran beside it" in line for line in cpu)
+
+
 def test_references_solved_ahead_go_from_the_servers_metrics_to_the_report():
     """The engine's prepare counters as the API exports them, scraped before and after a level, and said in
     the report (CosyVoice3's reference_ahead); a level without them says nothing."""

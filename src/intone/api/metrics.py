@@ -18,12 +18,17 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from intone.protocol import ENGINE_STAGES
+from intone.protocol import ENGINE_STAGES, STEP_COMPANY
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 8, 13, 20, 30, 60)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 
+
+# what each of STEP_COMPANY means, for the help texts: what ran between a step's launch and its tokens' read
+_COMPANY = {"prefill": "that carried a prefill", "codec+frontend": "beside both the codec's calls and the frontend's "
+            "batches", "codec": "beside the codec's calls (not the frontend's)", "frontend": "beside the frontend's "
+            "batches (not the codec's)", "alone": "beside neither the codec's calls nor the frontend's batches"}
 
 # engine snapshot key -> (metric name, help). Counters render with a `_total` suffix.
 ENGINE_COUNTERS = {
@@ -71,6 +76,12 @@ ENGINE_COUNTERS = {
                          "GPU: the AR steps' spans on the loop's CUDA stream, each from the end of the step before "
                          "(waits for SMs that other streams' kernels hold, and gaps while the host launches, included)"),
     "gpu_timed_steps": ("intone_engine_gpu_timed_steps", "AR steps in intone_engine_step_gpu_seconds"),
+    # the same split by what ran beside a step (exclusive; STEP_COMPANY: e.g. codec+frontend -> codec_frontend)
+    **{f"step_gpu_seconds_{c}": (f"intone_engine_step_gpu_seconds_{c.replace('+', '_')}",
+                                 f"GPU: the AR steps' spans (as intone_engine_step_gpu_seconds) of steps {_COMPANY[c]}")
+       for c in STEP_COMPANY},
+    **{f"gpu_timed_steps_{c}": (f"intone_engine_gpu_timed_steps_{c.replace('+', '_')}",
+                                f"AR steps in intone_engine_step_gpu_seconds_{c.replace('+', '_')}") for c in STEP_COMPANY},
     "frames": ("intone_engine_frames", "Frames the AR steps made (one per request a step: steps x filled seats)"),
     "codec_calls": ("intone_codec_calls", "Codec stage calls"),
     "codec_seconds": ("intone_codec_busy_seconds", "Seconds the codec spent in decode calls (its worker's wall time)"),

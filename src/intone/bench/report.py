@@ -8,7 +8,7 @@ import numpy as np
 
 from intone.bench.profile_window import profile_lines, profiled_note
 from intone.bench.tail import tail_lines
-from intone.protocol import REQUEST_STAGES as STAGES
+from intone.protocol import REQUEST_STAGES as STAGES, STEP_COMPANY
 
 STAGE_NOTE = ("Mean seconds per request in each stage, from the server's own `intone_request_stage_seconds` over "
               "the level (warm-up excluded). api_in: HTTP request parsed -> handed to the engine (reference "
@@ -122,9 +122,23 @@ def _step_lines(levels: list[dict]) -> list[str]:
         if gpu is not None and (timed or 0) > 0:
             line += f"; on the GPU {1000 * gpu / timed:.2f} ms a step (the loop's stream, SM waits included)"
         out.append(line)
+        out += _company_line(lvl["concurrency"], k)
         out += _host_line(lvl["concurrency"], k, steps)
         out += _frontend_process_line(lvl["concurrency"], k)
     return out
+
+
+def _company_line(concurrency: int, k: dict) -> list[str]:
+    """The steps' GPU span by what ran beside them (`STEP_COMPANY`): the step alone against the step beside the
+    codec's calls, the frontend's batches, or carrying a prefill."""
+    parts = []
+    for c in STEP_COMPANY:
+        gpu, timed = k.get(f"step_gpu_seconds_{c}"), k.get(f"gpu_timed_steps_{c}")
+        if gpu is not None and timed:
+            parts.append(f"{c} {1000 * gpu / timed:.2f} ({int(timed)})")
+    if not parts:
+        return []
+    return [f"- C{concurrency}: the step on the GPU by what ran beside it, ms (steps): " + ", ".join(parts)]
 
 
 def _frontend_process_line(concurrency: int, k: dict) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from intone.protocol import REQUEST_STAGES as STAGES
+from intone.protocol import REQUEST_STAGES as STAGES, STEP_COMPANY
 
 STAGE_METRIC = "intone_request_stage_seconds"
 # label in results -> sample name on /metrics
@@ -42,6 +42,8 @@ COUNTERS = {
     "frontend_cpu_seconds": "intone_engine_frontend_cpu_seconds_total",
     "process_cpu_seconds": "intone_engine_process_cpu_seconds_total",
     "gpu_timed_steps": "intone_engine_gpu_timed_steps_total",
+    **{f"step_gpu_seconds_{c}": f"intone_engine_step_gpu_seconds_{c.replace('+', '_')}_total" for c in STEP_COMPANY},
+    **{f"gpu_timed_steps_{c}": f"intone_engine_gpu_timed_steps_{c.replace('+', '_')}_total" for c in STEP_COMPANY},
     "engine_frames": "intone_engine_frames_total",
     "codec_calls": "intone_codec_calls_total",
     "codec_busy_seconds": "intone_codec_busy_seconds_total",

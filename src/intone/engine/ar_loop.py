@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from intone.engine.activity import Activity, company
 from intone.engine.device_lost import check_device
 from intone.engine.model_runner import ModelRunner, StepInput
 from intone.engine.request import EngineRequest, Status
@@ -38,6 +39,8 @@ class InFlight:
     copy: HostCopy
     start: float
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # the step's kernels on the loop's stream (GPU)
+    prefill: bool = False  # it carried a prefill
+    marks: dict | None = None  # each side stage's `Activity.mark` at its launch
 
 
 class ARLoop:
@@ -52,6 +55,7 @@ class ARLoop:
         self.pending: InFlight | None = None
         self.min_step_s, self.last_launch = min_step_s, 0.0
         self.timed = runner.model.device.type == "cuda"  # the steps' GPU spans (events on the loop's stream)
+        self.beside: dict[str, Activity] = {}  # the side stages whose work a step's GPU span is split by (role ->)
 
     @property
     def busy(self) -> bool:
@@ -104,9 +108,11 @@ class ARLoop:
         except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
             self._failed(batch, e)
             return None
+        prefill = any(r.generated == 0 for r in batch)
         for req in batch:
             req.steps_in_flight += 1
-        return InFlight(batch, copy, start, span)
+        marks = {role: activity.mark() for role, activity in self.beside.items()} if span else None
+        return InFlight(batch, copy, start, span, prefill, marks)
 
     def _collect(self, step: InFlight, finished: list[str]) -> None:
         for req in step.batch:
@@ -120,8 +126,8 @@ class ARLoop:
         now = time.perf_counter()
         self.stats.step_wait_seconds += now - waited
         if step.span:
-            self.stats.step_gpu_seconds += step.span[0].elapsed_time(step.span[1]) / 1000
-            self.stats.gpu_timed_steps += 1
+            beside = {role for role, mark in step.marks.items() if self.beside[role].ran_since(mark)}
+            self.stats.count_step_gpu(step.span[0].elapsed_time(step.span[1]) / 1000, company(step.prefill, beside))
         prefilled = False
         for i, req in enumerate(step.batch):
             if req.status is not Status.RUNNING:  # ended while its step ran (in flight: a stop seen one step late)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from intone.engine.activity import Activity
+
 from intone.engine.streams import own_stream, sm_share
 
 log = logging.getLogger(__name__)
@@ -267,6 +269,7 @@ class CodecWorker:
         self._ready = threading.Event()
         self._stop = False
         self.in_flight = 0  # chunks handed over and not yet collected
+        self.activity = Activity()  # its calls (the AR loop's split of its steps' GPU time)
         self.prepares_skipped = 0  # `_skip_prepares`
         stream, self._green_context = codec_stream(device, sms, shared_stream, priority)
         self._thread = threading.Thread(target=self._work, args=(stream,), name="intone-codec", daemon=True)
@@ -369,7 +372,7 @@ class CodecWorker:
 
     def _decode(self, items: list, tokens: list[int], stream, pause: Preemption | None = None,
                 preempted: bool = False) -> DecodedBatch:
-        with torch.inference_mode():  # thread-local: the loop's mode does not reach this thread
+        with torch.inference_mode(), self.activity:  # thread-local: the loop's mode does not reach this thread
             if stream is None:
                 decoded = decode_timed(self.stage, items, tokens, pause, preempted)
             else:

@@ -102,6 +102,8 @@ class EngineCore:
         elif codec_process is None:
             self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch,
                                           self._lead_s)
+        sides = (("codec", self.codec_worker), ("frontend", self.frontend))
+        self.ar.beside = {role: stage.activity for role, stage in sides if hasattr(stage, "activity")}
         self._start_up()
 
     def _start_up(self) -> None:
@@ -291,6 +293,7 @@ class EngineCore:
             step_launch_seconds=self.stats.step_launch_seconds, step_pace_seconds=self.stats.step_pace_seconds,
             **self.stats.cpu.seconds(),
             step_gpu_seconds=self.stats.step_gpu_seconds, gpu_timed_steps=self.stats.gpu_timed_steps,
+            **self.stats.step_company(),
             backlog_steps=self.stats.backlog_steps, chunk_sizes=dict(self.stats.chunk_sizes),
             finished=dict(self.stats.finished), codec_calls=self.codec_worker.calls,
             prefill_steps=self.stats.prefill_steps, codec_seconds=self.stats.codec_seconds,

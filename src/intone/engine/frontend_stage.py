@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from intone.engine.activity import Activity
 from intone.engine.streams import own_stream, sm_share
 from intone.models.base import Prompt, TTSModel
 from intone.protocol import VoiceReference, clip_key
@@ -121,6 +122,7 @@ class FrontendStage:
         # (summed): busy near the wall time means the stage is saturated; queued says what it costs.
         self.busy_s = self.queued_s = 0.0
         self.jobs = 0  # requests and voice uploads taken by the workers
+        self.activity = Activity()  # its batches (the AR loop's split of its steps' GPU time)
         self.pending_encodes = 0  # voice uploads submitted, not yet collected
 
     # ---- engine side ------------------------------------------------------------------------
@@ -232,7 +234,8 @@ class FrontendStage:
             published: set[int] = set()
             began = time.perf_counter()
             try:
-                self._prepare(jobs, published)
+                with self.activity:
+                    self._prepare(jobs, published)
             except Exception as e:  # a bug here must refuse these requests, not kill the thread
                 log.exception("reference frontend failed")
                 for j, job in enumerate(jobs):

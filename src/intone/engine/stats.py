@@ -63,6 +63,9 @@ class EngineStats:
     step_pace_seconds: float = 0.0  # the loop asleep before a launch (`ar.min_step_ms`)
     step_gpu_seconds: float = 0.0  # the steps' spans on the loop's CUDA stream (GPU; SM waits included)
     gpu_timed_steps: int = 0
+    # the same by the step's company on the GPU (`intone.protocol.STEP_COMPANY`): seconds and steps
+    step_gpu_by: Counter = field(default_factory=Counter)
+    gpu_timed_by: Counter = field(default_factory=Counter)
     frames: int = 0
     backlog_steps: int = 0
     chunk_sizes: Counter = field(default_factory=Counter)
@@ -82,6 +85,19 @@ class EngineStats:
     warm_up_seconds: float = 0.0
     ready_allocated_peak_bytes: int | None = None  # the allocator's peak when start-up ended (GPU)
     cpu: ThreadCPU = field(default_factory=ThreadCPU)
+
+    def count_step_gpu(self, seconds: float, company: str) -> None:
+        self.step_gpu_seconds += seconds
+        self.gpu_timed_steps += 1
+        self.step_gpu_by[company] += seconds
+        self.gpu_timed_by[company] += 1
+
+    def step_company(self) -> dict:
+        """step_gpu_seconds_<company> and gpu_timed_steps_<company> (snapshot keys) for each company seen."""
+        out = {}
+        for name, steps in self.gpu_timed_by.items():
+            out[f"step_gpu_seconds_{name}"], out[f"gpu_timed_steps_{name}"] = self.step_gpu_by[name], steps
+        return out
 
     def count_codec_call(self, decoded: DecodedBatch) -> None:
         if decoded.dropped:
