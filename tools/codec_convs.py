@@ -4,9 +4,11 @@ heuristic plan against its benchmarked plan (not a measurement once the heuristi
 cuDNN reuses it), without its bias (cuDNN adds a bias as a pass of its own), and other formulations (a
 transposed convolution as one GEMM and an overlap-add; a convolution as a channels-last conv2d; a
 dilated one folded into the batch). --hift: the same for CosyVoice3's HiFT on full responses' calls.
---whole: only the whole decode's time and top kernels (runs on older trees too: TREE=.before).
+--encoder: the same for Fish's reference encoder (rows x frames of 44.1 kHz / 2048 audio, e.g. 16x172: sixteen 8 s
+clips, a call the frontend makes of a burst). --whole: only the whole decode's time and top kernels (runs on older
+trees too: TREE=.before).
 
-    python3 tools/codec_convs.py [--shapes 64x25,64x50] [--hift 12x256] [--top 12] [--whole]
+    python3 tools/codec_convs.py [--shapes 64x25,64x50] [--encoder 1x129,16x172] [--hift 12x256] [--top 12] [--whole]
 """
 
 import argparse
@@ -117,6 +119,18 @@ def fish_calls(codec, shape, k):
     return f"Fish stateful decode {shape}", seen, run, rows * frames * codec.hop_length / codec.sample_rate
 
 
+def encoder_calls(codec, shape):
+    """Every convolution of one reference encode of rows x frames (noise at the codec's rate, as padded clips)."""
+    rows, frames = map(int, shape.split("x"))
+    device = next(codec.parameters()).device
+    g = torch.Generator(device=device).manual_seed(0)
+    audio = 0.1 * torch.randn(rows, frames * codec.hop_length, device=device, generator=g)
+    run = lambda: codec.encode(audio)  # noqa: E731
+    with recording([]) as seen:
+        run()
+    return f"Fish reference encode {shape}", seen, run, rows * frames * codec.hop_length / codec.sample_rate
+
+
 def hift_calls(shape, device="cuda"):
     """Every convolution of one CosyVoice3 HiFT call as a full response makes it: rows x mel frames
     (each row its whole utterance, finalized), float32 with TF32 as `tf32: true` serves."""
@@ -199,16 +213,20 @@ def report(label, seen, run, audio_s, args) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="64x25,64x50", help="Fish: streams x chunk frames")
+    ap.add_argument("--encoder", default="", help="Fish reference encoder: rows x frames, e.g. 1x129,16x172")
     ap.add_argument("--hift", default="", help="CosyVoice3 HiFT: rows x mel frames, e.g. 12x256,48x256")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--whole", action="store_true")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
-    if shapes:
+    encodes = [s for s in args.encoder.split(",") if s]
+    if shapes or encodes:
         model = load_model("random:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16)
-        for shape in shapes:
+        calls = [lambda s=s: fish_calls(model.codec, s, model.num_codebooks) for s in shapes] + \
+            [lambda s=s: encoder_calls(model.codec, s) for s in encodes]
+        for call in calls:
             with torch.inference_mode():
-                report(*fish_calls(model.codec, shape, model.num_codebooks), args)
+                report(*call(), args)
             torch.cuda.empty_cache()
         del model
     for shape in [s for s in args.hift.split(",") if s]:
