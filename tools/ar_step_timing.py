@@ -3,7 +3,10 @@ today, with the per-layer elementwise pieces fused (`ops.fused`, the profile's a
 and with the model's whole functions under torch.compile first (then captured the same way), with
 the difference between the outputs.
 
-    python3 tools/ar_step_timing.py [--models fish-s2,cosyvoice3] [--rows 64] [--kv 1024]
+    python3 tools/ar_step_timing.py [--models fish-s2,cosyvoice3] [--rows 64] [--kv 1024] [--kernels 15]
+
+--kernels N: the fused variant's top N kernels by GPU time per replay, for the decode graph and the head graph
+(torch.profiler over 10 replays of each): where the step's time goes, kernel by kernel.
 """
 
 import argparse
@@ -38,7 +41,7 @@ def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, o
     return decode, head
 
 
-def variant(model, kv, rows, kv_tokens, compiled: bool):
+def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0):
     decode_fn, head_fn = model.forward_decode, (model.head if model.head_is_static else None)
     start = time.perf_counter()
     if compiled:
@@ -66,7 +69,25 @@ def variant(model, kv, rows, kv_tokens, compiled: bool):
         out["head_ms"] = timed(lambda: head.replay())
         head.replay()
         out["head_out"] = [t.clone() for t in head_out]
+    if kernels:
+        kernel_table("decode graph", decode.replay, kernels)
+        if head_fn is not None:
+            kernel_table("head graph", head.replay, kernels)
     return out
+
+
+def kernel_table(name: str, replay, top: int, reps: int = 10) -> None:
+    """The top kernels of `reps` replays by GPU time, per replay."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events) / reps / 1000
+    print(f"  {name}: {total:.2f} ms of kernels a replay, {sum(e.count for e in events) // reps} kernels", flush=True)
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        print(f"    {e.device_time_total / reps / 1000:7.3f} ms {e.count // reps:5d}x  {e.key[:110]}", flush=True)
 
 
 def apart(model, run):
@@ -101,6 +122,7 @@ def main():
     ap.add_argument("--rows", default="64")
     ap.add_argument("--kv", type=int, default=1024)
     ap.add_argument("--cosy-bf16", action="store_true", help="also the CosyVoice3 talker in bf16")
+    ap.add_argument("--kernels", type=int, default=0, help="the fused variant's top kernels per graph")
     ap.add_argument("--whole", action="store_true", help="also torch.compile the whole decode step and head")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -117,7 +139,7 @@ def main():
                 base = variant(model, kv, rows, args.kv, compiled=False)
                 fused_ops.use_compiled(True)
                 try:
-                    helpers = variant(model, kv, rows, args.kv, compiled=False)
+                    helpers = variant(model, kv, rows, args.kv, compiled=False, kernels=args.kernels)
                     report(family, rows, "fused elementwise", base, helpers)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{family} rows={rows}: fused variant failed: {type(e).__name__}: {e}"[:2000])
