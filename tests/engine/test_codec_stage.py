@@ -445,6 +445,32 @@ def test_a_split_cost_keeps_long_chunks_from_padding_many_short_ones(tiny_fish_d
         assert abs(audio - model.decode(req.codes[None], 0)[0].numpy()[: chunk.end * spf]).max() < 1e-6
 
 
+def test_exact_rows_keep_the_carried_calls_rows_and_leave_the_plain_decodes_shapes_as_they_were():
+    """codec.exact_rows with the carried decode (Fish's shipped profile): a carried call of five chunks is five
+    rows, a plain decode of five whole utterances (beyond the graphs) eight, so start-up decodes the same plain
+    shapes as without exact rows (61, not 101); without carry_state, every call keeps its own rows."""
+    from intone.engine.cuda_graphs import FunctionGraphs
+
+    def vocoder(exact, carry=True):
+        model = _RecordedDecodes()
+        v = WindowVocoder(model, 64, 4096, carry_state=carry, graph_frames=50 if carry else None, exact_rows=exact,
+                          frame_buckets=(6, 9, 12, 14, 20, 21, 25, 29, 40))
+        v.graphs = FunctionGraphs() if carry else None
+        return v, model
+
+    shipped, model = vocoder(8)
+    assert shipped.plain_shapes(512, True) == vocoder(0)[0].plain_shapes(512, True) and \
+        len(shipped.plain_shapes(512, True)) == 61
+    assert (5, 25) in shipped.graph_shapes() and (5, 25) not in vocoder(0)[0].graph_shapes()
+    chunks = [CodecWindow(k, f"c{k}", torch.zeros(10, 25, dtype=torch.long), None, 0, 25, 0, False) for k in range(5)]
+    whole = [CodecWindow(k, f"w{k}", torch.zeros(10, 90, dtype=torch.long), None, 0, 90, 0, True) for k in range(5, 10)]
+    shipped.decode(chunks + whole, {})
+    assert model.carried == [(5, 25)] and model.plain == [(8, 100)]
+    plain, model = vocoder(8, carry=False)
+    plain.decode(whole, {})
+    assert model.plain == [(5, 100)]
+
+
 def test_start_up_carries_the_shapes_chunks_reach_and_decodes_every_window_shape(tiny_fish_dir):
     """Chunks of at most 25 frames against windows of up to 128 (Fish's shipped profile: 50 against 512): the
     carried decode warms the shapes up to 25 frames' bucket, the plain decode (a request's only chunk: up to its

@@ -104,7 +104,8 @@ class CodecStageConfig(_Strict):
                                 "stream_graph_frames, no lean_decode); off until measured")
     exact_rows: int = Field(0, ge=0, le=64, description="the windowed vocoder's calls (Fish) of at most this many "
                             "chunks run at their own row count, no blank rows (each count a shape of its own, "
-                            "warmed at start-up; above it, rows pad as row_granule says)")
+                            "warmed at start-up; above it, rows pad as row_granule says); with carry_state, the "
+                            "carried decode's calls only")
     frame_buckets: list[Annotated[int, Field(ge=1, le=4096)]] = Field(
         default_factory=list, max_length=32, description="the windowed vocoder's (Fish) padded call lengths in "
         "frames beside the built-in ones (4, 8, 16, 32, 50, 64, ...): a call pads to the smallest that holds its "

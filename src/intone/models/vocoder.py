@@ -97,7 +97,9 @@ class WindowVocoder(Vocoder):
     further, frames to a bucket and rows to a power of two (above `row_granule`, when set, to a
     multiple of it; padding rows are zeros and dropped), so the codec meets few distinct shapes: its
     kernels choose their plans once per shape, and a new shape costs more than the decode. exact_rows:
-    calls of at most this many windows keep their own row count (no blank rows); frame_buckets: more
+    calls of at most this many windows keep their own row count (no blank rows): the carried decode's calls, or
+    with carry_state off every call (with it on, the plain decode's calls, a request's whole utterance beyond the
+    graphs, are rare, and exact rows would multiply the shapes start-up decodes for them); frame_buckets: more
     lengths a call's frames may be padded to (the chunk sizes a schedule makes, e.g. 25 and 4 + 25).
     Every shape a call can reach is decoded once at start-up (`warm_up`).
 
@@ -120,6 +122,7 @@ class WindowVocoder(Vocoder):
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         self.stream = model.stream_decoder(lean_decode, packed_decode) if carry_state else None
+        self.plain_exact_rows = exact_rows if self.stream is None else 0
         self.packed = packed_decode and self.stream is not None  # its calls' rows neither padded nor bucketed
         self.graph_frames = graph_frames if self.stream is not None else None
         self.graphs = None
@@ -129,15 +132,15 @@ class WindowVocoder(Vocoder):
 
     def warm_up(self, max_window_frames: int, longest_chunk: int | None = None) -> int:
         k = self.model.num_codebooks
-        shapes = self.warm_shapes(max_window_frames)
-        carried = _carried_bound(max_window_frames, longest_chunk) if self.stream is not None else 0
         # start-up captures the carried graphs right after, each after a decode of its own: a shape with a graph
         # needs no warm-up here
+        carried = set(self.carried_shapes(max_window_frames, longest_chunk)) \
+            if self.stream is not None and not self.packed else set()
+        carried -= set(self.graph_shapes()) if self.captures_graphs else set()
         plain = set(self.plain_shapes(max_window_frames, self.captures_graphs))
-        captured = set(self.graph_shapes()) if self.captures_graphs else set()
-        for rows, t in shapes:
+        for rows, t in sorted(carried | plain):
             codes = torch.zeros(rows, k, t, dtype=torch.long)
-            if t <= carried and not self.packed and (rows, t) not in captured:
+            if (rows, t) in carried:
                 self.stream.decode(codes.to(self.device), [t] * rows, [None] * rows)
             if (rows, t) in plain:
                 self.model.decode(codes, torch.zeros(rows, dtype=torch.long))
@@ -145,7 +148,7 @@ class WindowVocoder(Vocoder):
         for total in packed:  # one chunk filling each packed length: every length a call can reach
             n = total - self.stream.gap
             self.stream.decode(torch.zeros(1, k, n, dtype=torch.long, device=self.device), [n], [None])
-        return len(shapes) + len(packed)
+        return len(carried | plain) + len(packed)
 
     def packed_lengths(self, carried: int) -> list[int]:
         """The packed lengths (`codec.packed_decode`) of every call whose rows hold chunks of up to `carried`
@@ -171,10 +174,11 @@ class WindowVocoder(Vocoder):
         plain decode, is longer than the policy's longest (Fish's shipped profile: 50 frames against windows
         of up to 512; the carried decode's warm-up was ~90% of its frame-rows on shapes no call reaches)."""
         bound = _carried_bound(max_window_frames, longest_chunk)
-        return [(rows, t) for rows, t in self.warm_shapes(max_window_frames) if t <= bound]
+        return [(rows, t) for rows, t in self.warm_shapes(max_window_frames, carried=True) if t <= bound]
 
-    def warm_shapes(self, max_window_frames: int) -> list[tuple[int, int]]:
-        """(rows, frames) of every call of windows up to max_window_frames long: what `warm_up` decodes."""
+    def warm_shapes(self, max_window_frames: int, carried: bool = False) -> list[tuple[int, int]]:
+        """(rows, frames) of every call of windows up to max_window_frames long, the plain decode's (or the carried
+        decode's, whose rows may differ: `exact_rows`): what `warm_up` decodes of them."""
         # a carried call's span may reach its longest chunk's built-in bucket; each length pads to _frames(n)
         shortest: dict[int, int] = {}  # each padded length -> the shortest length that pads to it
         for n in range(1, bucket_frames(max_window_frames) + 1):
@@ -183,27 +187,27 @@ class WindowVocoder(Vocoder):
         for t, least in sorted(shortest.items()):
             # a group of n windows (n x its longest within max_padded_frames, or alone) is padded to
             # _rows(n) rows and its longest's bucket: every pair a group can reach
-            for rows, fewest in self._row_buckets():
+            for rows, fewest in self._row_buckets(carried):
                 if fewest > 1 and fewest * least > self.max_padded_frames:
                     break
                 shapes.append((rows, t))
         return shapes
 
-    def _rows(self, n: int) -> int:
-        return bucket_rows(n, self.row_granule, self.exact_rows)
+    def _rows(self, n: int, carried: bool = False) -> int:
+        return bucket_rows(n, self.row_granule, self.exact_rows if carried else self.plain_exact_rows)
 
-    def _row_buckets(self) -> list[tuple[int, int]]:
-        return row_buckets(self.max_batch, self.row_granule, self.exact_rows)
+    def _row_buckets(self, carried: bool = False) -> list[tuple[int, int]]:
+        return row_buckets(self.max_batch, self.row_granule, self.exact_rows if carried else self.plain_exact_rows)
 
     def _frames(self, n: int) -> int:
         return bucket_frames(n, self.frame_buckets)
 
-    def _groups(self, lengths: list[int]) -> list[list[int]]:
+    def _groups(self, lengths: list[int], carried: bool = False) -> list[list[int]]:
         """The calls a round's windows go in: as full as the bounds allow, or with `split_cost` the
         cheapest split, a call costing that many frame-rows plus its padded shape's (so a few long
         rows do not pad many short ones to their length)."""
         return group_jobs(lengths, self.max_batch, self.max_padded_frames, self.split_cost,
-                          lambda rows, longest: self._rows(rows) * self._frames(longest))
+                          lambda rows, longest: self._rows(rows, carried) * self._frames(longest))
 
     @property
     def graph_bound(self) -> int:
@@ -214,7 +218,7 @@ class WindowVocoder(Vocoder):
         """The (rows, frames) shapes `capture_graphs` captures: every one a call reaches up to `graph_frames`."""
         if not self.graph_frames:
             return []
-        return [(r, t) for r, t in self.warm_shapes(self.graph_frames) if t <= self.graph_bound]
+        return [(r, t) for r, t in self.warm_shapes(self.graph_frames, carried=True) if t <= self.graph_bound]
 
     def capture_graphs(self, graphs) -> None:
         """The carried decode at every shape of `graph_shapes`; largest first (the graphs share one memory
@@ -278,7 +282,7 @@ class WindowVocoder(Vocoder):
         spf = self.model.samples_per_frame
         for round_ in self.carried_rounds(windows):
             lengths = [w.end - w.start for _, w in round_]
-            for group in self._groups(lengths):
+            for group in self._groups(lengths, carried=True):
                 for g, samples in zip(group, self._decode_round([round_[g][1] for g in group], states)):
                     at = 0
                     for i in round_[g][0]:
@@ -322,7 +326,7 @@ class WindowVocoder(Vocoder):
             at = state.frames if state is not None else 0
             if at != w.start:
                 raise RuntimeError(f"{w.request_id}: chunk from frame {w.start}, but the codec state is at {at}")
-        rows = len(windows) if self.packed else self._rows(len(windows))
+        rows = len(windows) if self.packed else self._rows(len(windows), carried=True)
         frames = max(lengths) if self.packed else self._frames(max(lengths))
         codes = torch.zeros(rows, windows[0].codes.shape[0], frames, dtype=torch.long)
         for row, w in enumerate(windows):
