@@ -119,3 +119,90 @@ def bias_residual(x: Tensor, y: Tensor, bias: Tensor, x_bias: Tensor | None = No
         x, y, bias.contiguous(), xb, out, length, channels, x.stride(0), x.stride(1),
         HAS_X_BIAS=x_bias is not None, BLOCK_T=BLOCK)
     return out
+
+
+# ---- time-major ("channels-last") tensors: [B, T, C] with adjacent channels ---------------------------------------
+# The same two kernels over [B, T, C], a tile of samples x channels per program (loads along the channels are
+# adjacent), with the same roundings: a codec whose convolutions run channels-last (cuDNN's tensor-core layout)
+# keeps its activations so, with no layout conversion around each convolution.
+
+if triton is not None:
+
+    @triton.jit
+    def _snake_tc(x_ptr, alpha_ptr, bias_ptr, out_ptr, length, channels, x_batch, x_time, out_batch, out_time,
+                  HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        batch = tl.program_id(0).to(tl.int64)
+        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+        c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+        ok = (t < length) & (c < channels)
+        x = tl.load(x_ptr + batch * x_batch + t.to(tl.int64) * x_time + c, mask=ok, other=0.0)
+        dt = x.dtype
+        if HAS_BIAS:
+            x = (x.to(tl.float32) + tl.load(bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)).to(dt)
+        a = tl.load(alpha_ptr + c, mask=c < channels, other=1.0)
+        ax = (a.to(tl.float32) * x.to(tl.float32)).to(dt)
+        s = libdevice.sin(ax.to(tl.float32)).to(dt)
+        sq = (s.to(tl.float32) * s.to(tl.float32)).to(dt)
+        inv = libdevice.div_rn(1.0, (a.to(tl.float32) + 1e-9).to(dt).to(tl.float32)).to(dt)
+        y = (x.to(tl.float32) + (inv.to(tl.float32) * sq.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + batch * out_batch + t.to(tl.int64) * out_time + c, y, mask=ok)
+
+    @triton.jit
+    def _bias_residual_tc(x_ptr, y_ptr, bias_ptr, out_ptr, length, channels, x_batch, x_time, y_batch, y_time,
+                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        batch = tl.program_id(0).to(tl.int64)
+        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+        c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+        ok = (t < length) & (c < channels)
+        x = tl.load(x_ptr + batch * x_batch + t.to(tl.int64) * x_time + c, mask=ok, other=0.0)
+        y = tl.load(y_ptr + batch * y_batch + t.to(tl.int64) * y_time + c, mask=ok, other=0.0)
+        dt = x.dtype
+        y = (y.to(tl.float32) + tl.load(bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)).to(dt)
+        out = (x.to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(out_ptr + batch * length * channels + t.to(tl.int64) * channels + c, out, mask=ok)
+
+
+def _tiles(channels: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_C): up to 128 channels a tile, ~4096 values a program."""
+    block_c = min(128, triton.next_power_of_2(channels))
+    return max(16, 4096 // block_c), block_c
+
+
+def _adjacent_channels(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def snake_tc(x: Tensor, alpha: Tensor, bias: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """Snake of a time-major x [B, T, C] (plus bias [C] first) with alpha of C values: `snake` on x.transpose(1, 2),
+    the same values. x may have any batch and time strides (e.g. a convolution's output cut to its length); out: a
+    [B, T, C] view with adjacent channels to write into (e.g. a buffer longer than x), returned."""
+    alpha = alpha.reshape(-1)
+    if not available(x) or alpha.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        y = snake_reference(x if bias is None else x + bias, alpha)
+        return y if out is None else out.copy_(y)
+    if out is not None and (out.shape != x.shape or out.stride(-1) != 1 or out.dtype != x.dtype):
+        raise ValueError("snake_tc's out must be a view of x's shape and dtype with adjacent channels")
+    x = _adjacent_channels(x)
+    batch, length, channels = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    block_t, block_c = _tiles(channels)
+    b = alpha if bias is None else bias.contiguous()
+    _snake_tc[(batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+        x, alpha.contiguous(), b, out, length, channels, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_C=block_c)
+    return out
+
+
+def bias_residual_tc(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
+    """x + (y + bias) for time-major x, y [B, T, C] and bias [C], rounded as torch rounds each add; a new
+    contiguous [B, T, C]. x and y may have any batch and time strides."""
+    if not available(x) or not (x.dtype == y.dtype == bias.dtype) or x.shape != y.shape:
+        return x + (y + bias)
+    x, y = _adjacent_channels(x), _adjacent_channels(y)
+    batch, length, channels = x.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block_t, block_c = _tiles(channels)
+    _bias_residual_tc[(batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+        x, y, bias.contiguous(), out, length, channels, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+        BLOCK_T=block_t, BLOCK_C=block_c)
+    return out

@@ -29,6 +29,7 @@ from intone.models.fish_s2.codec_modules import (
     Snake,
     WindowTransformer,
 )
+from intone.models.fish_s2.encoder_tc import encode_tc
 
 SAMPLE_RATE = 44100
 
@@ -193,6 +194,7 @@ class FishCodec(nn.Module):
         self.encoder = Encoder(cfg)
         self.quantizer = Quantizer(cfg)
         self.decoder = Decoder(cfg)
+        self.encoder_layout = "channels_first"  # or "time_major" (`encoder_tc`; fish_s2.encoder_layout)
 
     @property
     def sample_rate(self) -> int:
@@ -218,7 +220,8 @@ class FishCodec(nn.Module):
         n = audio.shape[-1]
         pad = math.ceil(n / self.hop_length) * self.hop_length - n
         x = torch.nn.functional.pad(audio.to(self.dtype), (0, pad)).unsqueeze(1)
-        return self.quantizer.encode(self.encoder(x))
+        z = encode_tc(self.encoder, x) if self.encoder_layout == "time_major" else self.encoder(x)
+        return self.quantizer.encode(z)
 
     @property
     def dtype(self) -> torch.dtype:

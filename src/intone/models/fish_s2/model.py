@@ -152,6 +152,7 @@ class FishS2(TTSModel):
         options = options or FishS2Options()
         self._reference_plan = ReferencePlan.of(options.reference_rows, options.reference_bucket_s,
                                                 self.codec.sample_rate, self.codec.hop_length)
+        self.codec.encoder_layout = options.encoder_layout
 
     def warm_up_frontend(self, graphs=None) -> None:
         if self.codec_device_type == "cuda":

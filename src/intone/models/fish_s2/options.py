@@ -5,6 +5,8 @@ Torch-free (the API process validates profiles); the model reads it in `configur
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -17,3 +19,7 @@ class FishS2Options(BaseModel):
     reference_bucket_s: float = Field(2.0, ge=0.25, le=30, description="a call's clips padded to a multiple of this "
                                       "many seconds (in codec frames: each length one more shape to warm at "
                                       "start-up, up to 10 s)")
+    encoder_layout: Literal["channels_first", "time_major"] = Field(
+        "channels_first", description="the reference encoder's activations: [B, C, T] as the official code keeps "
+        "them, or time-major [B, T, C] (cuDNN's channels-last layout on a GPU: no layout conversion around each "
+        "convolution; the same sums, other kernels, so a code may differ where a latent sits between two entries)")
