@@ -60,9 +60,9 @@ def test_real_size_step_runs_in_bf16(tiny_fish_dir):
 
 def test_the_time_major_encoder_in_half_precision_is_the_channels_first_one_within_its_rounding(tiny_fish_dir):
     """Real size, fp16 as served: the time-major encoder (`fish_s2.encoder_layout: time_major`) against the
-    channels-first one on 16 clips of 3-8 s, the latents as close as fp16 against fp32 puts the channels-first one
-    (each against float32's), nearly every code the same, and replayed from a CUDA graph (as the frontend serves it)
-    the same bits as eagerly."""
+    channels-first one on 16 clips of 3-8 s. Its latents are as close to float32's as the channels-first fp16 ones,
+    its codes agree with float32's about as often (fp16's own flips where a latent sits between two entries), and
+    replayed from a CUDA graph (as the frontend serves it) it gives the same bits as eagerly."""
     from intone.engine.cuda_graphs import FunctionGraphs
     from intone.models.fish_s2.codec import FishCodec
     from intone.models.fish_s2.encoder_tc import encode_tc
@@ -76,16 +76,17 @@ def test_the_time_major_encoder_in_half_precision_is_the_channels_first_one_with
         n = (3 + 5 * row // 15) * rate // hop * hop
         audio[row, :n] = 0.2 * torch.randn(n, generator=g, device="cuda")
     with torch.inference_mode():
-        exact = codec.encoder(audio.unsqueeze(1)).float()
+        exact, exact_codes = codec.encoder(audio.unsqueeze(1)).float(), codec.encode(audio)
         codec.half()
         first = codec.encoder(audio.half().unsqueeze(1)).float()
         major = encode_tc(codec.encoder, audio.half().unsqueeze(1)).float()
         err_first, err_major = (first - exact).abs().max().item(), (major - exact).abs().max().item()
         assert err_major <= 2 * err_first + 1e-3, (err_major, err_first)
-        codes_first = codec.encode(audio)
+        agree_first = (codec.encode(audio) == exact_codes).float().mean().item()
         codec.encoder_layout = "time_major"
         codes_major = codec.encode(audio)
-        assert (codes_major == codes_first).float().mean().item() >= 0.98
+        agree_major = (codes_major == exact_codes).float().mean().item()
+        assert agree_major >= agree_first - 0.01, (agree_major, agree_first)
         graphs = FunctionGraphs()
         graphs.capture("fish encoder", codec.encode, audio)
         assert torch.equal(graphs.run("fish encoder", codec.encode, audio)[0], codes_major) and graphs.replays == 1
