@@ -148,6 +148,7 @@ def test_a_profiled_window_ties_the_gpus_work_to_the_threads_that_launched_it(ti
                      metric(metrics, f"intone_engine_gpu_timed_steps_{c}"))
                  for c in ("prefill", "codec_frontend", "codec", "frontend", "alone") if f"_steps_{c}_total" in metrics}
         assert split.get("prefill", (0, 0))[1] >= 1 and len(split) >= 2, split
+        assert metric(metrics, "intone_engine_gpu_timed_prefill_tokens") > 10 * split["prefill"][1]  # voice prompts
         assert sum(n for _, n in split.values()) == metric(metrics, "intone_engine_gpu_timed_steps")
         assert abs(sum(s for s, _ in split.values()) - metric(metrics, "intone_engine_step_gpu_seconds")) < 1e-6
         # the allocator's device calls: start-up's cudaMallocs at least, and counts that never fall

@@ -105,10 +105,11 @@ def test_the_steps_gpu_span_by_their_company_goes_from_the_engines_snapshot_to_t
                       "gpu_timed_steps_alone": 10, "step_gpu_seconds_codec": 0.0, "gpu_timed_steps_codec": 0})
     after = scraped({"steps": 300, "mean_step_ms": 11.0, "step_wait_seconds": 1.4, "step_gpu_seconds_alone": 1.3, "gpu_timed_steps_alone": 110, "step_gpu_seconds_codec": 0.9,
                      "gpu_timed_steps_codec": 60, "step_gpu_seconds_codec+frontend": 0.4,
-                     "gpu_timed_steps_codec+frontend": 20, "step_gpu_seconds_prefill": 0.25, "gpu_timed_steps_prefill": 10})
+                     "gpu_timed_steps_codec+frontend": 20, "step_gpu_seconds_prefill": 0.25, "gpu_timed_steps_prefill": 10,
+                     "gpu_timed_prefill_tokens": 4500})
     assert ("intone_engine_step_gpu_seconds_codec_frontend_total", ()) in after
     lines = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(before, after)}]})
-    assert "- C64: the step on the GPU by what ran beside it, ms (steps): prefill 25.00 (10), codec+frontend 20.00 " \
+    assert "- C64: the step on the GPU by what ran beside it, ms (steps): prefill 25.00 (10, 450 prompt tokens a step), codec+frontend 20.00 " \
         "(20), codec 15.00 (60), alone 12.00 (100)" in lines
     cpu = stage_tables({"levels": [{"concurrency": 64, "server": level_breakdown(scraped({}), scraped({}))}]})
     assert not any("by what ran beside it" in line for line in cpu)

@@ -80,6 +80,8 @@ ENGINE_COUNTERS = {
     **{f"step_gpu_seconds_{c}": (f"intone_engine_step_gpu_seconds_{c.replace('+', '_')}",
                                  f"GPU: the AR steps' spans (as intone_engine_step_gpu_seconds) of steps {_COMPANY[c]}")
        for c in STEP_COMPANY},
+    "gpu_timed_prefill_tokens": ("intone_engine_gpu_timed_prefill_tokens",
+                                 "Prompt tokens the steps in intone_engine_step_gpu_seconds_prefill computed"),
     **{f"gpu_timed_steps_{c}": (f"intone_engine_gpu_timed_steps_{c.replace('+', '_')}",
                                 f"AR steps in intone_engine_step_gpu_seconds_{c.replace('+', '_')}") for c in STEP_COMPANY},
     "frames": ("intone_engine_frames", "Frames the AR steps made (one per request a step: steps x filled seats)"),

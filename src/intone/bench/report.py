@@ -135,7 +135,9 @@ def _company_line(concurrency: int, k: dict) -> list[str]:
     for c in STEP_COMPANY:
         gpu, timed = k.get(f"step_gpu_seconds_{c}"), k.get(f"gpu_timed_steps_{c}")
         if gpu is not None and timed:
-            parts.append(f"{c} {1000 * gpu / timed:.2f} ({int(timed)})")
+            tokens = k.get("gpu_timed_prefill_tokens") if c == "prefill" else None
+            each = f", {tokens / timed:.0f} prompt tokens a step" if tokens else ""
+            parts.append(f"{c} {1000 * gpu / timed:.2f} ({int(timed)}{each})")
     if not parts:
         return []
     return [f"- C{concurrency}: the step on the GPU by what ran beside it, ms (steps): " + ", ".join(parts)]

@@ -44,6 +44,7 @@ COUNTERS = {
     "gpu_timed_steps": "intone_engine_gpu_timed_steps_total",
     **{f"step_gpu_seconds_{c}": f"intone_engine_step_gpu_seconds_{c.replace('+', '_')}_total" for c in STEP_COMPANY},
     **{f"gpu_timed_steps_{c}": f"intone_engine_gpu_timed_steps_{c.replace('+', '_')}_total" for c in STEP_COMPANY},
+    "gpu_timed_prefill_tokens": "intone_engine_gpu_timed_prefill_tokens_total",
     "engine_frames": "intone_engine_frames_total",
     "codec_calls": "intone_codec_calls_total",
     "codec_busy_seconds": "intone_codec_busy_seconds_total",

@@ -39,7 +39,7 @@ class InFlight:
     copy: HostCopy
     start: float
     span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # the step's kernels on the loop's stream (GPU)
-    prefill: bool = False  # it carried a prefill
+    prefill_tokens: int = 0  # the prompt tokens it computed (its prefills')
     marks: dict | None = None  # each side stage's `Activity.mark` at its launch
 
 
@@ -108,11 +108,11 @@ class ARLoop:
         except Exception as e:  # a failed step fails its batch, never the engine (unless the GPU is gone)
             self._failed(batch, e)
             return None
-        prefill = any(r.generated == 0 for r in batch)
+        prefill_tokens = sum(len(r.prompt) - r.cached_tokens for r in batch if r.generated == 0)
         for req in batch:
             req.steps_in_flight += 1
         marks = {role: activity.mark() for role, activity in self.beside.items()} if span else None
-        return InFlight(batch, copy, start, span, prefill, marks)
+        return InFlight(batch, copy, start, span, prefill_tokens, marks)
 
     def _collect(self, step: InFlight, finished: list[str]) -> None:
         for req in step.batch:
@@ -127,7 +127,8 @@ class ARLoop:
         self.stats.step_wait_seconds += now - waited
         if step.span:
             beside = {role for role, mark in step.marks.items() if self.beside[role].ran_since(mark)}
-            self.stats.count_step_gpu(step.span[0].elapsed_time(step.span[1]) / 1000, company(step.prefill, beside))
+            self.stats.count_step_gpu(step.span[0].elapsed_time(step.span[1]) / 1000,
+                                      company(step.prefill_tokens > 0, beside), step.prefill_tokens)
         prefilled = False
         for i, req in enumerate(step.batch):
             if req.status is not Status.RUNNING:  # ended while its step ran (in flight: a stop seen one step late)

@@ -66,6 +66,7 @@ class EngineStats:
     # the same by the step's company on the GPU (`intone.protocol.STEP_COMPANY`): seconds and steps
     step_gpu_by: Counter = field(default_factory=Counter)
     gpu_timed_by: Counter = field(default_factory=Counter)
+    gpu_timed_prefill_tokens: int = 0  # the prompt tokens of the timed steps that carried prefills
     frames: int = 0
     backlog_steps: int = 0
     chunk_sizes: Counter = field(default_factory=Counter)
@@ -86,15 +87,16 @@ class EngineStats:
     ready_allocated_peak_bytes: int | None = None  # the allocator's peak when start-up ended (GPU)
     cpu: ThreadCPU = field(default_factory=ThreadCPU)
 
-    def count_step_gpu(self, seconds: float, company: str) -> None:
+    def count_step_gpu(self, seconds: float, company: str, prefill_tokens: int = 0) -> None:
         self.step_gpu_seconds += seconds
+        self.gpu_timed_prefill_tokens += prefill_tokens
         self.gpu_timed_steps += 1
         self.step_gpu_by[company] += seconds
         self.gpu_timed_by[company] += 1
 
     def step_company(self) -> dict:
         """step_gpu_seconds_<company> and gpu_timed_steps_<company> (snapshot keys) for each company seen."""
-        out = {}
+        out = {"gpu_timed_prefill_tokens": self.gpu_timed_prefill_tokens} if self.gpu_timed_steps else {}
         for name, steps in self.gpu_timed_by.items():
             out[f"step_gpu_seconds_{name}"], out[f"gpu_timed_steps_{name}"] = self.step_gpu_by[name], steps
         return out
