@@ -57,6 +57,10 @@ class ARLoop:
         self.timed = runner.model.device.type == "cuda"  # the steps' GPU spans (events on the loop's stream)
         self.beside: dict[str, Activity] = {}  # the side stages whose work a step's GPU span is split by (role ->)
 
+    def watch(self, **stages) -> None:
+        """Split the steps' GPU spans by these side stages' work (role=stage; those with an `activity`)."""
+        self.beside = {role: stage.activity for role, stage in stages.items() if hasattr(stage, "activity")}
+
     @property
     def busy(self) -> bool:
         """A step is in flight (its frames are still to come)."""

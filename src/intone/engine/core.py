@@ -102,8 +102,7 @@ class EngineCore:
         elif codec_process is None:
             self.codec_worker = LoopCodec(self.codec, codec.call_size, codec.gather_ms / 1000, codec.max_batch,
                                           self._lead_s)
-        sides = (("codec", self.codec_worker), ("frontend", self.frontend))
-        self.ar.beside = {role: stage.activity for role, stage in sides if hasattr(stage, "activity")}
+        self.ar.watch(codec=self.codec_worker, frontend=self.frontend)
         self._start_up()
 
     def _start_up(self) -> None:
