@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from intone.engine.activity import Activity
-
 from intone.engine.streams import own_stream, sm_share
 
 log = logging.getLogger(__name__)
