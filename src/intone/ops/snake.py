@@ -131,8 +131,8 @@ if triton is not None:
     @triton.jit
     def _snake_tc(x_ptr, alpha_ptr, bias_ptr, out_ptr, length, channels, x_batch, x_time, out_batch, out_time,
                   HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        batch = tl.program_id(0).to(tl.int64)
-        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+        batch = tl.program_id(1).to(tl.int64)  # time tiles on the grid's first axis: no 65535 bound on a clip
+        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
         c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
         ok = (t < length) & (c < channels)
         x = tl.load(x_ptr + batch * x_batch + t.to(tl.int64) * x_time + c, mask=ok, other=0.0)
@@ -150,8 +150,8 @@ if triton is not None:
     @triton.jit
     def _bias_residual_tc(x_ptr, y_ptr, bias_ptr, out_ptr, length, channels, x_batch, x_time, y_batch, y_time,
                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        batch = tl.program_id(0).to(tl.int64)
-        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
+        batch = tl.program_id(1).to(tl.int64)  # time tiles on the grid's first axis: no 65535 bound on a clip
+        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
         c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
         ok = (t < length) & (c < channels)
         x = tl.load(x_ptr + batch * x_batch + t.to(tl.int64) * x_time + c, mask=ok, other=0.0)
@@ -187,7 +187,7 @@ def snake_tc(x: Tensor, alpha: Tensor, bias: Tensor | None = None, out: Tensor |
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     block_t, block_c = _tiles(channels)
     b = alpha if bias is None else bias.contiguous()
-    _snake_tc[(batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+    _snake_tc[(triton.cdiv(length, block_t), batch, triton.cdiv(channels, block_c))](
         x, alpha.contiguous(), b, out, length, channels, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_C=block_c)
     return out
@@ -202,7 +202,7 @@ def bias_residual_tc(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
     batch, length, channels = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_t, block_c = _tiles(channels)
-    _bias_residual_tc[(batch, triton.cdiv(length, block_t), triton.cdiv(channels, block_c))](
+    _bias_residual_tc[(triton.cdiv(length, block_t), batch, triton.cdiv(channels, block_c))](
         x, y, bias.contiguous(), out, length, channels, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
         BLOCK_T=block_t, BLOCK_C=block_c)
     return out
