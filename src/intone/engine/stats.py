@@ -61,9 +61,8 @@ class EngineStats:
     step_wait_seconds: float = 0.0  # the loop waiting for its steps' tokens (the rest of a step is host work)
     step_launch_seconds: float = 0.0  # building a step's inputs and launching it (host; its waits excluded)
     step_pace_seconds: float = 0.0  # the loop asleep before a launch (`ar.min_step_ms`)
-    step_gpu_seconds: float = 0.0  # the steps' spans on the loop's CUDA stream (GPU; SM waits included)
-    gpu_timed_steps: int = 0
-    # the same by the step's company on the GPU (`intone.protocol.STEP_COMPANY`): seconds and steps
+    # the steps' spans on the loop's CUDA stream (GPU; SM waits included) by the step's company on the GPU
+    # (`intone.protocol.STEP_COMPANY`): seconds and steps
     step_gpu_by: Counter = field(default_factory=Counter)
     gpu_timed_by: Counter = field(default_factory=Counter)
     gpu_timed_prefill_tokens: int = 0  # the prompt tokens of the timed steps that carried prefills
@@ -87,10 +86,16 @@ class EngineStats:
     ready_allocated_peak_bytes: int | None = None  # the allocator's peak when start-up ended (GPU)
     cpu: ThreadCPU = field(default_factory=ThreadCPU)
 
+    @property
+    def step_gpu_seconds(self) -> float:
+        return sum(self.step_gpu_by.values())
+
+    @property
+    def gpu_timed_steps(self) -> int:
+        return sum(self.gpu_timed_by.values())
+
     def count_step_gpu(self, seconds: float, company: str, prefill_tokens: int = 0) -> None:
-        self.step_gpu_seconds += seconds
         self.gpu_timed_prefill_tokens += prefill_tokens
-        self.gpu_timed_steps += 1
         self.step_gpu_by[company] += seconds
         self.gpu_timed_by[company] += 1
 

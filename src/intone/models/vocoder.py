@@ -122,7 +122,6 @@ class WindowVocoder(Vocoder):
         self.max_batch = max_batch
         self.max_padded_frames = max_padded_frames
         self.stream = model.stream_decoder(lean_decode, packed_decode) if carry_state else None
-        self.plain_exact_rows = exact_rows if self.stream is None else 0
         self.packed = packed_decode and self.stream is not None  # its calls' rows neither padded nor bucketed
         self.graph_frames = graph_frames if self.stream is not None else None
         self.graphs = None
@@ -194,10 +193,14 @@ class WindowVocoder(Vocoder):
         return shapes
 
     def _rows(self, n: int, carried: bool = False) -> int:
-        return bucket_rows(n, self.row_granule, self.exact_rows if carried else self.plain_exact_rows)
+        return bucket_rows(n, self.row_granule, self._exact(carried))
 
     def _row_buckets(self, carried: bool = False) -> list[tuple[int, int]]:
-        return row_buckets(self.max_batch, self.row_granule, self.exact_rows if carried else self.plain_exact_rows)
+        return row_buckets(self.max_batch, self.row_granule, self._exact(carried))
+
+    def _exact(self, carried: bool) -> int:
+        """`exact_rows` for the carried decode's calls, or for every call with carry_state off; else 0."""
+        return self.exact_rows if carried or self.stream is None else 0
 
     def _frames(self, n: int) -> int:
         return bucket_frames(n, self.frame_buckets)
