@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work (run through the device tool from the repo root, with .whl carried):
-#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, host-interference, probe-streams, codec-timing, codec-convs, carried-host, encoder, encoder-layouts, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
+#   bash tools/device_run.sh STAGE...     stages: tests, gpu-new, pair (AB, PAIR_*), pytest (PYTEST_ARGS='tests/x.py -k y'), kernels, host-interference, probe-streams, codec-timing, codec-convs, carried-host, encoder, encoder-layouts, decoder-layouts, step-time (STEP_ARGS), ar-timing, flow-calls (FLOW_ARGS='--sms 96', '--kernels varlen --continued --profile'), flow-kernels (FK_ARGS), hift-timing, cosy-frontend, probe (PROBE='engine_probe args'), fish-http, fish-stream, fish-engine, cosy-http,
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
@@ -55,6 +55,9 @@ for stage in "$@"; do
     # encoder-layouts: Fish's reference encode channels-first against time-major (ENC_ARGS='--shapes 16x172')
     encoder-layouts) timeout ${T:-200} python3 tools/encoder_layouts.py ${ENC_ARGS:-} 2>&1 | grep -v Warn \
         | tee "$OUT/encoder-layouts$TAG.txt" | tail -12 ;;
+    # decoder-layouts: Fish's carried codec decode channels-first against time-major (DEC_ARGS='--shapes 8x25 --top 8')
+    decoder-layouts) timeout ${T:-300} python3 tools/decoder_layouts.py ${DEC_ARGS:-} 2>&1 | grep -v Warn \
+        | tee "$OUT/decoder-layouts$TAG.txt" | tail -${DEC_TAIL:-12} ;;
     # step-time: Fish's whole step (decode + head) at real size, per ar.sample_candidates (STEP_ARGS)
     step-time) timeout 300 python3 -m intone.bench.step_time --batch 16,64 --context 1024 --codec-dtype float16 \
         ${STEP_ARGS:---sample-candidates 64,0} --out "$OUT/step-time$TAG.json" 2>&1 | grep -v Warn | tail -20 ;;

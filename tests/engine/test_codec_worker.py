@@ -372,20 +372,24 @@ def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
 
-@pytest.mark.parametrize("pieces, schedule", [(0, "fifo"), (30, "fifo"), (30, "awaited")])
-def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir, pieces, schedule):
+@pytest.mark.parametrize("pieces, schedule, layout", [(0, "fifo", "channels_first"), (30, "fifo", "time_major"),
+                                                      (30, "awaited", "channels_first")])
+def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_dir, pieces, schedule, layout):
     """codec.carry_state: chunks of 4, 25 and 50 frames (first, steady, backlog), several requests per
     codec call, join into the one-pass decode of the request's codes (float64: equal to rounding); so do
-    the non-streamed requests' pieces under chunking.whole_chunk_frames."""
+    the non-streamed requests' pieces under chunking.whole_chunk_frames; and so does the time-major decoder
+    (fish_s2.decoder_layout), whose states are its own."""
     model = load_model(str(tiny_fish_dir), dtype=torch.float64, codec_dtype=torch.float64)
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True,
-        "chunking.whole_chunk_frames": pieces, "codec.schedule": schedule,
+        "chunking.whole_chunk_frames": pieces, "codec.schedule": schedule, "fish_s2.decoder_layout": layout,
         "chunking.ramp_factor": 0})  # the three sizes without the ramp's hops between them
     requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
                 for i in range(5)]
-    chunks, codes = run_keeping_codes(EngineCore(model, profile), requests)
+    core = EngineCore(model, profile)
+    assert core.codec.vocoder.stream.time_major is (layout == "time_major")
+    chunks, codes = run_keeping_codes(core, requests)
     sizes = {c.end_frame - c.start_frame for cs in chunks.values() for c in cs if c.end_frame > c.start_frame}
     assert {4, 25, 50} <= sizes, sizes
     for rid in ("r0", "r3"):  # the non-streamed ones

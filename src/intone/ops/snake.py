@@ -148,8 +148,8 @@ if triton is not None:
         tl.store(out_ptr + batch * out_batch + t.to(tl.int64) * out_time + c, y, mask=ok)
 
     @triton.jit
-    def _bias_residual_tc(x_ptr, y_ptr, bias_ptr, out_ptr, length, channels, x_batch, x_time, y_batch, y_time,
-                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    def _bias_residual_tc(x_ptr, y_ptr, bias_ptr, x_bias_ptr, out_ptr, length, channels, x_batch, x_time, y_batch,
+                          y_time, HAS_X_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         batch = tl.program_id(1).to(tl.int64)  # time tiles on the grid's first axis: no 65535 bound on a clip
         t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
         c = (tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
@@ -157,6 +157,8 @@ if triton is not None:
         x = tl.load(x_ptr + batch * x_batch + t.to(tl.int64) * x_time + c, mask=ok, other=0.0)
         y = tl.load(y_ptr + batch * y_batch + t.to(tl.int64) * y_time + c, mask=ok, other=0.0)
         dt = x.dtype
+        if HAS_X_BIAS:
+            x = (x.to(tl.float32) + tl.load(x_bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)).to(dt)
         y = (y.to(tl.float32) + tl.load(bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)).to(dt)
         out = (x.to(tl.float32) + y.to(tl.float32)).to(dt)
         tl.store(out_ptr + batch * length * channels + t.to(tl.int64) * channels + c, out, mask=ok)
@@ -193,16 +195,18 @@ def snake_tc(x: Tensor, alpha: Tensor, bias: Tensor | None = None, out: Tensor |
     return out
 
 
-def bias_residual_tc(x: Tensor, y: Tensor, bias: Tensor) -> Tensor:
-    """x + (y + bias) for time-major x, y [B, T, C] and bias [C], rounded as torch rounds each add; a new
-    contiguous [B, T, C]. x and y may have any batch and time strides."""
-    if not available(x) or not (x.dtype == y.dtype == bias.dtype) or x.shape != y.shape:
-        return x + (y + bias)
+def bias_residual_tc(x: Tensor, y: Tensor, bias: Tensor, x_bias: Tensor | None = None) -> Tensor:
+    """x + (y + bias) for time-major x, y [B, T, C] and bias [C] (with x_bias [C]: (x + x_bias) + (y + bias)),
+    rounded as torch rounds each add; a new contiguous [B, T, C]. x and y may have any batch and time strides."""
+    if not available(x) or not (x.dtype == y.dtype == bias.dtype) or x.shape != y.shape or \
+            (x_bias is not None and x_bias.dtype != x.dtype):
+        return (x if x_bias is None else x + x_bias) + (y + bias)
     x, y = _adjacent_channels(x), _adjacent_channels(y)
     batch, length, channels = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_t, block_c = _tiles(channels)
+    xb = bias if x_bias is None else x_bias.contiguous()  # any pointer when there is none
     _bias_residual_tc[(triton.cdiv(length, block_t), batch, triton.cdiv(channels, block_c))](
-        x, y, bias.contiguous(), out, length, channels, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-        BLOCK_T=block_t, BLOCK_C=block_c)
+        x, y, bias.contiguous(), xb, out, length, channels, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+        HAS_X_BIAS=x_bias is not None, BLOCK_T=block_t, BLOCK_C=block_c)
     return out

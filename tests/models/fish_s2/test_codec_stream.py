@@ -88,14 +88,46 @@ def test_the_lean_decode_gives_the_layer_by_layer_decodes_audio_and_states(codec
         assert sa.frames == sb.frames and all((x - y).abs().max().item() < 1e-12 for x, y in zip(sa.rows, sb.rows))
 
 
+def _biased(codec):
+    """A copy whose decoder's Snakes are away from the init's all-ones and biases away from zero (so a bias added
+    twice or not at all, or a Snake's alpha on the wrong channel, shows)."""
+    codec = copy.deepcopy(codec)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in codec.decoder.named_parameters():
+            if name.endswith("alpha"):
+                p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) * 2.7 + 0.3)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)
+    return codec
+
+
+@settings(max_examples=3, deadline=None)
+@given(**TWO_STREAMS)
+def test_the_time_major_decode_joins_into_the_one_pass_decode(codec64, long, short, long_sizes, short_sizes, seed):
+    """fish_s2.decoder_layout time_major: chunks of any sizes, batched with a padding row at different points of
+    two streams (one past the attention window), join into the channels-first one-pass decode (float64), and the
+    first chunk's carried state is the next chunk's whole left context."""
+    codec = _biased(codec64)
+    g = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, 4096, (10, n), generator=g) for n in (long, short)]
+    decoder = StreamingDecoder(codec, time_major=True)
+    joined, states = run_plans(decoder, codes, [cut(long, long_sizes), cut(short, short_sizes)])
+    for r in (0, 1):
+        one_pass = codec.decode(codes[r][None])[0]
+        assert joined[r].shape == one_pass.shape and states[r].frames == codes[r].shape[1]
+        assert (joined[r] - one_pass).abs().max().item() < 1e-9
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("variant", ["padded", "packed", "time_major"])
 @pytest.mark.parametrize("name", ["tiny:fish-s2", "random:fish-s2"])
-def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pass(name, packed, tiny_cache):
+def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pass(name, variant, tiny_cache):
     """The shipped GPU precision (fp16 codec): a stream in 4/25/50-frame chunks is no further from
     the fp32 one-pass decode than the fp16 one-pass decode is (twice its error at most); streaming
     adds only rounding of its own shapes (H200: 0.9% of peak apart from the fp16 one pass). Packed
-    (codec.packed_decode) too: its one long row through cuDNN's and the folded dilated convolutions."""
+    (codec.packed_decode) too: its one long row through cuDNN's and the folded dilated convolutions; and
+    time-major (fish_s2.decoder_layout): channels-last convolutions, its histories time-major."""
     from intone.models.fish_s2.codec_packed import PackedStreamingDecoder
 
     codec = load_model(name, device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16).codec
@@ -103,7 +135,9 @@ def test_on_the_gpu_in_half_precision_a_stream_is_as_close_to_fp32_as_the_one_pa
     codes = torch.randint(0, 1024, (1, 10, 229), generator=g).cuda()
     exact = copy.deepcopy(codec).float().decode(codes)[0]
     one_pass = codec.decode(codes)[0].float()
-    decoder, state, pieces, done = (PackedStreamingDecoder if packed else StreamingDecoder)(codec), None, [], 0
+    decoder = PackedStreamingDecoder(codec) if variant == "packed" else \
+        StreamingDecoder(codec, time_major=variant == "time_major")
+    state, pieces, done = None, [], 0
     for n in cut(229, [4, 25, 50]):
         out, (state,) = decoder.decode(codes[:, :, done: done + n], [n], [state])
         pieces.append(out[0].float())
@@ -197,14 +231,16 @@ def test_the_carried_decode_gives_the_same_bits_twice(tiny_cache, cudnn_determin
     strict=True, reason="H200, session 22: the first replay already differs from the eager decode by up to 5e-3 "
     "(fp16 audio); session 23: so does the eager decode from itself with cuDNN's default plans")), True],
     indirect=True, ids=["default-plans", "deterministic"])
-def test_a_graph_replays_the_carried_decode_bit_for_bit(tiny_cache, cudnn_deterministic):
+@pytest.mark.parametrize("time_major", [False, True], ids=["channels-first", "time-major"])
+def test_a_graph_replays_the_carried_decode_bit_for_bit(tiny_cache, cudnn_deterministic, time_major):
     """codec.stream_graph_frames: the carried decode replayed from CUDA graphs gives the eager decode's
     audio and states bit for bit, at the padded shapes the vocoder makes (rows of different lengths and
-    histories, a blank padding row), chunk after chunk; a shape without a graph runs eagerly."""
+    histories, a blank padding row), chunk after chunk; a shape without a graph runs eagerly. Either layout
+    (fish_s2.decoder_layout)."""
     from intone.engine.cuda_graphs import FunctionGraphs
 
     codec = load_model("tiny:fish-s2", device="cuda", dtype=torch.bfloat16, codec_dtype=torch.float16).codec
-    eager, graphed = StreamingDecoder(codec), StreamingDecoder(codec)
+    eager, graphed = StreamingDecoder(codec, time_major=time_major), StreamingDecoder(codec, time_major=time_major)
     graphs = FunctionGraphs()
     for rows, frames in ((4, 32), (4, 16), (2, 8)):
         graphed.capture(graphs, rows, frames, torch.device("cuda"))

@@ -27,6 +27,7 @@ from intone.models.fish_s2.codec_modules import (
     CausalConv, CausalTransConv, ConvNeXtBlock, ResidualUnit, Snake, WindowTransformer,
     masked_attention,
 )
+from intone.models.fish_s2.decoder_tc import decode_tc
 from intone.models.fish_s2.layers import rope_table
 from intone.ops.fused import rope_pairs_factors, rotate_pairs
 from intone.ops.snake import bias_residual, snake
@@ -65,11 +66,14 @@ class StateLayout:
 
 class StreamingDecoder:
     """graphs: CUDA graphs of the decode (`capture`); calls at other shapes run eagerly. fused: the
-    decoder's layers through `_run_decoder` (fewer copies, the same values) instead of one by one."""
+    decoder's layers through `_run_decoder` (fewer copies, the same values) instead of one by one;
+    time_major: through `decoder_tc.decode_tc` (activations and histories time-major; its own state layout)."""
 
-    def __init__(self, codec: FishCodec, fused: bool = False):
+    def __init__(self, codec: FishCodec, fused: bool = False, time_major: bool = False):
+        if fused and time_major:
+            raise ValueError("the time-major decode has no lean variant (it writes its Snakes into its buffers)")
         self.codec = codec
-        self.fused = fused
+        self.fused, self.time_major = fused, time_major
         self.graphs = None
         self._layout: StateLayout | None = None
 
@@ -130,6 +134,8 @@ class StreamingDecoder:
         z = ctx.after_transformer(_transformer(q.post_module, z, start, ctx, "post"))
         z = _run(q.upsample, z, ctx, "up")
         z = z.to(self.codec.dtype)
+        if self.time_major:
+            return ctx.audio(decode_tc(self.codec.decoder.model, z, ctx, "dec"))
         run = _run_decoder if self.fused else _run
         return ctx.audio(run(self.codec.decoder.model, z, ctx, "dec").squeeze(1))
 
@@ -140,16 +146,18 @@ class _Layers:
     lengths: Tensor | None
     _tails: tuple = (None, None)  # `tail`'s indices: (the lengths they are for, {h: index})
 
-    def tail(self, x: Tensor, h: int) -> Tensor:
-        """x [B, C, L], a layer's input behind its h samples of history: each row's h samples from lengths[i] on
-        (the history the row leaves: the last h before its valid end). Each index is made once per h and rate
-        (a call reads ~40 histories, of 19 distinct shapes)."""
+    def tail(self, x: Tensor, h: int, dim: int = 2) -> Tensor:
+        """x [B, C, L] (dim 1: time-major [B, L, C]), a layer's input behind its h samples of history: each row's
+        h samples from lengths[i] on (the history the row leaves: the last h before its valid end). Each index is
+        made once per h and rate (a call reads ~40 histories, of 19 distinct shapes)."""
         lengths, index = self._tails
         if lengths is not self.lengths:
             lengths, index = self.lengths, {}
             self._tails = lengths, index
         if h not in index:
             index[h] = (lengths.view(-1, 1) + torch.arange(h, device=x.device)).unsqueeze(1)
+        if dim == 1:
+            return torch.gather(x, 1, index[h].transpose(1, 2).expand(-1, -1, x.shape[2]))
         return torch.gather(x, 2, index[h].expand(-1, x.shape[1], -1))
 
     def conv(self, module: CausalConv, x: Tensor, key: str, bias: bool = True) -> Tensor:

@@ -25,14 +25,26 @@ from intone.models.fish_s2.codec_modules import CausalConv, ResidualUnit, Snake
 from intone.ops.snake import bias_residual_tc, snake_tc
 
 
-def _as_nchw(x: Tensor) -> Tensor:
+def as_nchw(x: Tensor) -> Tensor:
     """[B, T, C] (adjacent channels) -> the [B, C, 1, T] channels-last view of the same memory."""
     return x.unsqueeze(1).permute(0, 3, 1, 2)
 
 
-def _as_time_major(y: Tensor) -> Tensor:
+def as_time_major(y: Tensor) -> Tensor:
     """A [B, C, 1, T] channels-last conv2d output -> its [B, T, C] view."""
     return y.permute(0, 2, 3, 1).squeeze(1)
+
+
+def channels_last_kernel(module: nn.Module, weight: Tensor, taps_along: int) -> Tensor:
+    """A 1-d convolution's weight [O, I, k] (or a transposed one's [I, O, k]) as a channels-last 4-d kernel with its
+    taps along H (taps_along 2: [O, I, k, 1]) or W (3: [O, I, 1, k]). Laid out once per weight, dtype and device and
+    kept on the module (laid out on every call, it was ~35 MB of copies in each encoder call); an entry is never
+    replaced, so a captured graph's kernel stays alive."""
+    kept = module.__dict__.setdefault("_channels_last_kernels", {})
+    key = (taps_along, weight.data_ptr(), weight.dtype, weight.device)
+    if key not in kept:
+        kept.setdefault(key, weight.unsqueeze(5 - taps_along).contiguous(memory_format=torch.channels_last))
+    return kept[key]
 
 
 def conv_tc(x: Tensor, conv: CausalConv, bias: bool = True) -> Tensor:
@@ -44,25 +56,30 @@ def conv_tc(x: Tensor, conv: CausalConv, bias: bool = True) -> Tensor:
     if k == 1 and s == 1:
         return F.linear(x, c.weight[:, :, 0], b)
     if d > 1:
-        return _dilated_tc(x, c.weight, b, d)
+        return _dilated_tc(x, channels_last_kernel(c, c.weight, taps_along=2), b, d)
     left = conv.span - s  # the causal padding; the convolution pads both sides, its first outputs are the causal ones
     frames = -(-length // s)
-    w = c.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-    y = F.conv2d(_as_nchw(x.contiguous()), w, b, stride=(1, s), padding=(0, left))
-    return _as_time_major(y)[:, :frames]
+    w = channels_last_kernel(c, c.weight, taps_along=3)
+    y = F.conv2d(as_nchw(x.contiguous()), w, b, stride=(1, s), padding=(0, left))
+    return as_time_major(y)[:, :frames]
 
 
-def _dilated_tc(x: Tensor, weight: Tensor, bias: Tensor | None, d: int) -> Tensor:
+def _dilated_tc(x: Tensor, kernel: Tensor, bias: Tensor | None, d: int) -> Tensor:
     """A causal dilation-d convolution (stride 1) on x [B, T, C] whose T is a multiple of d (`padded_for`): an
-    undilated (k, 1) convolution down the [B, C, T / d, d] view, padded by k - 1 rows in front."""
+    undilated (k, 1) convolution (kernel [O, I, k, 1], channels-last) down the [B, C, T / d, d] view, padded by
+    k - 1 rows in front."""
     b, length, c = x.shape
     if length % d:
         raise ValueError(f"a dilation-{d} convolution's input of {length} samples is not a multiple of {d}")
-    k = weight.shape[-1]
-    w = weight.unsqueeze(3).contiguous(memory_format=torch.channels_last)
-    rows = x.contiguous().view(b, length // d, d, c).permute(0, 3, 1, 2)  # [B, C, T / d, d], channels-last
-    y = F.conv2d(rows, w, bias, padding=(k - 1, 0))[:, :, : length // d]
+    y = F.conv2d(folded(x.contiguous(), d), kernel, bias, padding=(kernel.shape[2] - 1, 0))[:, :, : length // d]
     return y.permute(0, 2, 3, 1).reshape(b, length, -1)
+
+
+def folded(x: Tensor, d: int) -> Tensor:
+    """A contiguous time-major x [B, T, C] (T a multiple of d) as the channels-last [B, C, T / d, d] view: each
+    column one residue class of the samples mod d, so a dilation-d convolution runs undilated down the columns."""
+    b, length, c = x.shape
+    return x.view(b, length // d, d, c).permute(0, 3, 1, 2)
 
 
 def padded_for(x: Tensor, d: int) -> Tensor:

@@ -52,6 +52,7 @@ class FishS2(TTSModel):
         self.dtype = lm.text_model.model.norm.weight.dtype
         self._encoder_graphs = None  # the engine's FunctionGraphs, once warm_up_frontend captured in it
         self._reference_plan = ReferencePlan()  # clips per encoder call and their bucket (`configure_frontend`)
+        self._decoder_time_major = False  # the carried decoder's layout (`make_vocoder`: fish_s2.decoder_layout)
 
     @classmethod
     def load(cls, model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None,
@@ -250,8 +251,15 @@ class FishS2(TTSModel):
     def decode(self, codes: Tensor, position_offset: int | Tensor = 0) -> Tensor:
         return self.codec.decode(codes.to(self.device), position_offset).float()
 
+    def make_vocoder(self, config, options: FishS2Options | None = None):
+        self._decoder_time_major = (options or FishS2Options()).decoder_layout == "time_major"
+        return super().make_vocoder(config, options)
+
     def stream_decoder(self, lean: bool = False, packed: bool = False) -> StreamingDecoder:
-        return PackedStreamingDecoder(self.codec) if packed else StreamingDecoder(self.codec, fused=lean)
+        if packed and self._decoder_time_major:
+            raise ValueError("codec.packed_decode has no time-major variant (fish_s2.decoder_layout)")
+        return PackedStreamingDecoder(self.codec) if packed else \
+            StreamingDecoder(self.codec, lean, self._decoder_time_major)
 
 
 def _codec_state(path: Path):

@@ -23,3 +23,7 @@ class FishS2Options(BaseModel):
         "channels_first", description="the reference encoder's activations: [B, C, T] as the official code keeps "
         "them, or time-major [B, T, C] (cuDNN's channels-last layout on a GPU: no layout conversion around each "
         "convolution; the same sums, other kernels, so a code may differ where a latent sits between two entries)")
+    decoder_layout: Literal["channels_first", "time_major"] = Field(
+        "channels_first", description="the carried codec decoder's activations and histories (codec.carry_state): "
+        "[B, C, T] as the official code keeps them, or time-major [B, T, C] (no layout conversion around each "
+        "convolution on a GPU; the same sums, other kernels: the audio within half-precision rounding)")
