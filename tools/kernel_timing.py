@@ -1,7 +1,10 @@
-"""Diagnostic (GPU): the decode attention kernel and the sampling race at the serving shapes.
+"""Diagnostic (GPU): the decode attention kernel, the sampling race and the best-candidates sort at the serving
+shapes.
 
-    python3 tools/kernel_timing.py
+    python3 tools/kernel_timing.py [--only best]
 """
+
+import sys
 
 import torch
 
@@ -64,7 +67,24 @@ def snake_timing(shape, dtype):
           f"equal {(snake(x, alpha) == snake_reference(x, alpha)).float().mean().item():.6f}")
 
 
+def best(rows, width, k):
+    """`sampling.best_tokens`: torch's top-k over the order keys against the one-kernel version (ops/top_candidates)."""
+    from intone.ops import fused
+    from intone.ops.top_candidates import best_tokens_kernel
+
+    logits = torch.randn(rows, width, device="cuda")
+    ours = best_tokens_kernel(logits, k)
+    keys = lambda: torch.topk(fused.order_keys_eager(logits), k, dim=-1).values  # noqa: E731
+    same = torch.equal(ours, (width - 1) - (keys() & 0xFFFFFFFF))
+    print(f"best {k} of [{rows}, {width}]: torch top-k {1000 * timed(keys):.1f} us, one kernel "
+          f"{1000 * timed(lambda: best_tokens_kernel(logits, k)):.1f} us, the same ids {same}", flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["--only", "best"]:
+        for rows, width, k in ((48, 4096, 64), (48, 4097, 64), (64, 4096, 32), (16, 4096, 64), (512, 4096, 64)):
+            best(rows, width, k)
+        return
     for rows, length in ((64, 256), (64, 1024), (64, 2048), (16, 1024), (512, 512)):
         attention(rows, length, 32, 8, 128, torch.bfloat16)
     for rows, length in ((64, 512), (64, 1024), (16, 512), (1024, 512)):
@@ -74,6 +94,7 @@ def main():
     snake_timing((8, 64, 24000 * 5 // 15), torch.float32)
     race(64, 4097)
     race(64, 4096)
+    best(48, 4096, 64)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ from torch import Tensor
 
 from intone.ops import fused
 from intone.ops import race as race_kernel
+from intone.ops import top_candidates
 from intone.sampling_bounds import MAX_SAMPLE_CANDIDATES
 
 _M32 = 0xFFFFFFFF
 _kernel_failed = False  # set once `race.filtered_race` has failed in this process (its torch ops run instead)
+_best_kernel_failed = False  # likewise `top_candidates.best_tokens_kernel` (torch's top-k runs instead)
 log = logging.getLogger(__name__)
 
 
@@ -171,7 +173,14 @@ def best_tokens(logits: Tensor, k: int) -> Tensor:
     ascending id: one int64 key per logit (its bits made to order as signed integers, above its
     reversed id: `fused.order_keys`) makes every key distinct, so the first k do not depend on k or on
     topk's ties."""
+    global _best_kernel_failed
     if logits.dtype != torch.float32:
         raise TypeError(f"best_tokens needs float32 logits, got {logits.dtype}")
+    if top_candidates.available(logits, k) and not _best_kernel_failed:
+        try:  # the same keys in one kernel (`ops/top_candidates.py`)
+            return top_candidates.best_tokens_kernel(logits, k)
+        except Exception:  # it compiles at its first call (a warm-up, before any capture): torch's top-k instead
+            log.exception("the best-candidates kernel failed; sampling sorts with torch's top-k instead")
+            _best_kernel_failed = True
     keys = torch.topk(fused.order_keys(logits), k, dim=-1).values
     return (logits.shape[-1] - 1) - (keys & _M32)
