@@ -37,7 +37,7 @@ for stage in "$@"; do
     # still says which passed
     pytest) eval "timeout ${TT:-300} python3 -m pytest -v --tb=short -m gpu ${PYTEST_ARGS:?} -p no:cacheprovider" 2>&1 \
         | tee "$OUT/pytest$TAG.txt" | grep -E "PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED|passed|failed|Error" | tail -60 ;;
-    kernels) timeout 200 python3 tools/kernel_timing.py 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
+    kernels) timeout 200 python3 tools/kernel_timing.py ${KT_ARGS:-} 2>&1 | tee "$OUT/kernels.txt" | tail -20 ;;
     # host-interference: a loop-like thread's launches beside neighbour threads' host reads (HI_ARGS='--seconds 5')
     host-interference) timeout 200 python3 tools/host_interference.py ${HI_ARGS:-} 2>&1 | tee "$OUT/host-interference.txt" | tail -12 ;;
     # probe-streams: a talker-shaped chain of small GEMMs beside large ones and bandwidth-bound passes (PROBE_SMS='112,96')
