@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from intone.models.fish_s2.config import FishS2Config, TransformerShape
 from intone.models.fish_s2.layers import RMSNorm, SwiGLU, rope_table
-from intone.ops import fused
+from intone.ops import fast_attention, fused
 from intone.ops.attention import AttentionMetadata, decode_attention, paged_attention, store_kv
 from intone.ops.kv_cache import KVCache
 
@@ -217,6 +217,8 @@ class DualARTransformer(nn.Module):
 
         def attend(k_buf, v_buf):
             def run(q, k, v):
+                if fast_attention.available(q):  # the cache writes and the attention in one kernel
+                    return fast_attention.attend(q, k, v, k_buf, v_buf, position)
                 k_buf[:, position:end] = k
                 v_buf[:, position:end] = v
                 keys, values = k_buf[:, :end], v_buf[:, :end]
