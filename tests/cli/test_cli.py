@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.procs import run_all
+from tests.procs import Background
 
 
 def intone(*args, env_cache, timeout=120):
@@ -19,47 +21,78 @@ def intone(*args, env_cache, timeout=120):
                           timeout=timeout, env=env)
 
 
-def intones(*commands, env_cache, timeout=120) -> list[subprocess.CompletedProcess]:
-    """Several independent `intone` runs side by side (each its own process), in the order given."""
-    env = {**os.environ, "INTONE_CACHE": str(env_cache)}
-    return run_all([[sys.executable, "-m", "intone.cli.main", *args] for args in commands], timeout=timeout, env=env)
-
-
-def test_speak_writes_a_valid_wav_quickly(tiny_cache, tiny_fish_dir, tmp_path):
-    out = tmp_path / "o.wav"
+def timed(run):
+    """A job's result and the seconds it took (its process start-up included)."""
     start = time.perf_counter()
+    result = run()
+    return result, time.perf_counter() - start
+
+
+def with_reference(tmp_path, env_cache):
+    ref = tmp_path / "ref.wav"
+    sf.write(ref, 0.2 * np.sin(np.linspace(0, 2000, 24000)), 24000)
+    return intone("speak", "Clone me", "-o", str(tmp_path / "o.wav"), "--ref-audio", str(ref),
+                  "--ref-text", "A reference.", "--seed", "2", "--max-new-tokens", "20", env_cache=env_cache)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(request, tiny_cache, tiny_fish_dir, tmp_path_factory):
+    """The module's `intone` runs (of the tests selected), each its own process, started as the module
+    begins, two at a time (a start-up is mostly imports on one core); each test waits for its own."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    dirs, jobs = {}, {}
+
+    def job(name, test, make):
+        if test in selected:
+            dirs[name] = tmp_path_factory.mktemp(name)
+            jobs[name] = partial(make, dirs[name])
+
+    job("quick", "test_speak_writes_a_valid_wav_quickly", lambda d: timed(partial(
+        intone, "speak", "--model", "tiny:fish-s2", "Hello world", "-o", str(d / "o.wav"), "--seed", "12",
+        env_cache=tiny_cache)))
+    for name in ("same_a", "same_b"):  # two processes, one after the other or side by side
+        job(name, "test_speak_is_reproducible_with_a_seed", lambda d: intone(
+            "speak", "Same seed", "-o", str(d / "o.wav"), "--seed", "4", "--max-new-tokens", "30",
+            env_cache=tiny_cache))
+    job("reference", "test_speak_with_a_reference_voice", lambda d: with_reference(d, tiny_cache))
+    job("errors", "test_speak_errors_are_clear", lambda d: speak_errors_in_one_process(d, tiny_cache))
+    job("make_tiny", "test_make_tiny_writes_the_layout", lambda d: intone(
+        "make-tiny", "fish-s2", str(d / "t"), "--seed", "3", env_cache=tiny_cache))
+    runs = Background(jobs, workers=2)
+    try:
+        yield lambda name: (runs.result(name), dirs[name])
+    finally:
+        runs.close()
+
+
+def test_speak_writes_a_valid_wav_quickly(cli_runs):
     # Seed 12 ends by itself (EOS) after ~48 frames; seed 1 happened to talk for ~420 of the 2048 allowed.
-    r = intone("speak", "--model", "tiny:fish-s2", "Hello world", "-o", str(out), "--seed", "12", env_cache=tiny_cache)
-    elapsed = time.perf_counter() - start
+    (r, elapsed), tmp_path = cli_runs("quick")
     assert r.returncode == 0, r.stderr
-    audio, rate = sf.read(out)
+    audio, rate = sf.read(tmp_path / "o.wav")
     assert rate == 44100
     assert len(audio) > 0 and len(audio) % 2048 == 0
     assert np.sqrt(np.mean(audio**2)) > 0.01  # not silent
     assert elapsed < 60
 
 
-def test_speak_is_reproducible_with_a_seed(tiny_cache, tiny_fish_dir, tmp_path):
+def test_speak_is_reproducible_with_a_seed(cli_runs):
     outs = []
-    runs = intones(*[("speak", "Same seed", "-o", str(tmp_path / name), "--seed", "4", "--max-new-tokens", "30")
-                     for name in ("a.wav", "b.wav")], env_cache=tiny_cache)
-    for name, r in zip(("a.wav", "b.wav"), runs):
+    for name in ("same_a", "same_b"):
+        r, tmp_path = cli_runs(name)
         assert r.returncode == 0, r.stderr
-        outs.append(sf.read(tmp_path / name)[0])
+        outs.append(sf.read(tmp_path / "o.wav")[0])
     assert np.array_equal(*outs)
     assert len(outs[0]) <= 30 * 2048
 
 
-def test_speak_with_a_reference_voice(tiny_cache, tiny_fish_dir, tmp_path):
-    ref = tmp_path / "ref.wav"
-    sf.write(ref, 0.2 * np.sin(np.linspace(0, 2000, 24000)), 24000)
-    r = intone("speak", "Clone me", "-o", str(tmp_path / "o.wav"), "--ref-audio", str(ref),
-               "--ref-text", "A reference.", "--seed", "2", "--max-new-tokens", "20", env_cache=tiny_cache)
+def test_speak_with_a_reference_voice(cli_runs):
+    r, _ = cli_runs("reference")
     assert r.returncode == 0, r.stderr
 
 
-def test_make_tiny_writes_the_layout(tiny_cache, tmp_path):
-    r = intone("make-tiny", "fish-s2", str(tmp_path / "t"), "--seed", "3", env_cache=tiny_cache)
+def test_make_tiny_writes_the_layout(cli_runs):
+    r, tmp_path = cli_runs("make_tiny")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "t" / "config.json").read_text())["model_type"] == "fish_qwen3_omni"
 
@@ -78,6 +111,7 @@ ERROR_CASES = [
 
 
 def error_case_args(case, tmp_path) -> list[str]:
+    tmp_path.mkdir(exist_ok=True)
     args = ["speak", "Hello", "-o", str(tmp_path / "o.wav")]
     if case == "missing_model":
         args += ["--model", str(tmp_path / "nope")]
@@ -106,17 +140,56 @@ def error_case_args(case, tmp_path) -> list[str]:
     return args
 
 
-@pytest.fixture(scope="module")
-def speak_errors(tiny_cache, tiny_fish_dir, tmp_path_factory) -> dict:
-    """Every error case's `intone speak` (a fresh process each, in its own directory), run side by side."""
-    cases = [case for case, _ in ERROR_CASES]
-    runs = intones(*[error_case_args(case, tmp_path_factory.mktemp(case)) for case in cases], env_cache=tiny_cache)
-    return dict(zip(cases, runs))
+# Each case as `python -m intone.cli.main ARGS` runs it (`sys.exit(main())`: its exit status, an uncaught
+# exception's traceback), its stderr (file descriptor 2, whoever writes it) and status apart from the others'.
+ONE_PROCESS = """
+import json, os, sys, tempfile, traceback
+from intone.cli.main import main
+
+def status(e):
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    print(e.code, file=sys.stderr)
+    return 1
+
+out = {}
+for case, argv in json.loads(sys.argv[1]).items():
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
+        sys.stdout.flush(), sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = status(e)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush(), sys.stderr.flush()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        out[case] = {"returncode": code, "stderr": err.read()}
+with open(sys.argv[2], "w") as f:
+    json.dump(out, f)
+"""
+
+
+def speak_errors_in_one_process(tmp_path, env_cache) -> dict:
+    """Every error case's `intone speak` (each in its own directory), one after another in one fresh
+    process: the cases start no engine, so one interpreter's start-up serves them all."""
+    cases = {case: error_case_args(case, tmp_path / case) for case, _ in ERROR_CASES}
+    r = subprocess.run([sys.executable, "-c", ONE_PROCESS, json.dumps(cases), str(tmp_path / "errors.json")],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "INTONE_CACHE": str(env_cache)})
+    assert r.returncode == 0, r.stderr
+    return {case: SimpleNamespace(**run) for case, run in json.loads((tmp_path / "errors.json").read_text()).items()}
 
 
 @pytest.mark.parametrize("case, message", ERROR_CASES)
-def test_speak_errors_are_clear(speak_errors, case, message):
-    r = speak_errors[case]
+def test_speak_errors_are_clear(cli_runs, case, message):
+    r = cli_runs("errors")[0][case]
     assert r.returncode != 0
     assert message in r.stderr
     assert "Traceback" not in r.stderr
