@@ -6,10 +6,25 @@ import signal
 import time
 
 import httpx
+import pytest
 
-from tests.api.conftest import start_server, stop_server
+from tests.api.conftest import BootAhead, stop_server
 
 BODY = {"input": "Back again.", "seed": 1, "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def own_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
+    """The tests' servers, each ended by its test, in file order: taking one boots the next meanwhile
+    (these tests mostly wait: for a hang to be noticed, an engine to be replaced, a server to stop)."""
+    profiles = tmp_path_factory.mktemp("restart-profiles")
+    boots = BootAhead(tmp_path_factory, tiny_cache, {
+        "restart": ("--engine-hang-seconds", "3"),
+        "exit": ("--engine-restart", "exit"),
+        "profiled": ("--engine-hang-seconds", "2", "--profile-dir", str(profiles)),
+    })
+    yield boots.take
+    boots.close()
 
 
 def _engine_pid(api_pid: int) -> int:
@@ -27,8 +42,8 @@ def _wait_health(server, status: int, seconds: float) -> httpx.Response:
         time.sleep(0.2)
 
 
-def test_a_dead_or_hung_engine_is_replaced_and_serving_resumes(tiny_cache, tiny_fish_dir, tmp_path):
-    s = start_server(tmp_path, tiny_cache, "--engine-hang-seconds", "3")
+def test_a_dead_or_hung_engine_is_replaced_and_serving_resumes(own_server):
+    s = own_server("restart")  # --engine-hang-seconds 3
     try:
         first = _engine_pid(s.process.pid)
         os.kill(first, signal.SIGKILL)
@@ -53,8 +68,8 @@ def test_a_dead_or_hung_engine_is_replaced_and_serving_resumes(tiny_cache, tiny_
         stop_server(s)
 
 
-def test_with_exit_policy_the_server_stops_when_its_engine_dies(tiny_cache, tiny_fish_dir, tmp_path):
-    s = start_server(tmp_path, tiny_cache, "--engine-restart", "exit")
+def test_with_exit_policy_the_server_stops_when_its_engine_dies(own_server):
+    s = own_server("exit")  # --engine-restart exit
     try:
         os.kill(_engine_pid(s.process.pid), signal.SIGKILL)
         s.process.wait(30)
@@ -64,10 +79,10 @@ def test_with_exit_policy_the_server_stops_when_its_engine_dies(tiny_cache, tiny
             stop_server(s)
 
 
-def test_a_core_with_a_profiler_window_open_is_not_taken_for_hung(tiny_cache, tiny_fish_dir, tmp_path):
+def test_a_core_with_a_profiler_window_open_is_not_taken_for_hung(own_server):
     """Closing a profiler window pauses the core's loop; while one is open the supervisor allows more silence
     than --engine-hang-seconds (a bounded grace), so the core, and its window, survive the pause."""
-    s = start_server(tmp_path, tiny_cache, "--engine-hang-seconds", "2", "--profile-dir", str(tmp_path / "p"))
+    s = own_server("profiled")  # --engine-hang-seconds 2, a --profile-dir
     try:
         assert httpx.post(s.url("/start_profile"), timeout=30).status_code == 200
         core = _engine_pid(s.process.pid)
