@@ -40,7 +40,7 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
                                                        "gather_ms": 50, "stream_lead_ms": 300, "lean_decode": True,
                                                        "exact_rows": 8, "frame_buckets": [6, 9, 14, 21, 25, 29]},
           {}, {},
-          {"ar": {"async_steps": False},
+          {"ar": {"async_steps": False}, "fish_s2": {"decoder_layout": "channels_first"},  # lean_decode's own
            "chunking": {"whole_chunk_frames": 20, "listener_margin_s": 0.5, "ramp_factor": 1.5}}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {},
           {"cuda_graphs": True, "compile": True, "attention": "flex", "cache": False},

@@ -35,6 +35,8 @@ def test_high_concurrency_reference_values():
     ("codec: {exact_rows: -1}", "codec.exact_rows"),
     ("codec: {packed_decode: true}", "codec.packed_decode needs codec.carry_state"),
     ("codec: {carry_state: true, packed_decode: true, lean_decode: true}", "codec.packed_decode runs eagerly"),
+    ("{codec: {carry_state: true, lean_decode: true}, fish_s2: {decoder_layout: time_major}}",
+     "fish_s2.decoder_layout"),
     ("codec: {high_priority: true, overlap: false}", "codec.high_priority"),
     ("codec: {high_priority: true, stream: loop}", "codec.high_priority"),
     ("codec: {frame_buckets: [25, 0]}", "codec.frame_buckets"),

@@ -295,10 +295,9 @@ class Profile(_Strict):
         if self.codec.packed_decode and (self.codec.stream_graph_frames or self.codec.lean_decode):
             raise ValueError("codec.packed_decode runs eagerly on its own path: no codec.stream_graph_frames or "
                              "codec.lean_decode")
-        if self.fish_s2.decoder_layout == "time_major" and (self.codec.packed_decode or self.codec.lean_decode
-                                                            or not self.codec.carry_state):
-            raise ValueError("fish_s2.decoder_layout time_major is a carried decode of its own (codec.carry_state): "
-                             "no codec.packed_decode or codec.lean_decode")
+        if self.fish_s2.decoder_layout == "time_major" and (self.codec.packed_decode or self.codec.lean_decode):
+            raise ValueError("fish_s2.decoder_layout time_major is a carried decode of its own: with "
+                             "codec.packed_decode or codec.lean_decode set fish_s2.decoder_layout channels_first")
         # each works on the carried decode, whose audio does not depend on where its chunks begin
         for name, value in (("codec.stream_graph_frames", self.codec.stream_graph_frames),
                             ("codec.lean_decode", self.codec.lean_decode),
