@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 from intone.errors import ModelLoadError
@@ -21,6 +22,11 @@ def import_ref(ref: str):
     """`"package.module:attribute"` -> the attribute."""
     module, attr = ref.split(":")
     return getattr(__import__(module, fromlist=[attr]), attr)
+
+
+# One tiny model made at a time in a process: torch's ONNX export (CosyVoice3's tiny frontend) keeps a
+# process-wide flag, so two threads exporting at once fail; the second then finds the first's model made.
+_making = threading.Lock()
 
 
 def cache_dir() -> Path:
@@ -42,15 +48,16 @@ def resolve_model_dir(spec: str) -> Path:
         return path
     family = spec[len("tiny:"):]
     target = cache_dir() / "tiny" / family
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=target.parent))
-        try:
-            make_tiny(family, tmp)
+    with _making:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=target.parent))
             try:
-                tmp.rename(target)
-            except OSError:  # another process made it first
-                pass
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+                make_tiny(family, tmp)
+                try:
+                    tmp.rename(target)
+                except OSError:  # another process made it first
+                    pass
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
