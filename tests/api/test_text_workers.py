@@ -16,6 +16,7 @@ from intone.engine.child import PARENT_CHECK_S
 from intone.errors import InvalidRequestError
 from intone.models import text_frontend
 from intone.protocol import VoiceReference
+from tests.procs import Background
 
 TEXT = "He lit the lamp at 7:45 and watched 3 ships pass. When the storm came, the boats found their way home."
 
@@ -74,22 +75,22 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_a_killed_api_process_leaves_no_text_worker_behind(tiny_cache):
-    """SIGKILL gives the API no shutdown: its text workers notice their parent is gone and exit."""
+def killed_parent():
+    """PARENT started and SIGKILLed once its worker runs: (the worker pids, whether each ran, whether each is
+    still alive 15 s after the parent's death at most)."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 120)
         assert ready, "the parent never started its worker"
         pids = [int(p) for p in parent.stdout.readline().split()]
-        assert pids and all(_alive(p) for p in pids)
+        ran = [_alive(p) for p in pids]
     finally:
         parent.kill()
         parent.wait(10)
     deadline = time.monotonic() + 15
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids), pids
+    return pids, ran, [_alive(p) for p in pids]
 
 
 CLOSING = """
@@ -107,13 +108,45 @@ os.kill(os.getpid(), signal.SIGTERM)  # as uvicorn ends a server: its signal re-
 """
 
 
+def closing_parent():
+    """CLOSING run to its end: (its result, its workers' pids, whether each is alive once an orphan would
+    have noticed its parent gone)."""
+    done = subprocess.run([sys.executable, "-c", CLOSING], capture_output=True, text=True, timeout=120)
+    time.sleep(2 * PARENT_CHECK_S)  # an orphan would have noticed its parent gone by now
+    pids = [int(p) for p in done.stdout.splitlines()[-1].split()] if done.stdout.strip() else []
+    return done, pids, [_alive(p) for p in pids]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parents(request):
+    """The two real-subprocess scenarios (of the tests selected), started as the module begins and run side by
+    side, and beside the tests above (each is mostly process start-ups: imports on one core); each test waits
+    for its own."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    jobs = {name: job for name, job, test in (
+        ("killed", killed_parent, "test_a_killed_api_process_leaves_no_text_worker_behind"),
+        ("closing", closing_parent, "test_closing_the_text_workers_ends_them_before_their_parent_exits"))
+        if test in selected}
+    runs = Background(jobs, workers=2)
+    try:
+        yield runs.result
+    finally:
+        runs.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_closing_the_text_workers_ends_them_before_their_parent_exits(tiny_cache):
+def test_a_killed_api_process_leaves_no_text_worker_behind(parents):
+    """SIGKILL gives the API no shutdown: its text workers notice their parent is gone and exit."""
+    pids, ran, alive = parents("killed")
+    assert pids and all(ran)
+    assert not any(alive), pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_closing_the_text_workers_ends_them_before_their_parent_exits(parents):
     """A server's shutdown (close) ends its workers itself: none is left to find its parent gone, and
     no semaphore of their queues is left for the resource tracker to clean up."""
-    done = subprocess.run([sys.executable, "-c", CLOSING], capture_output=True, text=True, timeout=120)
+    done, pids, alive = parents("closing")
     assert done.returncode == -signal.SIGTERM, done.stderr
-    time.sleep(2 * PARENT_CHECK_S)  # an orphan would have noticed its parent gone by now
-    pids = [int(p) for p in done.stdout.splitlines()[-1].split()]
-    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    assert len(pids) == 2 and not any(alive)
     assert "is gone" not in done.stderr and "leaked" not in done.stderr, done.stderr
