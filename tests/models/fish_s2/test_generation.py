@@ -21,16 +21,22 @@ def test_same_seed_same_codes_and_audio(tiny_fish):
     assert not torch.equal(a.codes[:, :5], c.codes[:, :5])
 
 
-def test_max_new_tokens_caps_the_frames(tiny_fish):
-    long_run = generate(tiny_fish, seed=5, max_new_tokens=400)
+@pytest.fixture(scope="module")
+def seed5(tiny_fish):
+    """Seed 5 with room to stop by itself (the two tests below read the same run)."""
+    return generate(tiny_fish, seed=5, max_new_tokens=400)
+
+
+def test_max_new_tokens_caps_the_frames(tiny_fish, seed5):
+    long_run = seed5
     assert long_run.stop_reason == "stop" and len(long_run.frames) > 7
     capped = generate(tiny_fish, seed=5, max_new_tokens=7)
     assert capped.stop_reason == "length" and capped.codes.shape == (10, 7)
     assert torch.equal(capped.codes, long_run.codes[:, :7])  # the cap cuts, it does not change
 
 
-def test_stop_step_makes_no_frame(tiny_fish):
-    r = generate(tiny_fish, seed=5, max_new_tokens=400)
+def test_stop_step_makes_no_frame(tiny_fish, seed5):
+    r = seed5
     tok = tiny_fish.tokenizer
     assert r.stop_reason == "stop"
     assert len(r.frames) == len(r.tokens)
