@@ -46,7 +46,8 @@ def spans(chunks):
 
 @pytest.mark.parametrize("spec, profile, overrides", [
     ("tiny:cosyvoice3", "cosyvoice3-streaming", {}),
-    ("tiny:fish-s2", "fish-s2-high-concurrency", {"codec.packed_decode": True, "codec.stream_graph_frames": 0}),
+    ("tiny:fish-s2", "fish-s2-high-concurrency", {"codec.packed_decode": True, "codec.stream_graph_frames": 0,
+                                                  "fish_s2.decoder_layout": "channels_first"}),
     ("tiny:fish-s2", "fish-s2-high-concurrency", {"codec.schedule": "awaited", "chunking.whole_chunk_frames": 8}),
 ])
 def test_codec_process_gives_the_chunks_of_the_worker_thread(tiny_cache, spec, profile, overrides):
