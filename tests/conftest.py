@@ -1,5 +1,6 @@
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,35 @@ def tiny_fish_dir(tiny_cache) -> Path:
     from intone.models import resolve_model_dir
 
     return resolve_model_dir("tiny:fish-s2")
+
+
+BENCH_TESTS = {"abba": "test_abba", "sweep": "test_sweep_writes_results_report_and_plots",
+               "forced": "test_forced_lengths_and_failures_are_counted"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def bench_runs(request, tmp_path_factory):
+    """tests/bench/test_bench_cli.py's `intone bench` runs (of the tests selected: each starts its own servers),
+    started as the session begins and run one at a time beside the tests before them (the API tests mostly
+    wait on one server's core, leaving the other idle); a bench test waits for its own, starting it at once if
+    its turn has not come. -> name: (result, its directory), or None when no bench test is selected."""
+    names = {getattr(item, "originalname", None) for item in request.session.items if item.path.name == "test_bench_cli.py"}
+    wanted = [name for name, test in BENCH_TESTS.items() if test in names]
+    if not wanted:
+        yield None
+        return
+    from tests.bench.test_bench_cli import bench_args
+    from tests.procs import Beside
+
+    cache = request.getfixturevalue("tiny_cache")
+    request.getfixturevalue("tiny_fish_dir")  # made here once, not by each run's server
+    dirs = {name: tmp_path_factory.mktemp(name) for name in wanted}
+    runs = Beside({name: [sys.executable, "-m", "intone.cli.main", "bench", *bench_args(name, d)]
+                   for name, d in dirs.items()}, timeout=600, env={**os.environ, "INTONE_CACHE": str(cache)})
+    try:
+        yield lambda name: (runs.result(name), dirs[name])
+    finally:
+        runs.close()
 
 
 @pytest.fixture(scope="session")

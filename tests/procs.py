@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -40,6 +41,62 @@ class Background:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+# Set once the session's shared servers are up (tests/api/conftest.py): jobs run `Beside` the tests wait for it
+# (at most `Beside`'s `wait_s`), so as not to slow those servers' boots.
+SERVERS_UP = threading.Event()
+
+
+class Beside:
+    """Jobs (a command, run as by `run`, or a callable each) run one after another on a thread, in the order
+    given, beside whatever the session does meanwhile (tests that wait on a server's core leave the other idle),
+    from when SERVERS_UP is set (or `wait_s` has passed). `result(name)` waits for one, starting it at once,
+    beside the queue, if its turn has not come yet."""
+
+    def __init__(self, jobs: dict[str, list[str] | Callable[[], Any]], timeout: float = 600, wait_s: float = 60,
+                 **kw):
+        self._jobs, self._timeout, self._kw, self._wait_s = dict(jobs), timeout, kw, wait_s
+        self._lock = threading.Lock()
+        self._futures: dict[str, Future] = {}
+        self._closed = False
+        self._queue = threading.Thread(target=self._run_in_turn, daemon=True, name="beside")
+        self._queue.start()
+
+    def _claim(self, name: str) -> Future | None:
+        """The job's future, new (the caller runs it) or None if it was claimed already."""
+        with self._lock:
+            if name in self._futures or self._closed:
+                return None
+            self._futures[name] = Future()
+            return self._futures[name]
+
+    def _run(self, name: str, future: Future) -> None:
+        job = self._jobs[name]
+        try:
+            future.set_result(job() if callable(job) else run(job, self._timeout, **self._kw))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the result
+            future.set_exception(e)
+
+    def _run_in_turn(self) -> None:
+        SERVERS_UP.wait(self._wait_s)
+        for name in self._jobs:
+            future = self._claim(name)
+            if future is not None:
+                self._run(name, future)
+
+    def result(self, name: str):
+        future = self._claim(name)
+        if future is not None:  # not begun yet: now, beside the queue
+            threading.Thread(target=self._run, args=(name, future), daemon=True).start()
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._queue.join()
+        for future in list(self._futures.values()):
+            future.exception()  # wait for the ones begun out of turn
 
 
 @contextlib.contextmanager

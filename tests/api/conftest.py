@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from tests.procs import SERVERS_UP
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -140,7 +142,9 @@ class SharedBoots:
                 self.launched[name] = launch_server(tmp, cache, *shared_flags(name, tmp))
 
     def take(self, name: str) -> Server:
-        return wait_ready(self.launched[name])
+        server = wait_ready(self.launched[name])
+        SERVERS_UP.set()  # the jobs run beside the tests (tests/procs.py) may start
+        return server
 
     def close(self) -> None:
         for s in self.launched.values():

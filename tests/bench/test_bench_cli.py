@@ -1,12 +1,8 @@
 """`intone bench` end to end on the tiny model (its own server), and the A/B/B/A protocol."""
 
 import json
-import os
-import sys
 
 import pytest
-
-from tests.procs import Background
 
 
 def bench_args(name: str, tmp_path) -> list[str]:
@@ -24,18 +20,11 @@ def bench_args(name: str, tmp_path) -> list[str]:
             "--concurrency", "2", "--warmup", "0", "--max-new-tokens", "8", "--output-dir", str(tmp_path / "abba")]
 
 
-@pytest.fixture(scope="module")
-def benches(tiny_cache, tiny_fish_dir, tmp_path_factory):
-    """The module's three independent `intone bench` runs, started at once, two at a time (mostly
-    server start-ups: one alone leaves a core idle); each test waits for its own. -> name: (result, dir)"""
-    dirs = {name: tmp_path_factory.mktemp(name) for name in ("abba", "sweep", "forced")}  # the longest first
-    runs = Background({name: [sys.executable, "-m", "intone.cli.main", "bench", *bench_args(name, d)]
-                       for name, d in dirs.items()}, workers=2, timeout=600,
-                      env={**os.environ, "INTONE_CACHE": str(tiny_cache)})
-    try:
-        yield lambda name: (runs.result(name), dirs[name])
-    finally:
-        runs.close()
+@pytest.fixture
+def benches(bench_runs):
+    """The module's three independent `intone bench` runs (tests/conftest.py's `bench_runs`: started as the
+    session begins, one at a time beside the tests before these); each test waits for its own. -> name: (result, dir)"""
+    return bench_runs
 
 
 def test_sweep_writes_results_report_and_plots(benches):
