@@ -1,6 +1,5 @@
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,31 +30,34 @@ def tiny_fish_dir(tiny_cache) -> Path:
     return resolve_model_dir("tiny:fish-s2")
 
 
-BENCH_TESTS = {"abba": "test_abba", "sweep": "test_sweep_writes_results_report_and_plots",
-               "forced": "test_forced_lengths_and_failures_are_counted"}
-
-
 @pytest.fixture(scope="session", autouse=True)
-def bench_runs(request, tmp_path_factory):
-    """tests/bench/test_bench_cli.py's `intone bench` runs (of the tests selected: each starts its own servers),
-    started as the session begins and run one at a time beside the tests before them (the API tests mostly
-    wait on one server's core, leaving the other idle); a bench test waits for its own, starting it at once if
-    its turn has not come. -> name: (result, its directory), or None when no bench test is selected."""
-    names = {getattr(item, "originalname", None) for item in request.session.items if item.path.name == "test_bench_cli.py"}
-    wanted = [name for name, test in BENCH_TESTS.items() if test in names]
+def beside(request, tmp_path_factory):
+    """Subprocess runs that test modules declare (a module-level `beside_jobs(selected, tmp_path_factory, cache)`:
+    name -> (job, its directory), for the module's tests selected), started as the session begins and run one at
+    a time beside the tests before theirs (the API tests mostly wait on one server's core, leaving the other idle;
+    two at a time in a session with no shared server). A test waits for its own, starting it at once if its turn
+    has not come: beside(module name, job name) -> (result, directory); None when no module declares any."""
+    wanted: dict = {}  # module -> its selected tests
+    for item in request.session.items:
+        module = getattr(item, "module", None)
+        if hasattr(module, "beside_jobs"):
+            wanted.setdefault(module, set()).add(item.originalname)
     if not wanted:
         yield None
         return
-    from tests.bench.test_bench_cli import bench_args
     from tests.procs import Beside
 
     cache = request.getfixturevalue("tiny_cache")
-    request.getfixturevalue("tiny_fish_dir")  # made here once, not by each run's server
-    dirs = {name: tmp_path_factory.mktemp(name) for name in wanted}
-    runs = Beside({name: [sys.executable, "-m", "intone.cli.main", "bench", *bench_args(name, d)]
-                   for name, d in dirs.items()}, timeout=600, env={**os.environ, "INTONE_CACHE": str(cache)})
+    request.getfixturevalue("tiny_fish_dir")  # made here once, not by each run
+    jobs, dirs = {}, {}
+    for module, selected in wanted.items():
+        for name, (job, directory) in module.beside_jobs(selected, tmp_path_factory, cache).items():
+            jobs[module.__name__, name], dirs[module.__name__, name] = job, directory
+    servers = any("shared_boots" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    runs = Beside(jobs, workers=1 if servers else 2, wait_s=60 if servers else 0,
+                  env={**os.environ, "INTONE_CACHE": str(cache)})
     try:
-        yield lambda name: (runs.result(name), dirs[name])
+        yield lambda module, name: (runs.result((module, name)), dirs[module, name])
     finally:
         runs.close()
 

@@ -49,21 +49,23 @@ SERVERS_UP = threading.Event()
 
 
 class Beside:
-    """Jobs (a command, run as by `run`, or a callable each) run one after another on a thread, in the order
-    given, beside whatever the session does meanwhile (tests that wait on a server's core leave the other idle),
-    from when SERVERS_UP is set (or `wait_s` has passed). `result(name)` waits for one, starting it at once,
-    beside the queue, if its turn has not come yet."""
+    """Jobs (a command, run as by `run`, or a callable each) run in the order given, `workers` at a time, on
+    threads of their own, beside whatever the session does meanwhile (tests that wait on a server's core leave the
+    other idle), from when SERVERS_UP is set (or `wait_s` has passed). `result(name)` waits for one, starting it
+    at once, beside the others, if its turn has not come yet."""
 
-    def __init__(self, jobs: dict[str, list[str] | Callable[[], Any]], timeout: float = 600, wait_s: float = 60,
-                 **kw):
+    def __init__(self, jobs: dict[Any, list[str] | Callable[[], Any]], workers: int = 1, timeout: float = 600,
+                 wait_s: float = 60, **kw):
         self._jobs, self._timeout, self._kw, self._wait_s = dict(jobs), timeout, kw, wait_s
         self._lock = threading.Lock()
-        self._futures: dict[str, Future] = {}
+        self._futures: dict[Any, Future] = {}
         self._closed = False
-        self._queue = threading.Thread(target=self._run_in_turn, daemon=True, name="beside")
-        self._queue.start()
+        self._queues = [threading.Thread(target=self._run_in_turn, daemon=True, name=f"beside-{i}")
+                        for i in range(max(1, workers))]
+        for queue in self._queues:
+            queue.start()
 
-    def _claim(self, name: str) -> Future | None:
+    def _claim(self, name) -> Future | None:
         """The job's future, new (the caller runs it) or None if it was claimed already."""
         with self._lock:
             if name in self._futures or self._closed:
@@ -71,7 +73,7 @@ class Beside:
             self._futures[name] = Future()
             return self._futures[name]
 
-    def _run(self, name: str, future: Future) -> None:
+    def _run(self, name, future: Future) -> None:
         job = self._jobs[name]
         try:
             future.set_result(job() if callable(job) else run(job, self._timeout, **self._kw))
@@ -85,16 +87,17 @@ class Beside:
             if future is not None:
                 self._run(name, future)
 
-    def result(self, name: str):
+    def result(self, name):
         future = self._claim(name)
-        if future is not None:  # not begun yet: now, beside the queue
+        if future is not None:  # not begun yet: now, beside the others
             threading.Thread(target=self._run, args=(name, future), daemon=True).start()
         return self._futures[name].result()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._queue.join()
+        for queue in self._queues:
+            queue.join()
         for future in list(self._futures.values()):
             future.exception()  # wait for the ones begun out of turn
 

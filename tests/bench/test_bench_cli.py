@@ -1,6 +1,8 @@
 """`intone bench` end to end on the tiny model (its own server), and the A/B/B/A protocol."""
 
 import json
+import sys
+from functools import partial
 
 import pytest
 
@@ -20,11 +22,22 @@ def bench_args(name: str, tmp_path) -> list[str]:
             "--concurrency", "2", "--warmup", "0", "--max-new-tokens", "8", "--output-dir", str(tmp_path / "abba")]
 
 
+TESTS = {"abba": "test_abba", "sweep": "test_sweep_writes_results_report_and_plots",
+         "forced": "test_forced_lengths_and_failures_are_counted"}
+
+
+def beside_jobs(selected: set[str], tmp_path_factory, cache) -> dict:
+    """The module's three independent `intone bench` runs (of the tests selected): name -> (command, directory).
+    tests/conftest.py's `beside` runs them, from the session's start, beside the tests before these."""
+    dirs = {name: tmp_path_factory.mktemp(name) for name, test in TESTS.items() if test in selected}
+    return {name: ([sys.executable, "-m", "intone.cli.main", "bench", *bench_args(name, d)], d)
+            for name, d in dirs.items()}
+
+
 @pytest.fixture
-def benches(bench_runs):
-    """The module's three independent `intone bench` runs (tests/conftest.py's `bench_runs`: started as the
-    session begins, one at a time beside the tests before these); each test waits for its own. -> name: (result, dir)"""
-    return bench_runs
+def benches(beside):
+    """name -> (the run's result, its directory); each test waits for its own."""
+    return partial(beside, __name__)
 
 
 def test_sweep_writes_results_report_and_plots(benches):

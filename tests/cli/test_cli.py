@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from tests.procs import Background
-
 
 def intone(*args, env_cache, timeout=120):
     env = {**os.environ, "INTONE_CACHE": str(env_cache)}
@@ -35,34 +33,34 @@ def with_reference(tmp_path, env_cache):
                   "--ref-text", "A reference.", "--seed", "2", "--max-new-tokens", "20", env_cache=env_cache)
 
 
-@pytest.fixture(scope="module")
-def cli_runs(request, tiny_cache, tiny_fish_dir, tmp_path_factory):
-    """The module's `intone` runs (of the tests selected), each its own process, started as the module
-    begins, two at a time (a start-up is mostly imports on one core); each test waits for its own."""
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
-    dirs, jobs = {}, {}
+def beside_jobs(selected: set[str], tmp_path_factory, cache) -> dict:
+    """The module's `intone` runs (of the tests selected), each its own process: name -> (job, directory).
+    tests/conftest.py's `beside` runs them, from the session's start, beside the tests before these (a
+    start-up is mostly imports on one core)."""
+    jobs = {}
 
     def job(name, test, make):
         if test in selected:
-            dirs[name] = tmp_path_factory.mktemp(name)
-            jobs[name] = partial(make, dirs[name])
+            d = tmp_path_factory.mktemp(name)
+            jobs[name] = (partial(make, d), d)
 
     job("quick", "test_speak_writes_a_valid_wav_quickly", lambda d: timed(partial(
         intone, "speak", "--model", "tiny:fish-s2", "Hello world", "-o", str(d / "o.wav"), "--seed", "12",
-        env_cache=tiny_cache)))
+        env_cache=cache)))
     for name in ("same_a", "same_b"):  # two processes, one after the other or side by side
         job(name, "test_speak_is_reproducible_with_a_seed", lambda d: intone(
-            "speak", "Same seed", "-o", str(d / "o.wav"), "--seed", "4", "--max-new-tokens", "30",
-            env_cache=tiny_cache))
-    job("reference", "test_speak_with_a_reference_voice", lambda d: with_reference(d, tiny_cache))
-    job("errors", "test_speak_errors_are_clear", lambda d: speak_errors_in_one_process(d, tiny_cache))
+            "speak", "Same seed", "-o", str(d / "o.wav"), "--seed", "4", "--max-new-tokens", "30", env_cache=cache))
+    job("reference", "test_speak_with_a_reference_voice", lambda d: with_reference(d, cache))
+    job("errors", "test_speak_errors_are_clear", lambda d: speak_errors_in_one_process(d, cache))
     job("make_tiny", "test_make_tiny_writes_the_layout", lambda d: intone(
-        "make-tiny", "fish-s2", str(d / "t"), "--seed", "3", env_cache=tiny_cache))
-    runs = Background(jobs, workers=2)
-    try:
-        yield lambda name: (runs.result(name), dirs[name])
-    finally:
-        runs.close()
+        "make-tiny", "fish-s2", str(d / "t"), "--seed", "3", env_cache=cache))
+    return jobs
+
+
+@pytest.fixture
+def cli_runs(beside):
+    """name -> (the run's result, its directory); each test waits for its own."""
+    return partial(beside, __name__)
 
 
 def test_speak_writes_a_valid_wav_quickly(cli_runs):
