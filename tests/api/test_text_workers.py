@@ -16,7 +16,6 @@ from intone.engine.child import PARENT_CHECK_S
 from intone.errors import InvalidRequestError
 from intone.models import text_frontend
 from intone.protocol import VoiceReference
-from tests.procs import Background
 
 TEXT = "He lit the lamp at 7:45 and watched 3 ships pass. When the storm came, the boats found their way home."
 
@@ -117,21 +116,20 @@ def closing_parent():
     return done, pids, [_alive(p) for p in pids]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def parents(request):
-    """The two real-subprocess scenarios (of the tests selected), started as the module begins and run side by
-    side, and beside the tests above (each is mostly process start-ups: imports on one core); each test waits
-    for its own."""
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
-    jobs = {name: job for name, job, test in (
-        ("killed", killed_parent, "test_a_killed_api_process_leaves_no_text_worker_behind"),
-        ("closing", closing_parent, "test_closing_the_text_workers_ends_them_before_their_parent_exits"))
-        if test in selected}
-    runs = Background(jobs, workers=2)
-    try:
-        yield runs.result
-    finally:
-        runs.close()
+def beside_jobs(selected: set[str], tmp_path_factory, cache) -> dict:
+    """The two real-subprocess scenarios (of the tests selected): name -> (job, None). tests/conftest.py's
+    `beside` runs them, from the session's start, beside the tests (each is mostly process start-ups: imports
+    on one core)."""
+    scenarios = (("killed", killed_parent, "test_a_killed_api_process_leaves_no_text_worker_behind"),
+                 ("closing", closing_parent, "test_closing_the_text_workers_ends_them_before_their_parent_exits"))
+    linux = sys.platform.startswith("linux")  # they read /proc
+    return {name: (job, None) for name, job, test in scenarios if test in selected and linux}
+
+
+@pytest.fixture
+def parents(beside):
+    """name -> the scenario's result; each test waits for its own."""
+    return lambda name: beside(__name__, name)[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -15,7 +15,6 @@ import soundfile as sf
 from intone.engine.client import Engine, EngineDead
 from intone.engine.trace import audit_file
 from intone.protocol import SamplingParams, SynthesisRequest
-from tests.procs import Background
 
 
 def run(coro):
@@ -115,23 +114,28 @@ def audit_bad_trace(tmp_path, cache):
     return cli("audit-frames", str(trace), cache=cache)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cli_runs(request, tiny_cache, tiny_fish_dir, tmp_path_factory):
-    """The module's `intone` CLI runs (the tests selected), started in the background as the module
-    begins: their process start-ups overlap the engine tests above; each CLI test waits for its own."""
-    selected = {item.originalname for item in request.session.items if item.module is request.module}
+def beside_jobs(selected: set[str], tmp_path_factory, cache) -> dict:
+    """The module's `intone` CLI runs (of the tests selected): name -> (job, directory). tests/conftest.py's
+    `beside` runs them, from the session's start, beside the tests before these (their process start-ups
+    are mostly imports on one core)."""
     jobs = {}
     if "test_speak_stream_writes_the_wav_and_a_clean_trace" in selected:
-        jobs["speak_stream"] = partial(speak_stream_then_audit, tmp_path_factory.mktemp("speak-stream"), tiny_cache)
+        d = tmp_path_factory.mktemp("speak-stream")
+        jobs["speak_stream"] = (partial(speak_stream_then_audit, d, cache), d)
     if "test_audit_flags_gaps_repeats_and_missing_terminals" in selected:
-        jobs["audit_bad"] = partial(audit_bad_trace, tmp_path_factory.mktemp("audit-bad"), tiny_cache)
-    runs = Background(jobs, workers=1)
-    yield runs
-    runs.close()
+        d = tmp_path_factory.mktemp("audit-bad")
+        jobs["audit_bad"] = (partial(audit_bad_trace, d, cache), d)
+    return jobs
+
+
+@pytest.fixture
+def cli_runs(beside):
+    """name -> the run's result; each CLI test waits for its own."""
+    return lambda name: beside(__name__, name)[0]
 
 
 def test_speak_stream_writes_the_wav_and_a_clean_trace(cli_runs):
-    r, audit, out, trace = cli_runs.result("speak_stream")
+    r, audit, out, trace = cli_runs("speak_stream")
     assert r.returncode == 0, r.stderr
     audio, rate = sf.read(out)
     assert rate == 44100 and len(audio) % 2048 == 0 and len(audio) > 0
@@ -141,7 +145,7 @@ def test_speak_stream_writes_the_wav_and_a_clean_trace(cli_runs):
 
 
 def test_audit_flags_gaps_repeats_and_missing_terminals(cli_runs):
-    r = cli_runs.result("audit_bad")
+    r = cli_runs("audit_bad")
     assert r.returncode == 1
     assert "gap: 40 frames, missing 25" in r.stdout
     assert "replay: 54 frames, missing 0, repeated 25" in r.stdout

@@ -13,8 +13,6 @@ from intone.models.cosyvoice3.prompt import SOS, SYSTEM_PROMPT, TASK_ID
 from intone.models.registry import load_model
 from intone.protocol import SynthesisRequest, VoiceReference
 
-from tests.procs import run_all
-
 from .conftest import voice_audio
 
 FILES = ["cosyvoice3.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v3.onnx",
@@ -162,19 +160,35 @@ def test_silent_runs_beyond_five_are_not_vocoded(tiny_cosy):
     assert tiny_cosy.forwards_frame([1, 2, 28, 29, 55, 248, 9])
 
 
-def test_speak_writes_24khz_audio_speed_stretches_the_same_tokens_and_refusals_are_clear(tiny_cosy_dir, tmp_path):
-    """`intone speak` with CosyVoice3: 24 kHz audio of whole tokens; --speed 1.5 stretches the same tokens
-    (same seed) as the official mel interpolation; no reference, or --speed with Fish, is a clear error."""
+SPEEDS = ("1.0", "1.5")
+
+
+def beside_jobs(selected: set[str], tmp_path_factory, cache) -> dict:
+    """The speak test's four `intone speak` runs (if it is selected): name -> (command, directory).
+    tests/conftest.py's `beside` runs them, from the session's start, beside the tests before this one."""
+    if "test_speak_writes_24khz_audio_speed_stretches_the_same_tokens_and_refusals_are_clear" not in selected:
+        return {}
+    from intone.models import resolve_model_dir
+
+    tmp_path, model = tmp_path_factory.mktemp("cosy-speak"), resolve_model_dir("tiny:cosyvoice3")
     ref = tmp_path / "ref.wav"
     sf.write(ref, voice_audio(2.0, rate=16000).numpy(), 16000)
     base = [sys.executable, "-m", "intone.cli.main", "speak", "--device", "cpu", "--seed", "5",
             "--max-new-tokens", "60", "Hello there."]
-    cosy = base + ["--model", str(tiny_cosy_dir), "--ref-audio", str(ref), "--ref-text", "A short reference."]
-    speeds = ("1.0", "1.5")
-    *runs, bare, fish = run_all([
-        *(cosy + ["--speed", speed, "-o", str(tmp_path / f"s{speed}.wav")] for speed in speeds),
-        base + ["--model", str(tiny_cosy_dir), "-o", str(tmp_path / "x.wav")],
-        base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")]], workers=2)
+    cosy = base + ["--model", str(model), "--ref-audio", str(ref), "--ref-text", "A short reference."]
+    commands = {**{speed: cosy + ["--speed", speed, "-o", str(tmp_path / f"s{speed}.wav")] for speed in SPEEDS},
+                "bare": base + ["--model", str(model), "-o", str(tmp_path / "x.wav")],
+                "fish": base + ["--model", "tiny:fish-s2", "--speed", "1.5", "-o", str(tmp_path / "f.wav")]}
+    return {name: (command, tmp_path) for name, command in commands.items()}
+
+
+def test_speak_writes_24khz_audio_speed_stretches_the_same_tokens_and_refusals_are_clear(beside):
+    """`intone speak` with CosyVoice3: 24 kHz audio of whole tokens; --speed 1.5 stretches the same tokens
+    (same seed) as the official mel interpolation; no reference, or --speed with Fish, is a clear error.
+    (Its runs: `beside_jobs` above.)"""
+    speeds = SPEEDS
+    runs = [beside(__name__, speed)[0] for speed in speeds]
+    (bare, tmp_path), (fish, _) = beside(__name__, "bare"), beside(__name__, "fish")
     lengths = {}
     for speed, done in zip(speeds, runs):
         assert done.returncode == 0, done.stderr
