@@ -28,8 +28,8 @@ pytestmark = pytest.mark.gpu
 # chunks decoded at the backlog calls' Euler steps; streams continued from their flow caches, their new frames
 # packed for the varlen kernel (compiled, bf16 autocast), the worker on the loop's stream and playing streams'
 # chunks held for their listeners; and the full-response profile with the varlen DiT compiled under
-# bf16 autocast (FlashAttention needs half precision), whole responses packed and streams padded, HiFT from graphs
-# in calls split by length, the codec worker on the loop's stream.
+# bf16 autocast (FlashAttention needs half precision), whole responses packed at fixed sizes and replayed from
+# graphs (`flow_slots`), HiFT from graphs in calls split by length, the codec worker on the loop's stream.
 # A GPU server compiles its fused pieces and captures its graphs before it is ready: on a fresh machine (cold
 # inductor cache) one with the shipped Fish profile did not come up within 120 s (session 42, H100).
 GPU_START_S = 400
@@ -50,7 +50,7 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"stream": "loop", "stream_lead_ms": 300},
           {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cache": True}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-full-response", {"stream": "loop"},
-          {"compile": True, "attention": "varlen", "autocast": "bfloat16"},
+          {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cuda_graphs": True},
           {"cuda_graphs": True, "graph_frames": 512, "call_cost": 50},
           {})]
 

@@ -43,7 +43,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, spans: RowSpans) -> Tensor
     """q [S, H, D], k, v [K, H, D] -> [S, H, D]: each row's queries over its own keys (softmax scale
     1/sqrt(D)); K = S unless the spans give the keys' own starts."""
     if flash_available(q):
-        longest = spans.longest if spans.longest is not None else q.shape[0]
+        longest = spans.longest if spans.longest is not None else \
+            spans.bound.shape[0] if spans.bound is not None else q.shape[0]
         longest_key = longest if spans.key_starts is None else k.shape[0]
         return torch.ops.aten._flash_attention_forward(q, k, v, spans.starts, spans.keys, longest, longest_key,
                                                        0.0, False, False)[0]

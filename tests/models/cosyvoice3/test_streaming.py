@@ -17,6 +17,7 @@ from intone.engine.loading import chunk_policy
 from tests.offline import OfflineRequest, run_to_completion
 from intone.engine.trace import FrameTracer
 from intone.models.registry import load_model
+from intone.models.cosyvoice3.flow_slots import slot_bucket
 from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
 
 from .conftest import voice_audio
@@ -204,6 +205,36 @@ def test_full_response_is_one_chunk_equal_to_the_request_vocoded_alone(cosy64, r
         frames, _, _, (alone,) = official[i].result()
         assert got[0].audio.shape[0] == alone.shape[0] == len(frames) * 960
         assert_same_audio(got[0].audio, alone)
+
+
+def test_whole_responses_at_fixed_sizes_get_the_varlen_audio(cosy64):
+    """`cosyvoice3.flow.cuda_graphs` with the varlen kernel (the full-response profile): a codec call of whole
+    responses runs at its (rows, frames) buckets (`flow_slots`; on a CPU each Euler step runs eagerly) and each
+    response gets the audio of the varlen solve (float64); the call counts its bucket's frames as computed."""
+    from intone.engine.config import load_profile as profile_of
+    from intone.engine.cuda_graphs import FunctionGraphs
+    from intone.models.vocoder import CodecWindow
+
+    refs, g = voices(3), torch.Generator().manual_seed(3)
+    prompts = [cosy64.build_prompt(TEXTS[i], refs[i:i + 1]) for i in range(3)]
+    codes = [torch.randint(0, 6561, (1, n), generator=g) for n in (30, 47, 61)]
+
+    def decode(**sets):
+        profile = profile_of("cosyvoice3-full-response", device="cpu", **sets)
+        vocoder = cosy64.make_vocoder(profile.codec, profile.options_for("cosyvoice3"))
+        vocoder.graphs = FunctionGraphs()  # as the engine hands it over (on a CPU nothing is captured)
+        windows = [CodecWindow(i, f"w{i}", c, p, 0, c.shape[1], 0, True) for i, (c, p) in enumerate(zip(codes, prompts))]
+        return vocoder.decode(windows, {})[0], vocoder
+
+    slotted, graphed = decode(**{"cosyvoice3.flow.cuda_graphs": True})
+    varlen, eager = decode()
+    assert graphed.slotted and not eager.slotted
+    # the fixed-shape steps (eager on a CPU), beside HiFT's calls, which both make
+    assert graphed.graphs.eager - eager.graphs.eager == cosy64.flow.decoder.n_timesteps
+    frames = sum(2 * (len(p.conditioning.speech_tokens) + c.shape[1]) for p, c in zip(prompts, codes))
+    assert graphed.padded_tokens == slot_bucket(frames) // 2 and eager.padded_tokens == frames // 2
+    for got, want in zip(slotted, varlen):
+        assert_same_audio(got, torch.from_numpy(want))
 
 
 @pytest.mark.parametrize("hift_cost", [None, 0])

@@ -7,7 +7,7 @@ Submodule and parameter names follow the official checkpoint. Activations are la
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -127,10 +127,6 @@ class InputEmbedding(nn.Module):
     def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor) -> Tensor:
         h = self._project(x, cond, mu, spks)
         return self.conv_pos_embed(h) + h
-
-    def packed(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, packing) -> Tensor:
-        """`forward` of padded inputs [R, T, mel] over `packing`'s slots -> [1, S, dim]."""
-        return self.continued_packed(packing.pack(x), packing.pack(cond), packing.pack(mu), spks, packing)[0]
 
     def continued_packed(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, packing,
                          tails: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
@@ -372,15 +368,20 @@ class DiT(nn.Module):
     def forward_packed(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing) -> Tensor:
         """`forward` with the rows' valid frames packed end to end (`packing.Packing`): the same velocity
         at every valid frame, zeros elsewhere."""
+        if isinstance(packing.mask, RowSpans):  # no row is longer than the padded rows
+            packing = replace(packing, mask=RowSpans(packing.mask.starts, bound=x.new_empty(x.shape[1], 0)))
+        v = self.forward_slots(packing.pack(x), packing.pack(mu), packing.pack(cond), spks, t, packing)
+        return packing.unpack(v, x.shape[0], x.shape[1])
+
+    def forward_slots(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing) -> Tensor:
+        """`forward` of frames already packed [1, S, mel] (spks [R, spk], t [R]: per row of `packing`, whose
+        `frames` it does not read) -> velocity [1, S, mel], zeros where `packing.valid` is not set."""
         temb = self.time_embed(t)
-        h = self.input_embed.packed(x, cond, mu, spks, packing)
+        h = self.input_embed.continued_packed(x, cond, mu, spks, packing)[0]
         rope = self.rotary_embed.at(packing.positions)
-        mask = packing.mask
-        if isinstance(mask, RowSpans):  # no row is longer than the padded rows
-            mask = RowSpans(mask.starts, x.shape[1])
         for block in self.transformer_blocks:
-            h, _ = block(h, temb, mask, packing.valid, rope, rows=packing.rows)
-        return packing.unpack(self._out(h, temb, packing.rows), x.shape[0], x.shape[1])
+            h, _ = block(h, temb, packing.mask, packing.valid, rope, rows=packing.rows)
+        return self._out(h, temb, packing.rows)
 
     def forward_continued_packed(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing,
                                  past: list | None, tails) -> tuple[Tensor, list, list]:

@@ -17,6 +17,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from intone.models.cosyvoice3.dit import FLEX_BLOCK, DiT, DiTConfig
 from intone.models.cosyvoice3.packing import Packing, packing
+from intone.ops.varlen_attention import RowSpans
 from intone.ops.batching import bucket_rows, pad_rows
 
 
@@ -177,6 +178,19 @@ class CausalCFM(nn.Module):
         """`euler_step`'s inputs at the first step, as `capture` and `FunctionGraphs.has` key them."""
         t, dt = next(cosine_euler_steps(self.n_timesteps, started[1].device, started[0].dtype))
         return *started, t, dt
+
+    def slot_step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, dt: Tensor, rows: Tensor,
+                  positions: Tensor, valid: Tensor, gapped: Tensor, kept: Tensor, starts: Tensor, bound: Tensor) -> Tensor:
+        """One Euler step of a call laid out by `flow_slots`: x, mu, cond [S, mel] the conditioned half's frames,
+        spks [R, mel] its rows'; then the doubled rows' layout (`flow_slots.layout_tensors`). Fixed shapes and
+        no read on the host: replayable from a CUDA graph."""
+        xin = x.to(mu.dtype)
+        layout = Packing(rows, None, positions, valid, gapped, kept, RowSpans(starts, bound=bound))
+        v = self.estimator.forward_slots(
+            torch.cat((xin, xin))[None], torch.cat((mu, torch.zeros_like(mu)))[None],
+            torch.cat((cond, torch.zeros_like(cond)))[None], torch.cat((spks, torch.zeros_like(spks))),
+            t.to(mu.dtype).expand(2 * spks.shape[0]), layout)
+        return self.guided(x, *v[0].to(x.dtype).chunk(2), dt)
 
     def packing_of(self, lengths: list[int], streaming: list[bool], total: int) -> Packing:
         """The packing of a solve's rows (host lists, before `start` doubles them) padded to `total` frames."""

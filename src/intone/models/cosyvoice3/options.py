@@ -41,10 +41,13 @@ class FlowOptions(_Strict):
                             "new frame over its row's past and its chunk)")
     cuda_graphs: bool = Field(False, description="replay each Euler step of the flow's ODE solve (a DiT pass with CFG) "
                                                  "from CUDA graphs captured at start-up, one per (rows, frames) bucket "
-                                                 "(GPU); a solve keeps its pause points between steps")
+                                                 "(GPU); a solve keeps its pause points between steps. With the varlen "
+                                                 "kernel: calls of whole rows, packed, at (rows, frames in all) buckets "
+                                                 "(`flow_slots`; up to 25% padding frames), the others eagerly")
     graph_frames: int = Field(1024, ge=128, le=4096,
                               description="with cuda_graphs: the longest flow call (reference + output, mel frames "
-                                          "at 50 per second) with a graph; longer ones run eagerly")
+                                          "at 50 per second; with varlen: the longest row) with a graph; longer ones "
+                                          "run eagerly")
     call_cost: int | None = Field(None, ge=0, description="split the flow's waiting jobs into calls of similar "
                                                         "lengths, a call worth this many padded tokens of work (None: "
                                                         "each call as full as codec.max_batch and "
@@ -86,9 +89,6 @@ class FlowOptions(_Strict):
         if self.cuda_graphs and self.cache:
             raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
                              "(the graphs replay the whole-prefix solve)")
-        if self.attention == "varlen" and self.cuda_graphs:
-            raise ValueError("cosyvoice3.flow.attention varlen needs cosyvoice3.flow.cuda_graphs off "
-                             "(the graphs replay padded solves)")
         if self.packed and (self.cuda_graphs or self.cache):
             raise ValueError("cosyvoice3.flow.packed needs cosyvoice3.flow.cuda_graphs and cosyvoice3.flow.cache off "
                              "(their solves are padded)")

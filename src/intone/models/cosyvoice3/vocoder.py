@@ -32,6 +32,7 @@ from torch import Tensor
 from intone.models.cosyvoice3.dit import FLEX_BLOCK
 from intone.models.cosyvoice3.flow import GRAPH_FRAME_BUCKET, FlowRequest, graph_rows, graph_shape
 from intone.models.cosyvoice3.flow_cache import solve_continued
+from intone.models.cosyvoice3.flow_slots import SlotLayout, capture_slots, captured_shapes, slot_layout, solve_slots
 from intone.models.cosyvoice3.flow_cache_pool import FlowCache, FlowCachePool
 from intone.models.cosyvoice3.hift import HIFT_FRAME_BUCKET
 from intone.models.cosyvoice3.hift import graph_shape as hift_graph_shape
@@ -73,7 +74,7 @@ def compile_dit(estimator, unit: str, wrapper: str = "python") -> None:
     def compiled(fn):
         return torch.compile(fn, dynamic=True, options={"cpp_wrapper": wrapper == "cpp"})
     if unit == "dit":
-        for name in ("forward", "forward_packed", "forward_continued", "forward_continued_packed"):
+        for name in ("forward", "forward_slots", "forward_continued", "forward_continued_packed"):
             setattr(estimator, name, compiled(getattr(estimator, name)))
         return
     for block in estimator.transformer_blocks:
@@ -155,6 +156,9 @@ class CosyVocoder(Vocoder):
         self.flow_seconds = self.vocoder_seconds = 0.0  # the pieces' spans on the codec's stream (`_span`)
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
         self.graphs = None  # the flow solve's and HiFT's CUDA graphs (`capture_graphs`)
+        # whole-response calls laid out at fixed sizes (`flow_slots`): flow graphs with the varlen kernel
+        self.slotted = graph_frames is not None and not flow_cache and \
+            model.flow.decoder.estimator.attention_kernel == "varlen"
 
     def _autocast(self):
         """The flow's autocast, always without its cast cache: a cast cached by a graph's warm-up run
@@ -176,7 +180,11 @@ class CosyVocoder(Vocoder):
         run eagerly. Largest first: the pool is sized once."""
         self.graphs = graphs
         rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
-        if self.graph_frames:
+        if self.graph_frames and self.slotted:
+            for r, slots in captured_shapes(self.max_batch, self.graph_frames, 2 * self.max_padded_frames):
+                with self._autocast():
+                    capture_slots(self.model.flow, r, slots, self.graph_frames, graphs)
+        elif self.graph_frames:
             self._capture_flow(graphs, rows)
         if self.hift_graph_frames:
             step = HIFT_FRAME_BUCKET
@@ -198,6 +206,12 @@ class CosyVocoder(Vocoder):
                                 torch.ones(192, device=dev), streaming=False, finalize=True)
             with self._autocast():
                 self.model.flow.capture_solve([dummy] * r, graphs)
+
+    def _slot_layout(self, jobs: list[FlowRequest]) -> SlotLayout | None:
+        """The fixed-size layout of a call of whole rows (None: not slotted, a streamed row, or beyond the buckets)."""
+        if self.graphs is None or not self.slotted or any(j.streaming for j in jobs):
+            return None
+        return slot_layout(self.model.flow.mel_lengths(jobs), self.graph_frames)
 
     def compile_flow(self, unit: str = "dit", wrapper: str = "python") -> None:
         """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on small dummy
@@ -311,17 +325,24 @@ class CosyVocoder(Vocoder):
             # no padding computed (not with graphs; with the cache, only by the varlen kernel)
             packed = model.flow.runs_packed([jobs[i] for i in idx]) if not self.flow_cache else \
                 model.flow.decoder.estimator.attention_kernel == "varlen"
+            batch = [jobs[i] for i in idx]
+            layout = None if self.flow_cache else self._slot_layout(batch)
             with self._autocast():
                 if self.flow_cache:
-                    mels, kept = solve_continued(model.flow, [jobs[i] for i in idx], [given[i] for i in idx],
+                    mels, kept = solve_continued(model.flow, batch, [given[i] for i in idx],
                                                  [keep[i] for i in idx], pause, self.pool)
+                elif layout is not None:
+                    mels, kept = solve_slots(model.flow, batch, layout, self.graphs, pause), [None] * len(idx)
                 else:
-                    flow_graphs = self.graphs if self.graph_frames else None
-                    mels, kept = model.flow.inference([jobs[i] for i in idx], flow_graphs, pause), [None] * len(idx)
+                    flow_graphs = self.graphs if self.graph_frames and not self.slotted else None  # slotted: varlen
+                    mels, kept = model.flow.inference(batch, flow_graphs, pause), [None] * len(idx)
             with self._counting:
                 self.calls += 1
-                self.padded_tokens += sum(lengths[g] for g in group) if packed else \
-                    len(group) * max(lengths[g] for g in group)
+                if layout is not None:  # its slots bucket (its empty rows hold nothing)
+                    self.padded_tokens += layout.slots // ratio
+                else:
+                    self.padded_tokens += sum(lengths[g] for g in group) if packed else \
+                        len(group) * max(lengths[g] for g in group)
                 self.useful_tokens += sum(lengths[g] for g in group)
                 self.references_ahead += sum(windows[i].prepare and flow is not None for i, flow in zip(idx, kept))
             for i, mel, flow in zip(idx, mels, kept):
@@ -362,7 +383,7 @@ class CosyVocoder(Vocoder):
         """A flow call's padded work in tokens (`group_jobs` with `call_cost`): its graph's shape when one
         replays it (`graph_shape`; mel frames, two a token), else rows x longest."""
         ratio = self.model.flow.config.token_mel_ratio
-        if not self.graph_frames or tokens * ratio > self.graph_frames:
+        if not self.graph_frames or self.slotted or tokens * ratio > self.graph_frames:
             return rows * tokens
         padded_rows, frames = graph_shape(rows, tokens * ratio)
         return padded_rows * frames // ratio

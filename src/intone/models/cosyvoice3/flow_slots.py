@@ -1,0 +1,131 @@
+"""A full-response flow call at fixed sizes, replayable from CUDA graphs (`cosyvoice3.flow.cuda_graphs` with
+the varlen kernel).
+
+The varlen solve (`packing`) lays a call's rows end to end: no work on padding, but every call has a shape
+of its own, so none can replay a graph, and its ten DiT passes launch ~5,700 kernels from the codec's thread,
+which served beside the engine loop and the frontend workers waits for the interpreter between them (a call
+took ~2.4x its time alone, session 47). Here a call's shape is two buckets: its rows padded with empty ones
+to `graph_rows`, its frames to the next of SLOT_BUCKETS by one padding row. Each half of the CFG-doubled
+call (the conditioned rows, then the same rows with conditions zeroed) has that layout, so the velocity's
+halves are the two halves. The padding row attends only to itself and its attention output is zeroed; the
+empty rows hold no frame; no real frame sees either, so each row gets the varlen solve's mel. Each Euler
+step is one fixed-shape function (`CausalCFM.slot_step`), captured per (rows, slots) at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from intone.models.cosyvoice3.flow import FlowRequest, cosine_euler_steps, graph_rows
+from intone.models.cosyvoice3.packing import packing
+
+# frames of a call (reference + output, mel frames at 50 a second): 256 apart up to 2048, then 4 an octave
+SLOT_BUCKETS = (512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192,
+                10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768)
+MIN_ROW_FRAMES = 64  # captured shapes: rows of at least this many frames on average (fewer: computed eagerly)
+GRAPH_NAME = "flow_slots"
+
+
+def slot_bucket(frames: int) -> int | None:
+    return next((b for b in SLOT_BUCKETS if b >= frames), None)
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """lengths: the call's rows' mel frames (reference + output); rows: their count padded with empty rows;
+    slots: their frames padded by one padding row; longest: the attention kernel's row bound (every real row
+    is at most this long; a longer padding row leaves its extra queries uncomputed, and zeroed)."""
+
+    lengths: tuple[int, ...]
+    rows: int
+    slots: int
+    longest: int
+
+
+def slot_layout(lengths: list[int], longest: int) -> SlotLayout | None:
+    """The layout of a call of whole rows (None: a row longer than `longest`, or beyond the largest bucket)."""
+    slots = slot_bucket(sum(lengths))
+    if slots is None or max(lengths) > longest:
+        return None
+    return SlotLayout(tuple(lengths), graph_rows(len(lengths)), slots, longest)
+
+
+def captured_shapes(max_rows: int, longest: int, max_slots: int) -> list[tuple[int, int]]:
+    """(rows, slots) of the graphs captured at start-up, most slots first: every rows bucket up to max_rows,
+    with the slot buckets from MIN_ROW_FRAMES a row up to the bucket of what its rows can hold."""
+    shapes = []
+    for rows in sorted({graph_rows(n) for n in range(1, max_rows + 1)}):
+        top = slot_bucket(min(rows * longest, max_slots)) or SLOT_BUCKETS[-1]
+        shapes += [(rows, s) for s in SLOT_BUCKETS if rows * MIN_ROW_FRAMES <= s <= top]
+    return sorted(shapes, key=lambda shape: (shape[1], shape[0]), reverse=True)
+
+
+def layout_tensors(layout: SlotLayout, pad: int, device: torch.device) -> tuple[Tensor, ...]:
+    """(rows, positions, valid, gapped, kept, starts, bound) of the CFG-doubled rows (`packing.Packing`'s
+    tensors; each half: the real rows, the empty ones, the padding row); bound: an empty tensor `longest` long."""
+    half = [*layout.lengths, *[0] * (layout.rows - len(layout.lengths)), layout.slots - sum(layout.lengths)]
+    p = packing(half * 2, [False] * 2 * len(half), 1, 0, pad, "varlen", device)
+    valid = p.rows % len(half) != len(half) - 1  # not the padding row
+    return p.rows, p.positions, valid[None], p.gapped, p.kept, p.mask.starts, torch.empty(layout.longest, 0, device=device)
+
+
+def frame_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple[Tensor, ...]:
+    """(x, mu, cond, spks): the solve's first state (the fixed noise at each frame's position) and the
+    conditioned half's inputs, [slots, mel] each (the padding row zeros), spks [rows + 1, mel]."""
+    mu, cond, spks, _, _ = flow.solve_inputs(requests)
+    n, total = mu.shape[:2]
+    lengths = torch.tensor(layout.lengths)
+    row = torch.repeat_interleave(torch.arange(n), lengths)
+    position = torch.arange(row.numel()) - (lengths.cumsum(0) - lengths)[row]
+    fill = layout.slots - row.numel()
+    where = torch.cat((row * total + position, torch.full((fill,), n * total),  # the padding row: a zero frame
+                       position, torch.zeros(fill, dtype=torch.long))).to(mu.device)
+    frame, noise_at = where.split(layout.slots)
+
+    def slots(y: Tensor) -> Tensor:
+        return torch.cat((y.reshape(-1, y.shape[-1]), y.new_zeros(1, y.shape[-1])))[frame]
+
+    x = flow.decoder.noise[0].T[noise_at].to(torch.promote_types(mu.dtype, torch.float32))
+    return x, slots(mu), slots(cond), F.pad(spks, (0, 0, 0, layout.rows + 1 - n))
+
+
+def step_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple[Tensor, ...]:
+    """`CausalCFM.slot_step`'s inputs at the first Euler step."""
+    x, mu, cond, spks = frame_inputs(flow, requests, layout)
+    t, dt = next(cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype))
+    pad = flow.decoder.estimator.input_embed.conv_pos_embed.pad
+    return x, mu, cond, spks, t, dt, *layout_tensors(layout, pad, x.device)
+
+
+@torch.inference_mode()
+def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, pause=None) -> list[Tensor]:
+    """Per request the mel [80, T_out] that `CosyFlow.inference` gives it, each Euler step replayed from the
+    graph of the layout's shape (computed eagerly where none was captured). pause: after each step."""
+    x, *fixed = step_inputs(flow, requests, layout)
+    conditions, layout_inputs = fixed[:3], fixed[5:]
+    for t, dt in cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype):
+        x = graphs.run(GRAPH_NAME, flow.decoder.slot_step, x, *conditions, t, dt, *layout_inputs)[0]
+        if pause is not None:
+            pause()
+    out, start = [], 0
+    for r, n in zip(requests, layout.lengths):
+        out.append(x[start + r.prompt_mel.shape[0]: start + n].T.float().contiguous())
+        start += n
+    return out
+
+
+@torch.inference_mode()
+def capture_slots(flow, rows: int, slots: int, longest: int, graphs) -> None:
+    """Capture the Euler step at (rows, slots) in `graphs` (start-up only): one real row, the rest padding."""
+    ratio = flow.config.token_mel_ratio
+    frames = min(slots, longest) // ratio * ratio
+    dev = flow.decoder.noise_bits.device
+    dummy = FlowRequest(torch.zeros(frames // ratio - 1, dtype=torch.long, device=dev),
+                        torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
+                        torch.ones(192, device=dev), streaming=False, finalize=True)
+    graphs.capture(GRAPH_NAME, flow.decoder.slot_step, *step_inputs(flow, [dummy], SlotLayout((frames,), rows, slots,
+                                                                                              longest)))
