@@ -383,7 +383,8 @@ def test_streams_with_carried_codec_state_are_their_one_pass_decode(tiny_fish_di
     profile = load_profile("fish-s2-high-concurrency", device="cpu", **{
         "ar.max_num_seqs": 4, "codec.max_batch": 4, "chunking.backlog_min_ready": 2, "codec.carry_state": True,
         "chunking.whole_chunk_frames": pieces, "codec.schedule": schedule, "fish_s2.decoder_layout": layout,
-        "chunking.ramp_factor": 0})  # the three sizes without the ramp's hops between them
+        "chunking.ramp_factor": 0, "chunking.listener_margin_s": 0})  # the three sizes, no hops of the ramp's or the
+                                                                         # listeners' between them
     requests = [SynthesisRequest(f"r{i}", "A stream in chunks.", stream=i % 3 > 0,
                                  params=SamplingParams(seed=i, max_new_tokens=100, min_new_tokens=40 + 15 * i))
                 for i in range(5)]

@@ -17,7 +17,7 @@ def test_shipped_profiles_load(path):
 def test_high_concurrency_reference_values():
     p = load_profile("fish-s2-high-concurrency")
     assert (p.ar.max_num_seqs, p.codec.max_batch, p.codec.dtype) == (64, 64, "float16")
-    policy = p.chunking.policy(p.ar.max_num_seqs)
+    policy = p.chunking.policy(p.ar.max_num_seqs, 2048 / 44100)  # Fish: a frame of 2048 samples at 44.1 kHz
     assert (policy.initial_chunk_frames, policy.steady_chunk_frames, policy.backlog_chunk_frames) == (4, 25, 50)
     assert (policy.backlog_load_threshold, policy.left_context_frames, policy.backlog_min_ready) == (0.75, 25, 48)
 

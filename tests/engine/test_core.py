@@ -74,7 +74,8 @@ def test_16_streams_exact_backlog_and_batch_independent(fish64, tiny_fish_dir, t
             # the windowed codec stage (the default; the carried state is tested in test_codec_worker)
             # no ramp: its hops would reach the backlog's 50 frames past these requests' lengths
             core = EngineCore(fish64, hc_profile(**{"codec.carry_state": False, "codec.stream_graph_frames": 0,
-                                                     "chunking.whole_chunk_frames": 0, "chunking.ramp_factor": 0}),
+                                                     "chunking.whole_chunk_frames": 0, "chunking.ramp_factor": 0,
+                                                     "chunking.listener_margin_s": 0}),
                               FrameTracer(trace))
             for i in range(STREAMS):
                 core.add_request(SynthesisRequest(f"r{i}", texts[i % 4], params=params[i]))
