@@ -223,7 +223,8 @@ def test_whole_responses_at_fixed_sizes_get_the_varlen_audio(cosy64):
         profile = profile_of("cosyvoice3-full-response", device="cpu", **sets)
         vocoder = cosy64.make_vocoder(profile.codec, profile.options_for("cosyvoice3"))
         vocoder.graphs = FunctionGraphs()  # as the engine hands it over (on a CPU nothing is captured)
-        windows = [CodecWindow(i, f"w{i}", c, p, 0, c.shape[1], 0, True) for i, (c, p) in enumerate(zip(codes, prompts))]
+        windows = [CodecWindow(i, f"w{i}", c, p, 0, c.shape[1], 0, True)
+                   for i, (c, p) in enumerate(zip(codes, prompts))]
         return vocoder.decode(windows, {})[0], vocoder
 
     slotted, graphed = decode(**{"cosyvoice3.flow.cuda_graphs": True})

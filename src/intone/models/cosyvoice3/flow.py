@@ -180,7 +180,8 @@ class CausalCFM(nn.Module):
         return *started, t, dt
 
     def slot_step(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, dt: Tensor, rows: Tensor,
-                  positions: Tensor, valid: Tensor, gapped: Tensor, kept: Tensor, starts: Tensor, bound: Tensor) -> Tensor:
+                  positions: Tensor, valid: Tensor, gapped: Tensor, kept: Tensor, starts: Tensor,
+                  bound: Tensor) -> Tensor:
         """One Euler step of a call laid out by `flow_slots`: x, mu, cond [S, mel] the conditioned half's frames,
         spks [R, mel] its rows'; then the doubled rows' layout (`flow_slots.layout_tensors`). Fixed shapes and
         no read on the host: replayable from a CUDA graph."""

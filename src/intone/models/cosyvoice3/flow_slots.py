@@ -70,7 +70,8 @@ def layout_tensors(layout: SlotLayout, pad: int, device: torch.device) -> tuple[
     half = [*layout.lengths, *[0] * (layout.rows - len(layout.lengths)), layout.slots - sum(layout.lengths)]
     p = packing(half * 2, [False] * 2 * len(half), 1, 0, pad, "varlen", device)
     valid = p.rows % len(half) != len(half) - 1  # not the padding row
-    return p.rows, p.positions, valid[None], p.gapped, p.kept, p.mask.starts, torch.empty(layout.longest, 0, device=device)
+    bound = torch.empty(layout.longest, 0, device=device)
+    return p.rows, p.positions, valid[None], p.gapped, p.kept, p.mask.starts, bound
 
 
 def frame_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple[Tensor, ...]:
@@ -119,13 +120,15 @@ def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, p
 
 
 @torch.inference_mode()
-def capture_slots(flow, rows: int, slots: int, longest: int, graphs) -> None:
-    """Capture the Euler step at (rows, slots) in `graphs` (start-up only): one real row, the rest padding."""
+def capture_slots(flow, rows: int, slots: int, longest: int, graphs) -> bool:
+    """Capture the Euler step at (rows, slots) in `graphs` (start-up only): one real row, the rest padding.
+    -> whether a graph now replays that shape."""
     ratio = flow.config.token_mel_ratio
     frames = min(slots, longest) // ratio * ratio
     dev = flow.decoder.noise_bits.device
     dummy = FlowRequest(torch.zeros(frames // ratio - 1, dtype=torch.long, device=dev),
                         torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
                         torch.ones(192, device=dev), streaming=False, finalize=True)
-    graphs.capture(GRAPH_NAME, flow.decoder.slot_step, *step_inputs(flow, [dummy], SlotLayout((frames,), rows, slots,
-                                                                                              longest)))
+    inputs = step_inputs(flow, [dummy], SlotLayout((frames,), rows, slots, longest))
+    graphs.capture(GRAPH_NAME, flow.decoder.slot_step, *inputs)
+    return graphs.has(GRAPH_NAME, *inputs)

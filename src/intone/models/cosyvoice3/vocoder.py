@@ -20,6 +20,7 @@ re-run of that loop, request by request.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -41,6 +42,8 @@ from intone.models.vocoder import CodecWindow, Vocoder
 from intone.ops.batching import group_jobs
 from intone.ops.compiling import compile_settings
 from intone.ops.host_copy import to_host
+
+log = logging.getLogger(__name__)
 
 MAX_GRAPH_CELLS = 64 * 1024  # rows x mel frames of the largest flow graph (its activations, x2 for CFG)
 
@@ -159,6 +162,7 @@ class CosyVocoder(Vocoder):
         # whole-response calls laid out at fixed sizes (`flow_slots`): flow graphs with the varlen kernel
         self.slotted = graph_frames is not None and not flow_cache and \
             model.flow.decoder.estimator.attention_kernel == "varlen"
+        self.slot_shapes: set[tuple[int, int]] = set()  # the (rows, frames) of the fixed-size solve's graphs
 
     def _autocast(self):
         """The flow's autocast, always without its cast cache: a cast cached by a graph's warm-up run
@@ -181,9 +185,7 @@ class CosyVocoder(Vocoder):
         self.graphs = graphs
         rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
         if self.graph_frames and self.slotted:
-            for r, slots in captured_shapes(self.max_batch, self.graph_frames, 2 * self.max_padded_frames):
-                with self._autocast():
-                    capture_slots(self.model.flow, r, slots, self.graph_frames, graphs)
+            self._capture_slots(graphs)
         elif self.graph_frames:
             self._capture_flow(graphs, rows)
         if self.hift_graph_frames:
@@ -191,6 +193,20 @@ class CosyVocoder(Vocoder):
             for r, frames in sorted(((r, f) for r in rows for f in range(step, self.hift_graph_frames + 1, step)),
                                     key=lambda s: s[0] * s[1], reverse=True):
                 self.model.hift.capture(r, frames, graphs)
+
+    def _capture_slots(self, graphs) -> None:
+        """The fixed-size solve's Euler step at every (rows, frames) bucket of `captured_shapes`, most frames first;
+        a shape that does not fit in memory is left to the varlen solve, as are the shapes after it."""
+        for rows, slots in captured_shapes(self.max_batch, self.graph_frames, 2 * self.max_padded_frames):
+            try:
+                with self._autocast():
+                    if capture_slots(self.model.flow, rows, slots, self.graph_frames, graphs):
+                        self.slot_shapes.add((rows, slots))
+            except torch.OutOfMemoryError:
+                log.warning("no memory to capture the flow at %d rows x %d frames: its calls and smaller ones run "
+                            "the varlen solve", rows, slots)
+                torch.cuda.empty_cache()
+                return
 
     def _capture_flow(self, graphs, rows: list[int]) -> None:
         dev, ratio = self.model.codec_device, self.model.flow.config.token_mel_ratio
@@ -211,7 +227,11 @@ class CosyVocoder(Vocoder):
         """The fixed-size layout of a call of whole rows (None: not slotted, a streamed row, or beyond the buckets)."""
         if self.graphs is None or not self.slotted or any(j.streaming for j in jobs):
             return None
-        return slot_layout(self.model.flow.mel_lengths(jobs), self.graph_frames)
+        layout = slot_layout(self.model.flow.mel_lengths(jobs), self.graph_frames)
+        # on a GPU only a captured shape (another would only add padding); elsewhere every one, eagerly
+        if layout is None or (self.device.type == "cuda" and (layout.rows, layout.slots) not in self.slot_shapes):
+            return None
+        return layout
 
     def compile_flow(self, unit: str = "dit", wrapper: str = "python") -> None:
         """torch.compile the DiT (dynamic shapes; `compile_dit`) and compile it now, on small dummy
