@@ -43,7 +43,8 @@ class FlowOptions(_Strict):
                                                  "from CUDA graphs captured at start-up, one per (rows, frames) bucket "
                                                  "(GPU); a solve keeps its pause points between steps. With the varlen "
                                                  "kernel: calls of whole rows, packed, at (rows, frames in all) buckets "
-                                                 "(`flow_slots`; up to 25% padding frames), the others eagerly")
+                                                 "(`flow_slots`: frames padded to buckets 256 apart up to 2048, then 4 an "
+                                                 "octave), the others eagerly")
     graph_frames: int = Field(1024, ge=128, le=4096,
                               description="with cuda_graphs: the longest flow call (reference + output, mel frames "
                                           "at 50 per second; with varlen: the longest row) with a graph; longer ones "
