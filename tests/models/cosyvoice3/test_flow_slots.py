@@ -24,25 +24,27 @@ def varlen_flow():
 
 @settings(max_examples=8, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(4, 90), st.booleans()), min_size=1, max_size=5),
-       st.integers(0, 9), st.integers(0, 2))
-def test_a_call_at_fixed_sizes_gives_each_row_the_padded_mel(varlen_flow, rows, more_rows, more_buckets):
+       st.integers(0, 9), st.integers(0, 2), st.booleans())
+def test_a_call_at_fixed_sizes_gives_each_row_the_padded_mel(varlen_flow, rows, more_rows, more_buckets, paused):
     """Whole rows of any lengths (finalized or not), their rows bucket padded further with empty rows and their
     frames by a padding row up to a larger bucket: each row's mel is the padded SDPA solve's (float64, to 1e-12),
-    each Euler step one call of the fixed-shape step (eager on a CPU, where nothing is captured)."""
+    from one call of the fixed-shape solve, or (paused between steps) one call of the fixed-shape step a step
+    (eager on a CPU, where nothing is captured)."""
     g = torch.Generator().manual_seed(len(rows) * 10 + more_rows)
     reqs = [request(g, prompt=p, tokens=n, streaming=False, finalize=f) for p, n, f in rows]
     lengths = varlen_flow.mel_lengths(reqs)
     layout = slot_layout(lengths, 4096)
     bucket = SLOT_BUCKETS.index(layout.slots) + more_buckets
     layout = SlotLayout(layout.lengths, graph_rows(len(reqs) + more_rows), SLOT_BUCKETS[bucket], layout.longest)
-    graphs = FunctionGraphs()
-    got = solve_slots(varlen_flow, reqs, layout, graphs)
+    graphs, pauses = FunctionGraphs(), []
+    got = solve_slots(varlen_flow, reqs, layout, graphs, (lambda: pauses.append(1)) if paused else None)
     varlen_flow.decoder.estimator.attention_kernel = "sdpa"
     try:
         want = varlen_flow.inference(reqs)
     finally:
         varlen_flow.decoder.estimator.attention_kernel = "varlen"
-    assert graphs.eager == varlen_flow.decoder.n_timesteps and graphs.replays == 0
+    steps = varlen_flow.decoder.n_timesteps
+    assert (graphs.eager, len(pauses)) == ((steps, steps) if paused else (1, 0)) and graphs.replays == 0
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
@@ -81,9 +83,10 @@ def test_start_up_captures_every_shape_a_call_of_whole_rows_takes(lengths):
 @pytest.mark.gpu
 def test_steps_replayed_from_their_graphs_give_the_eager_steps_and_the_sdpa_mel(no_tf32):
     """As the full-response stage runs it (compiled DiT, bf16 autocast without the cast cache, FlashAttention's
-    variable-length kernel): two calls of whole rows, each captured at its layout's shape after the start-up's
-    compile calls. A replayed solve gives the eager fixed-size solve's mel bit for bit, and the dense-mask SDPA
-    flow's on padded rows to bf16 rounding; no capture or replay compiles anything."""
+    variable-length kernel): two calls of whole rows, each captured at its layout's shape (the whole solve, and its
+    step for a codec that pauses) after the start-up's compile calls. A replayed solve, whole or step by step,
+    gives the eager fixed-size solve's mel bit for bit, and the dense-mask SDPA flow's on padded rows to bf16
+    rounding; no replay compiles anything."""
     from intone.models.cosyvoice3.flow_slots import capture_slots
     from intone.models.cosyvoice3.vocoder import compile_batches, compile_dit
 
@@ -102,13 +105,15 @@ def test_steps_replayed_from_their_graphs_give_the_eager_steps_and_the_sdpa_mel(
             flow.inference(batch)
         layouts = [slot_layout(flow.mel_lengths(b), 512) for b in batches]
         for layout in layouts:
-            capture_slots(flow, layout.rows, layout.slots, 512, graphs)
+            for whole in (True, False):
+                assert capture_slots(flow, layout.rows, layout.slots, 512, graphs, whole)
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         replayed = [solve_slots(flow, b, layout, graphs) for b, layout in zip(batches, layouts)]
+        stepped = [solve_slots(flow, b, layout, graphs, lambda: None) for b, layout in zip(batches, layouts)]
         eager = [solve_slots(flow, b, layout, FunctionGraphs()) for b, layout in zip(batches, layouts)]
-    assert len(graphs) == 2 and graphs.replays == 2 * steps and graphs.eager == 0
+    assert len(graphs) == 4 and graphs.replays == 2 + 2 * steps and graphs.eager == 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
-    for replayed_batch, eager_batch, dense_batch in zip(replayed, eager, dense):
-        for a, b, c in zip(replayed_batch, eager_batch, dense_batch):
-            assert torch.equal(a, b)
+    for replayed_batch, stepped_batch, eager_batch, dense_batch in zip(replayed, stepped, eager, dense):
+        for a, s, b, c in zip(replayed_batch, stepped_batch, eager_batch, dense_batch):
+            assert torch.equal(a, b) and torch.equal(s, b)
             assert a.shape == c.shape and (a - c).abs().max() < 5e-2

@@ -193,6 +193,13 @@ class CausalCFM(nn.Module):
             t.to(mu.dtype).expand(2 * spks.shape[0]), layout)
         return self.guided(x, *v[0].to(x.dtype).chunk(2), dt)
 
+    def slot_solve(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, *layout: Tensor) -> Tensor:
+        """The whole solve of `slot_step`s (its inputs less t and dt, which it derives on the device): one
+        fixed-shape function for a call that never pauses."""
+        for t, dt in cosine_euler_steps(self.n_timesteps, x.device, x.dtype):
+            x = self.slot_step(x, mu, cond, spks, t, dt, *layout)
+        return x
+
     def packing_of(self, lengths: list[int], streaming: list[bool], total: int) -> Packing:
         """The packing of a solve's rows (host lists, before `start` doubles them) padded to `total` frames."""
         dit = self.estimator

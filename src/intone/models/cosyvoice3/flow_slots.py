@@ -9,7 +9,8 @@ to `graph_rows`, its frames to the next of SLOT_BUCKETS by one padding row. Each
 call (the conditioned rows, then the same rows with conditions zeroed) has that layout, so the velocity's
 halves are the two halves. The padding row attends only to itself and its attention output is zeroed; the
 empty rows hold no frame; no real frame sees either, so each row gets the varlen solve's mel. Each Euler
-step is one fixed-shape function (`CausalCFM.slot_step`), captured per (rows, slots) at start-up.
+step is one fixed-shape function (`CausalCFM.slot_step`), and so is the whole solve (`slot_solve`), which
+start-up captures per (rows, slots) (the steps instead where the codec pauses between them).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from intone.models.cosyvoice3.packing import packing
 SLOT_BUCKETS = (512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192,
                 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768)
 MIN_ROW_FRAMES = 64  # captured shapes: rows of at least this many frames on average (fewer: computed eagerly)
-GRAPH_NAME = "flow_slots"
+STEP_GRAPH, SOLVE_GRAPH = "flow_slot_step", "flow_slot_solve"  # a call that pauses between steps; one that does not
 
 
 def slot_bucket(frames: int) -> int | None:
@@ -104,13 +105,16 @@ def step_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple[
 
 @torch.inference_mode()
 def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, pause=None) -> list[Tensor]:
-    """Per request the mel [80, T_out] that `CosyFlow.inference` gives it, each Euler step replayed from the
-    graph of the layout's shape (computed eagerly where none was captured). pause: after each step."""
+    """Per request the mel [80, T_out] that `CosyFlow.inference` gives it: the whole solve replayed from the
+    graph of the layout's shape, or (pause: called after each Euler step) each step from its own; computed
+    eagerly where none was captured."""
     x, *fixed = step_inputs(flow, requests, layout)
     conditions, layout_inputs = fixed[:3], fixed[5:]
-    for t, dt in cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype):
-        x = graphs.run(GRAPH_NAME, flow.decoder.slot_step, x, *conditions, t, dt, *layout_inputs)[0]
-        if pause is not None:
+    if pause is None:
+        x = graphs.run(SOLVE_GRAPH, flow.decoder.slot_solve, x, *conditions, *layout_inputs)[0]
+    else:
+        for t, dt in cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype):
+            x = graphs.run(STEP_GRAPH, flow.decoder.slot_step, x, *conditions, t, dt, *layout_inputs)[0]
             pause()
     out, start = [], 0
     for r, n in zip(requests, layout.lengths):
@@ -120,9 +124,9 @@ def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, p
 
 
 @torch.inference_mode()
-def capture_slots(flow, rows: int, slots: int, longest: int, graphs) -> bool:
-    """Capture the Euler step at (rows, slots) in `graphs` (start-up only): one real row, the rest padding.
-    -> whether a graph now replays that shape."""
+def capture_slots(flow, rows: int, slots: int, longest: int, graphs, whole: bool = True) -> bool:
+    """Capture the whole solve (whole) or its Euler step at (rows, slots) in `graphs` (start-up only): one real
+    row, the rest padding. -> whether a graph now replays that shape."""
     ratio = flow.config.token_mel_ratio
     frames = min(slots, longest) // ratio * ratio
     dev = flow.decoder.noise_bits.device
@@ -130,5 +134,8 @@ def capture_slots(flow, rows: int, slots: int, longest: int, graphs) -> bool:
                         torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
                         torch.ones(192, device=dev), streaming=False, finalize=True)
     inputs = step_inputs(flow, [dummy], SlotLayout((frames,), rows, slots, longest))
-    graphs.capture(GRAPH_NAME, flow.decoder.slot_step, *inputs)
-    return graphs.has(GRAPH_NAME, *inputs)
+    if whole:  # less t and dt, which the solve derives
+        inputs = (*inputs[:4], *inputs[6:])
+    name, fn = (SOLVE_GRAPH, flow.decoder.slot_solve) if whole else (STEP_GRAPH, flow.decoder.slot_step)
+    graphs.capture(name, fn, *inputs)
+    return graphs.has(name, *inputs)

@@ -182,7 +182,7 @@ class CosyVoice3(TTSModel):
         vocoder = CosyVocoder(self, config.max_batch, config.max_padded_frames, flow.autocast, flow.call_cost,
                                flow.cache, flow.graph_frames if flow.cuda_graphs else None,
                                hift.graph_frames if hift.cuda_graphs else None, hift.call_cost,
-                               flow.final_hop == "continued", int(flow.cache_gb * 1e9))
+                               flow.final_hop == "continued", int(flow.cache_gb * 1e9), config.schedule == "preempt")
         if flow.compile and gpu:
             vocoder.compile_flow(flow.compile_unit, flow.compile_wrapper)
         return vocoder

@@ -127,8 +127,10 @@ class CosyVocoder(Vocoder):
     def __init__(self, model, max_batch: int, max_padded_frames: int, autocast: str = "none",
                  call_cost: int | None = None, flow_cache: bool = False, graph_frames: int | None = None,
                  hift_graph_frames: int | None = None, hift_call_cost: int | None = None, final_continued: bool = False,
-                 cache_bytes: int | None = None):
+                 cache_bytes: int | None = None, pauses: bool = False):
         """call_cost: the flow's calls split by `group_jobs` at this fixed cost per call (in tokens).
+        pauses: the codec pauses its calls between Euler steps (`codec.schedule: preempt`), so a fixed-size
+        solve's graphs are its steps', not the whole solve's (`flow_slots`).
         hift_call_cost: the same for HiFT's calls (None: each as full as the bounds allow; a call's cost
         is its graph's shape when HiFT has graphs, as with the flow's).
         flow_cache: a stream's non-final hops keep the flow's state, and the next hop solves only its new
@@ -163,6 +165,7 @@ class CosyVocoder(Vocoder):
         self.slotted = graph_frames is not None and not flow_cache and \
             model.flow.decoder.estimator.attention_kernel == "varlen"
         self.slot_shapes: set[tuple[int, int]] = set()  # the (rows, frames) of the fixed-size solve's graphs
+        self.pauses = pauses
 
     def _autocast(self):
         """The flow's autocast, always without its cast cache: a cast cached by a graph's warm-up run
@@ -200,7 +203,7 @@ class CosyVocoder(Vocoder):
         for rows, slots in captured_shapes(self.max_batch, self.graph_frames, 2 * self.max_padded_frames):
             try:
                 with self._autocast():
-                    if capture_slots(self.model.flow, rows, slots, self.graph_frames, graphs):
+                    if capture_slots(self.model.flow, rows, slots, self.graph_frames, graphs, whole=not self.pauses):
                         self.slot_shapes.add((rows, slots))
             except torch.OutOfMemoryError:
                 log.warning("no memory to capture the flow at %d rows x %d frames: its calls and smaller ones run "
