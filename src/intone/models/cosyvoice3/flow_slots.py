@@ -95,12 +95,12 @@ def frame_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple
     return x, slots(mu), slots(cond), F.pad(spks, (0, 0, 0, layout.rows + 1 - n))
 
 
-def step_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple[Tensor, ...]:
-    """`CausalCFM.slot_step`'s inputs at the first Euler step."""
-    x, mu, cond, spks = frame_inputs(flow, requests, layout)
-    t, dt = next(cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype))
+def solve_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple[Tensor, tuple, tuple]:
+    """(the first state, the conditions (mu, cond, spks), the layout's tensors): `CausalCFM.slot_solve`'s
+    inputs in that order; `slot_step` takes the step's t and dt between the conditions and the layout."""
+    x, *conditions = frame_inputs(flow, requests, layout)
     pad = flow.decoder.estimator.input_embed.conv_pos_embed.pad
-    return x, mu, cond, spks, t, dt, *layout_tensors(layout, pad, x.device)
+    return x, tuple(conditions), layout_tensors(layout, pad, x.device)
 
 
 @torch.inference_mode()
@@ -108,8 +108,7 @@ def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, p
     """Per request the mel [80, T_out] that `CosyFlow.inference` gives it: the whole solve replayed from the
     graph of the layout's shape, or (pause: called after each Euler step) each step from its own; computed
     eagerly where none was captured."""
-    x, *fixed = step_inputs(flow, requests, layout)
-    conditions, layout_inputs = fixed[:3], fixed[5:]
+    x, conditions, layout_inputs = solve_inputs(flow, requests, layout)
     if pause is None:
         x = graphs.run(SOLVE_GRAPH, flow.decoder.slot_solve, x, *conditions, *layout_inputs)[0]
     else:
@@ -133,9 +132,11 @@ def capture_slots(flow, rows: int, slots: int, longest: int, graphs, whole: bool
     dummy = FlowRequest(torch.zeros(frames // ratio - 1, dtype=torch.long, device=dev),
                         torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(ratio, 80, device=dev),
                         torch.ones(192, device=dev), streaming=False, finalize=True)
-    inputs = step_inputs(flow, [dummy], SlotLayout((frames,), rows, slots, longest))
-    if whole:  # less t and dt, which the solve derives
-        inputs = (*inputs[:4], *inputs[6:])
-    name, fn = (SOLVE_GRAPH, flow.decoder.slot_solve) if whole else (STEP_GRAPH, flow.decoder.slot_step)
+    x, conditions, layout_inputs = solve_inputs(flow, [dummy], SlotLayout((frames,), rows, slots, longest))
+    if whole:
+        name, fn, inputs = SOLVE_GRAPH, flow.decoder.slot_solve, (x, *conditions, *layout_inputs)
+    else:
+        t, dt = next(cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype))
+        name, fn, inputs = STEP_GRAPH, flow.decoder.slot_step, (x, *conditions, t, dt, *layout_inputs)
     graphs.capture(name, fn, *inputs)
     return graphs.has(name, *inputs)

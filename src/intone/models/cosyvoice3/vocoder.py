@@ -187,7 +187,7 @@ class CosyVocoder(Vocoder):
         run eagerly. Largest first: the pool is sized once."""
         self.graphs = graphs
         rows = sorted({graph_rows(n) for n in range(1, self.max_batch + 1)})
-        if self.graph_frames and self.slotted:
+        if self.slotted:
             self._capture_slots(graphs)
         elif self.graph_frames:
             self._capture_flow(graphs, rows)
@@ -345,10 +345,10 @@ class CosyVocoder(Vocoder):
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
         for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
             idx = [live[g] for g in group]
-            # no padding computed (not with graphs; with the cache, only by the varlen kernel)
-            packed = model.flow.runs_packed([jobs[i] for i in idx]) if not self.flow_cache else \
-                model.flow.decoder.estimator.attention_kernel == "varlen"
             batch = [jobs[i] for i in idx]
+            # no padding computed (not with graphs; with the cache, only by the varlen kernel)
+            packed = model.flow.runs_packed(batch) if not self.flow_cache else \
+                model.flow.decoder.estimator.attention_kernel == "varlen"
             layout = None if self.flow_cache else self._slot_layout(batch)
             with self._autocast():
                 if self.flow_cache:
