@@ -188,7 +188,7 @@ def test_cosy_schedule_equals_the_official_loop(n, prompt, others):
     assert got == official_cosy_schedule(n, prompt)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     policy=st.builds(
         ChunkPolicy, initial_chunk_frames=st.sampled_from([0, 1, 4, 9]), steady_chunk_frames=st.sampled_from([1, 6, 25]),

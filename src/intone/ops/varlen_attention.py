@@ -20,15 +20,18 @@ class RowSpans:
     count); longest: no row is longer (the kernel's bound; a shape of the caller's, so compiled code
     sees no Python number that changes from call to call). key_starts: where the rows' keys differ from
     their queries (a row's queries over its earlier frames and its own), row i's keys are key slots
-    [key_starts[i], key_starts[i + 1]) (bounded by the key count); key_index [K]: each key slot's place in
-    (earlier frames' keys, then the call's own), from which the caller lays them out; bound: an empty
-    tensor as long as the longest row (for compiled callers, a shape rather than a number)."""
+    [key_starts[i], key_starts[i + 1]) (bounded by the key count), or with key_used [R] the first key_used[i]
+    from key_starts[i] (rows may then share keys: a key slot is laid out once for every query segment of its
+    row, and starts need not increase); key_index [K]: each key slot's place in (earlier frames' keys, then
+    the call's own), from which the caller lays them out; bound: an empty tensor as long as the longest row
+    (for compiled callers, a shape rather than a number)."""
 
     starts: Tensor
     longest: int | None = None
     key_starts: Tensor | None = None
     key_index: Tensor | None = None
     bound: Tensor | None = None
+    key_used: Tensor | None = None
 
     @property
     def keys(self) -> Tensor:
@@ -47,10 +50,12 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, spans: RowSpans) -> Tensor
             spans.bound.shape[0] if spans.bound is not None else q.shape[0]
         longest_key = longest if spans.key_starts is None else k.shape[0]
         return torch.ops.aten._flash_attention_forward(q, k, v, spans.starts, spans.keys, longest, longest_key,
-                                                       0.0, False, False)[0]
+                                                       0.0, False, False, seqused_k=spans.key_used)[0]
     out = torch.zeros_like(q)
     bounds, key_bounds = spans.starts.tolist(), spans.keys.tolist()
-    for lo, hi, k_lo, k_hi in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_bounds[1:]):
+    key_ends = key_bounds[1:] if spans.key_used is None else \
+        [lo + n for lo, n in zip(key_bounds, spans.key_used.tolist())]
+    for lo, hi, k_lo, k_hi in zip(bounds[:-1], bounds[1:], key_bounds[:-1], key_ends):
         if hi > lo:
             rows = (y.transpose(0, 1)[None] for y in (q[lo:hi], k[k_lo:k_hi], v[k_lo:k_hi]))
             out[lo:hi] = F.scaled_dot_product_attention(*rows)[0].transpose(0, 1)

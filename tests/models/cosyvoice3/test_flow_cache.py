@@ -286,11 +286,14 @@ def test_on_the_gpu_a_compiled_continued_final_hop_stays_near_its_definition(no_
 def test_each_continued_query_sees_its_rows_past_and_its_chunk_masked_new_frames(rows, chunk):
     """The packed continued solve's attention, against the chunk mask's definition: a new frame o of a row whose
     first `chunked` new frames are chunk-masked sees the row's whole past, then its new frames up to the end of
-    o's chunk (at most `chunked`); a frame past `chunked` sees all its row's new frames. Keys in that order."""
+    o's chunk (at most `chunked`); a frame past `chunked` sees all its row's new frames. Keys in that order, and
+    laid out once per row (a row's segments share them)."""
     past, new, chunked = (list(c) for c in zip(*rows))
     packing = continued_packing(past, new, chunked, 300, chunk, 4, torch.device("cpu"))
     spans = packing.mask
     q_starts, k_starts, keys = spans.starts.tolist(), spans.keys.tolist(), spans.key_index.tolist()
+    used = spans.key_used.tolist()
+    assert len(keys) == sum(past) + sum(new)
     past_at = [sum(past[:r]) for r in range(len(new))]
     new_at = [sum(past) + sum(new[:r]) for r in range(len(new))]
     q = 0
@@ -299,7 +302,7 @@ def test_each_continued_query_sees_its_rows_past_and_its_chunk_masked_new_frames
         for o in range(n):
             end = min((o // chunk + 1) * chunk, masked) if o < masked else n
             seg = max(i for i, start in enumerate(q_starts[:-1]) if start <= q)
-            seen = keys[k_starts[seg]:k_starts[seg + 1]]
+            seen = keys[k_starts[seg]:k_starts[seg] + used[seg]]
             assert seen == [*range(past_at[r], past_at[r] + past[r]), *range(new_at[r], new_at[r] + end)], (r, o)
             assert spans.bound.shape[0] >= q_starts[seg + 1] - q_starts[seg]  # the kernel's query bound
             q += 1

@@ -214,7 +214,7 @@ class Attention(nn.Module):
                                 for y, p in zip((k, v), past or (None, None)))
                 # bounds from shapes (the longest segment's as an empty tensor's length): compiled code then
                 # sees no number that changes from call to call
-                spans = RowSpans(mask.starts, mask.bound.shape[0], mask.key_starts)
+                spans = RowSpans(mask.starts, mask.bound.shape[0], mask.key_starts, key_used=mask.key_used)
             out = varlen_attention(q, keys, values, spans)
             return self.to_out[0](out.reshape(b, n, -1)).masked_fill(~valid[..., None], 0.0), (k, v)
         q, k, v = (y.view(b, n, self.heads, -1).transpose(1, 2) for y in (q, k, v))

@@ -128,8 +128,9 @@ def continued_packing(past: list[int], new: list[int], chunked: list[int], width
     (host lists; `frames` indexes the solve's inputs padded to `width` frames a row, from frame 0). Attention
     by query segments (`RowSpans` with keys apart): a row's first `chunked` new frames (a streamed row's all)
     chunk by chunk, each over the row's past and its new frames to the chunk's end; the rest all at once
-    over all of them. Keys are laid out per segment from (the rows' past keys packed in row order, the new
-    frames' keys): `key_index`."""
+    over all of them. Keys are laid out once per row, its past then its new frames, from (the rows' past keys
+    packed in row order, the new frames' keys): `key_index`; a segment reads the first of its row's keys,
+    up to its own end (`RowSpans.key_used`), so a row of several chunks gathers its keys once, not per chunk."""
     rows_n = len(new)
     starts = torch.tensor([0, *new]).cumsum(0).tolist()
     past_starts = torch.tensor([0, *past]).cumsum(0).tolist()
@@ -138,11 +139,13 @@ def continued_packing(past: list[int], new: list[int], chunked: list[int], width
     offsets = torch.arange(used) - torch.tensor(starts[:-1])[rows]
     positions = torch.tensor(past)[rows] + offsets
     segments = query_segments(new, chunked, chunk)
-    # a segment's keys: its row's past keys, then the row's new frames' keys up to the segment's end
-    key_index = concatenated_ranges([s for r, _, _ in segments for s in (past_starts[r], past_total + starts[r])],
-                                    [n for r, _, end in segments for n in (past[r], end)])
+    # a row's keys: its past keys, then its new frames' keys; a segment's, the first of them to its own end
+    key_index = concatenated_ranges([s for r in range(rows_n) for s in (past_starts[r], past_total + starts[r])],
+                                    [n for r in range(rows_n) for n in (past[r], new[r])])
+    row_keys = [p + s for p, s in zip(past_starts, starts)]  # where each row's keys begin
     q_starts = [0, *(starts[r] + end for r, _, end in segments)]
-    k_starts = torch.tensor([0, *(past[r] + end for r, _, end in segments)]).cumsum(0)
+    k_starts = torch.tensor([*(row_keys[r] for r, _, _ in segments), row_keys[-1]])
+    k_used = torch.tensor([past[r] + end for r, _, end in segments], dtype=torch.long)
     longest = max([1, *(end - lo for _, lo, end in segments)])
     gapped = offsets + torch.tensor(starts[:-1])[rows] + pad * (rows + 1)
     kept = torch.zeros(used + pad * rows_n, dtype=torch.bool)
@@ -152,12 +155,13 @@ def continued_packing(past: list[int], new: list[int], chunked: list[int], width
     ends = (first + torch.tensor(new))[:, None] + torch.arange(pad)[None]
     frames = rows * width + positions
     host = (rows, frames, positions, gapped, kept.long(), context.flatten(), ends.flatten(),
-            key_index, torch.tensor(q_starts), k_starts)
-    rows, frames, positions, gapped, kept, context, ends, key_index, q_starts, k_starts = \
+            key_index, torch.tensor(q_starts), k_starts, k_used)
+    rows, frames, positions, gapped, kept, context, ends, key_index, q_starts, k_starts, k_used = \
         torch.cat(host).to(device).split([len(t) for t in host])
     # the kernel's query bound, rounded up to its block: few distinct lengths (the compiled code's symbols)
     bound = torch.empty(-(-longest // FLEX_BLOCK) * FLEX_BLOCK, 0, device=device)
-    spans = RowSpans(q_starts.int(), key_starts=k_starts.int(), key_index=key_index, bound=bound)
+    spans = RowSpans(q_starts.int(), key_starts=k_starts.int(), key_index=key_index, bound=bound,
+                     key_used=k_used.int())
     return Packing(rows, frames, positions, torch.ones(1, used, dtype=torch.bool, device=device), gapped,
                    kept.bool()[None, :, None], spans, context.view(rows_n, pad), ends.view(rows_n, pad))
 
