@@ -27,7 +27,9 @@ pytestmark = pytest.mark.gpu
 # the graphs), once with the flex DiT compiled and eager, HiFT in fp16, the codec on a share of the SMs and first
 # chunks decoded at the backlog calls' Euler steps; streams continued from their flow caches, their new frames
 # packed for the varlen kernel (compiled, bf16 autocast), the worker on the loop's stream and playing streams'
-# chunks held for their listeners; and the full-response profile with the varlen DiT compiled under
+# chunks held for their listeners; the same (the worker on its own stream, first chunks at the backlog calls'
+# Euler steps) with the streams' whole final hops at fixed sizes, each Euler step replayed from a graph
+# (`flow_slots` beside the cache); and the full-response profile with the varlen DiT compiled under
 # bf16 autocast (FlashAttention needs half precision), whole responses packed at fixed sizes and replayed from
 # graphs (`flow_slots`), HiFT from graphs in calls split by length, the codec worker on the loop's stream.
 # A GPU server compiles its fused pieces and captures its graphs before it is ready: on a fresh machine (cold
@@ -49,6 +51,8 @@ CASES = [("tiny:fish-s2", "fish-s2-high-concurrency", {}, {}, {}, {}),
           {"compile": True, "attention": "flex", "cache": False}, {"dtype": "float16"}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-streaming", {"stream": "loop", "stream_lead_ms": 300},
           {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cache": True}, {}, {}),
+         ("tiny:cosyvoice3", "cosyvoice3-streaming", {},
+          {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cache": True, "cuda_graphs": True}, {}, {}),
          ("tiny:cosyvoice3", "cosyvoice3-full-response", {"stream": "loop"},
           {"compile": True, "attention": "varlen", "autocast": "bfloat16", "cuda_graphs": True},
           {"cuda_graphs": True, "graph_frames": 512, "call_cost": 50},

@@ -94,7 +94,7 @@ def test_the_loops_stream_is_for_the_in_process_codec_worker(other):
         load_profile("fish-s2-default", device="cpu", **{"codec.stream": "loop", **other})
 
 
-def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_does_not():
+def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_only_with_varlen():
     uncached = {"cosyvoice3.flow.attention": "flex", "cosyvoice3.flow.cache": False}
     flow = load_profile("cosyvoice3-streaming", device="cpu",
                         **{"cosyvoice3.flow.cuda_graphs": True, **uncached}).cosyvoice3.flow
@@ -102,6 +102,9 @@ def test_flex_flow_attention_goes_with_codec_graphs_but_the_flow_cache_does_not(
     with pytest.raises(ProfileError, match="cosyvoice3.flow.cache"):  # the shipped profile keeps a flow cache
         load_profile("cosyvoice3-streaming", device="cpu",
                      **{"cosyvoice3.flow.cuda_graphs": True, "cosyvoice3.flow.attention": "flex"})
+    # varlen (shipped): the graphs take the whole rows, the cache the continued hops
+    flow = load_profile("cosyvoice3-streaming", device="cpu", **{"cosyvoice3.flow.cuda_graphs": True}).cosyvoice3.flow
+    assert flow.cache and flow.cuda_graphs and flow.attention == "varlen"
 
 
 @pytest.mark.parametrize("padded", ["cosyvoice3.flow.cuda_graphs", "cosyvoice3.flow.cache"])

@@ -238,6 +238,41 @@ def test_whole_responses_at_fixed_sizes_get_the_varlen_audio(cosy64):
         assert_same_audio(got, torch.from_numpy(want))
 
 
+def test_beside_the_flow_cache_whole_rows_run_at_fixed_sizes_and_every_window_keeps_its_audio(cosy64):
+    """`cosyvoice3.flow.cuda_graphs` beside the flow cache (the streaming profile, varlen, preempt): a call's whole
+    rows (a full response; a stream's final hop, which officially re-solves the whole utterance) run at fixed
+    sizes in a call of their own, each Euler step apart (its pause points kept), and the continued hops as
+    before; every window's audio is the one without graphs (float64)."""
+    from intone.engine.config import load_profile as profile_of
+    from intone.engine.cuda_graphs import FunctionGraphs
+    from intone.models.vocoder import CodecWindow
+
+    refs, g = voices(2), torch.Generator().manual_seed(4)
+    prompts = [cosy64.build_prompt(TEXTS[i], refs[i:i + 1]) for i in range(2)]
+    codes = [torch.randint(0, 6561, (1, n), generator=g) for n in (64, 41)]
+
+    def run(**sets):
+        profile = profile_of("cosyvoice3-streaming", device="cpu", **sets)
+        vocoder = cosy64.make_vocoder(profile.codec, profile.options_for("cosyvoice3"))
+        vocoder.graphs = FunctionGraphs()  # as the engine hands it over (on a CPU nothing is captured)
+        pauses = []
+        first = [CodecWindow(0, "a", codes[0], prompts[0], 0, 25, 0, False),  # a stream's first hop
+                 CodecWindow(1, "b", codes[1], prompts[1], 0, 41, 0, True)]  # a full response
+        audio, states = vocoder.decode(first, {}, lambda: pauses.append(1))
+        final, _ = vocoder.decode([CodecWindow(0, "a", codes[0], prompts[0], 25, 64, 0, True)], states,
+                                  lambda: pauses.append(1))
+        return audio + final, vocoder, len(pauses)
+
+    slotted, graphed, graphed_pauses = run(**{"cosyvoice3.flow.cuda_graphs": True})
+    plain, eager, eager_pauses = run()
+    assert graphed.slotted and graphed.flow_cache and graphed.pauses and not eager.slotted
+    # the first call's two kinds of rows in two flow calls; the slotted solves stepped (10 steps, each a run)
+    assert (graphed.calls, eager.calls) == (3, 2)
+    assert graphed.graphs.eager - eager.graphs.eager == 2 * 10 and graphed_pauses == eager_pauses + 10
+    for got, want in zip(slotted, plain):
+        assert_same_audio(got, torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("hift_cost", [None, 0])
 def test_hift_calls_split_by_length_give_each_request_its_official_audio(cosy64, references, hift_cost):
     """cosyvoice3.hift.call_cost: three full responses of 30, 45 and 60 tokens decoded in one codec call (in

@@ -44,7 +44,8 @@ class FlowOptions(_Strict):
                                                  "(GPU); a solve keeps its pause points between steps. With the varlen "
                                                  "kernel: calls of whole rows, packed, at (rows, frames in all) buckets "
                                                  "(`flow_slots`: frames padded to buckets 256 apart up to 2048, then 4 an "
-                                                 "octave), the others eagerly")
+                                                 "octave), the others eagerly; with the flow cache too, a stream's "
+                                                 "whole final hops so (its continued hops eagerly)")
     graph_frames: int = Field(1024, ge=128, le=4096,
                               description="with cuda_graphs: the longest flow call (reference + output, mel frames "
                                           "at 50 per second; with varlen: the longest row) with a graph; longer ones "
@@ -62,7 +63,8 @@ class FlowOptions(_Strict):
                                            "and layer) and its input embedding's last frames across its non-final "
                                            "hops, and a hop solves only its new frames: the official whole-prefix "
                                            "solve's mel, with less work; ~1.8 MB a mel frame in bf16 at real size "
-                                           "(not with cuda_graphs; with the varlen kernel, packed)")
+                                           "(not with cuda_graphs, except with the varlen kernel, which packs "
+                                           "the continued hops)")
     cache_gb: float = Field(32.0, gt=0, description="with cache: the most GB of the streams' flow cache pool, "
                             "allocated at the first served hop (on a GPU, never more than was free then less 10% of "
                             "the device; ~1.8 MB a mel frame of a stream in bf16 at real size; a minute-long stream "
@@ -87,9 +89,9 @@ class FlowOptions(_Strict):
         if self.final_hop == "continued" and not self.cache:
             raise ValueError("cosyvoice3.flow.final_hop continued needs cosyvoice3.flow.cache (it goes on from "
                              "the stream's kept state)")
-        if self.cuda_graphs and self.cache:
-            raise ValueError("cosyvoice3.flow.cache needs cosyvoice3.flow.cuda_graphs off "
-                             "(the graphs replay the whole-prefix solve)")
+        if self.cuda_graphs and self.cache and self.attention != "varlen":
+            raise ValueError("cosyvoice3.flow.cache with cosyvoice3.flow.cuda_graphs needs cosyvoice3.flow.attention "
+                             "varlen (the padded graphs replay the whole-prefix solve)")
         if self.packed and (self.cuda_graphs or self.cache):
             raise ValueError("cosyvoice3.flow.packed needs cosyvoice3.flow.cuda_graphs and cosyvoice3.flow.cache off "
                              "(their solves are padded)")

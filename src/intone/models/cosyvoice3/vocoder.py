@@ -162,8 +162,8 @@ class CosyVocoder(Vocoder):
         self._counting = threading.Lock()  # the counters are read by the engine loop's thread
         self.graphs = None  # the flow solve's and HiFT's CUDA graphs (`capture_graphs`)
         # whole-response calls laid out at fixed sizes (`flow_slots`): flow graphs with the varlen kernel
-        self.slotted = graph_frames is not None and not flow_cache and \
-            model.flow.decoder.estimator.attention_kernel == "varlen"
+        # (with flow_cache: streams' whole final hops; their continued hops run `solve_continued`)
+        self.slotted = graph_frames is not None and model.flow.decoder.estimator.attention_kernel == "varlen"
         self.slot_shapes: set[tuple[int, int]] = set()  # the (rows, frames) of the fixed-size solve's graphs
         self.pauses = pauses
 
@@ -227,8 +227,9 @@ class CosyVocoder(Vocoder):
                 self.model.flow.capture_solve([dummy] * r, graphs)
 
     def _slot_layout(self, jobs: list[FlowRequest]) -> SlotLayout | None:
-        """The fixed-size layout of a call of whole rows (None: not slotted, a streamed row, or beyond the buckets)."""
-        if self.graphs is None or not self.slotted or any(j.streaming for j in jobs):
+        """The fixed-size layout of a call of whole rows (None: not slotted, a streamed row or one whose earlier
+        frames keep the chunk mask (`full_from`), or beyond the buckets)."""
+        if self.graphs is None or not self.slotted or any(j.streaming or j.full_from is not None for j in jobs):
             return None
         layout = slot_layout(self.model.flow.mel_lengths(jobs), self.graph_frames)
         # on a GPU only a captured shape (another would only add padding); elsewhere every one, eagerly
@@ -343,19 +344,19 @@ class CosyVocoder(Vocoder):
         # (flow_cache) are not solved already
         lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
-        for group in group_jobs(lengths, self.max_batch, self.max_padded_frames, self.call_cost, self._graph_cost):
+        for group in self._flow_groups(lengths, [jobs[i] for i in live], [given[i] for i in live]):
             idx = [live[g] for g in group]
             batch = [jobs[i] for i in idx]
             # no padding computed (not with graphs; with the cache, only by the varlen kernel)
             packed = model.flow.runs_packed(batch) if not self.flow_cache else \
                 model.flow.decoder.estimator.attention_kernel == "varlen"
-            layout = None if self.flow_cache else self._slot_layout(batch)
+            layout = self._slot_layout(batch) if all(given[i] is None for i in idx) else None
             with self._autocast():
-                if self.flow_cache:
+                if layout is not None:
+                    mels, kept = solve_slots(model.flow, batch, layout, self.graphs, pause), [None] * len(idx)
+                elif self.flow_cache:
                     mels, kept = solve_continued(model.flow, batch, [given[i] for i in idx],
                                                  [keep[i] for i in idx], pause, self.pool)
-                elif layout is not None:
-                    mels, kept = solve_slots(model.flow, batch, layout, self.graphs, pause), [None] * len(idx)
                 else:
                     flow_graphs = self.graphs if self.graph_frames and not self.slotted else None  # slotted: varlen
                     mels, kept = model.flow.inference(batch, flow_graphs, pause), [None] * len(idx)
@@ -374,6 +375,20 @@ class CosyVocoder(Vocoder):
                 skip = max(jobs[i].prompt_mel.shape[0], solved) - jobs[i].prompt_mel.shape[0]
                 out[i], flows[i] = mel[:, ratio * windows[i].start - skip:], flow
         return out, flows
+
+    def _flow_groups(self, lengths: list[int], jobs: list[FlowRequest], given: list) -> list[list[int]]:
+        """The flow calls of these jobs (`group_jobs`; indices into them). With the flow cache and slotted calls,
+        the streams' whole final hops (no cache, no chunk mask) are grouped apart from the continued hops, so
+        their calls can run at fixed sizes (`_slot_layout`)."""
+        whole = [i for i, (job, cache) in enumerate(zip(jobs, given))
+                 if self.flow_cache and self.slotted and cache is None and not job.streaming and job.full_from is None]
+        parts = [whole, sorted(set(range(len(jobs))) - set(whole))] if whole else [list(range(len(jobs)))]
+        groups = []
+        for part in parts:
+            for group in group_jobs([lengths[i] for i in part], self.max_batch, self.max_padded_frames,
+                                    self.call_cost, self._graph_cost):
+                groups.append([part[g] for g in group])
+        return groups
 
     @property
     def flow_cache_bytes(self) -> int:
