@@ -23,8 +23,10 @@ class RowSpans:
     [key_starts[i], key_starts[i + 1]) (bounded by the key count), or with key_used [R] the first key_used[i]
     from key_starts[i] (rows may then share keys: a key slot is laid out once for every query segment of its
     row, and starts need not increase); key_index [K]: each key slot's place in (earlier frames' keys, then
-    the call's own), from which the caller lays them out; bound: an empty tensor as long as the longest row
-    (for compiled callers, a shape rather than a number)."""
+    the call's own), from which the caller lays them out; past_frames [P]: where each earlier frame's key lies
+    in the earlier keys the caller is given (None: given in order; e.g. a pool's blocks, gathered by the
+    caller's compiled code with the rest); bound: an empty tensor as long as the longest row (for compiled
+    callers, a shape rather than a number)."""
 
     starts: Tensor
     longest: int | None = None
@@ -32,6 +34,7 @@ class RowSpans:
     key_index: Tensor | None = None
     bound: Tensor | None = None
     key_used: Tensor | None = None
+    past_frames: Tensor | None = None
 
     @property
     def keys(self) -> Tensor:

@@ -210,8 +210,7 @@ class Attention(nn.Module):
             q, k, v = (y.view(n, self.heads, -1) for y in (q, k, v))
             keys, values, spans = k, v, mask
             if mask.key_index is not None:
-                keys, values = ((y if p is None else torch.cat((p.to(y.dtype), y)))[mask.key_index]
-                                for y, p in zip((k, v), past or (None, None)))
+                keys, values = (_laid_out(y, p, mask) for y, p in zip((k, v), past or (None, None)))
                 # bounds from shapes (the longest segment's as an empty tensor's length): compiled code then
                 # sees no number that changes from call to call
                 spans = RowSpans(mask.starts, mask.bound.shape[0], mask.key_starts, key_used=mask.key_used)
@@ -227,6 +226,16 @@ class Attention(nn.Module):
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         out = self.to_out[0](out.transpose(1, 2).reshape(b, n, -1))
         return out.masked_fill(~valid[..., None], 0.0), (k, v)
+
+
+def _laid_out(new: Tensor, past: Tensor | None, spans: RowSpans) -> Tensor:
+    """The keys (or values) of `spans.key_index`'s layout from the earlier frames' (`past`, at `past_frames`
+    where given: compiled, the pool's blocks are read once, straight into the layout) and this call's."""
+    if past is None:
+        return new[spans.key_index]
+    if spans.past_frames is not None:
+        past = past[spans.past_frames]
+    return torch.cat((past.to(new.dtype), new))[spans.key_index]
 
 
 class FeedForward(nn.Module):
@@ -386,7 +395,8 @@ class DiT(nn.Module):
     def forward_continued_packed(self, x: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, t: Tensor, packing,
                                  past: list | None, tails) -> tuple[Tensor, list, list]:
         """`forward_continued` of packed new frames (a `Packing` by `continued_packing`): x, mu, cond [1, S, mel];
-        spks [R, spk], t [R] per row; past: each layer's earlier (keys, values) [P, H, D] packed by row
+        spks [R, spk], t [R] per row; past: each layer's earlier (keys, values) [P, H, D] packed by row, or
+        those of every frame they are read from at the mask's `past_frames`
         (None: none); tails: the input embedding's context per row (None: zeros). -> (velocity [1, S, mel],
         each layer's keys and values of these frames [S, H, D], the convolutions' input layouts)."""
         temb = self.time_embed(t)

@@ -16,6 +16,8 @@ live in a `FlowCachePool` (fixed memory, in blocks of a chunk).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask
@@ -304,11 +306,13 @@ def _solve_packed(flow, requests: list, caches: list, blocks: _Blocks, lengths: 
     mu_p, cond_p = (y.reshape(-1, y.shape[-1])[packing.frames][None] for y in (mu2, cond2))
     x = cfm.noise[0].T[packing.positions[:half]].to(state)
     index = blocks.pool.past_index(caches) if any(c is not None for c in caches) else None
+    if index is not None:  # each layer reads its past straight from the pool's blocks (`DiT._laid_out`)
+        packing = replace(packing, mask=replace(packing.mask, past_frames=blocks.pool.frames_of(index)))
     slots = _kept_slots(new, blocks.keep, dev)
     tails = _Tails(caches, blocks.keep, cfm.n_timesteps, pad, mu)
     tail_slots = packing.ends[tails.doubled]  # [2 * kept, pad]: the kept rows' last pad slots of each layout
     def velocity(step: int, t: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        past = [(layer[0], layer[1]) for layer in blocks.pool.past(step, index)] if index is not None else None
+        past = blocks.pool.layers_at(step) if index is not None else None
         xin = x.to(mu2.dtype)
         v, kvs, layouts = dit.forward_continued_packed(torch.cat((xin, xin))[None], mu_p, cond_p, spks2,
                                                        t.to(mu2.dtype).expand(2 * b), packing, past, tails.at(step))

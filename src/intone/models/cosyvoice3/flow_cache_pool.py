@@ -163,6 +163,16 @@ class FlowCachePool:
         """The past at this Euler step of the blocks `past_index` gave: [layers, 2, blocks * chunk, heads, size]."""
         return self.kv[step].index_select(2, index).flatten(2, 3)
 
+    def frames_of(self, index: Tensor) -> Tensor:
+        """The frames of the blocks `past_index` gave, in `layers_at`'s flattened blocks: [blocks * chunk]."""
+        chunk = self.kv.shape[4]
+        return (index[:, None] * chunk + torch.arange(chunk, device=index.device)).flatten()
+
+    def layers_at(self, step: int) -> list[tuple[Tensor, Tensor]]:
+        """Per layer, the (keys, values) of every block at this Euler step, blocks flattened: views
+        [(blocks + 1) * chunk, heads, size], no copy."""
+        return [(layer[0].flatten(0, 1), layer[1].flatten(0, 1)) for layer in self.kv[step]]
+
     def store(self, step: int, blocks: Tensor, kv: Tensor) -> None:
         """Write these blocks' keys and values at this step: blocks [n] (device), kv [layers, 2, n * chunk, heads, size]."""
         if blocks.numel() == 0:
