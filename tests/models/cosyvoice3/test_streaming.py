@@ -241,8 +241,9 @@ def test_whole_responses_at_fixed_sizes_get_the_varlen_audio(cosy64):
 def test_beside_the_flow_cache_whole_rows_run_at_fixed_sizes_and_every_window_keeps_its_audio(cosy64):
     """`cosyvoice3.flow.cuda_graphs` beside the flow cache (the streaming profile, varlen, preempt): a call's whole
     rows (a full response; a stream's final hop, which officially re-solves the whole utterance) run at fixed
-    sizes in a call of their own, each Euler step apart (its pause points kept), and the continued hops as
-    before; every window's audio is the one without graphs (float64)."""
+    sizes in a call of their own, each Euler step apart (its pause points kept; the steps' graphs are what
+    start-up captures, so a call the codec runs unpaused replays them too), and the continued hops as before;
+    every window's audio is the one without graphs (float64)."""
     from intone.engine.config import load_profile as profile_of
     from intone.engine.cuda_graphs import FunctionGraphs
     from intone.models.vocoder import CodecWindow
@@ -259,8 +260,7 @@ def test_beside_the_flow_cache_whole_rows_run_at_fixed_sizes_and_every_window_ke
         first = [CodecWindow(0, "a", codes[0], prompts[0], 0, 25, 0, False),  # a stream's first hop
                  CodecWindow(1, "b", codes[1], prompts[1], 0, 41, 0, True)]  # a full response
         audio, states = vocoder.decode(first, {}, lambda: pauses.append(1))
-        final, _ = vocoder.decode([CodecWindow(0, "a", codes[0], prompts[0], 25, 64, 0, True)], states,
-                                  lambda: pauses.append(1))
+        final, _ = vocoder.decode([CodecWindow(0, "a", codes[0], prompts[0], 25, 64, 0, True)], states)  # unpaused
         return audio + final, vocoder, len(pauses)
 
     slotted, graphed, graphed_pauses = run(**{"cosyvoice3.flow.cuda_graphs": True})

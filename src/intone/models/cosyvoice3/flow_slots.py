@@ -104,17 +104,20 @@ def solve_inputs(flow, requests: list[FlowRequest], layout: SlotLayout) -> tuple
 
 
 @torch.inference_mode()
-def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, pause=None) -> list[Tensor]:
+def solve_slots(flow, requests: list[FlowRequest], layout: SlotLayout, graphs, pause=None,
+                stepped: bool = False) -> list[Tensor]:
     """Per request the mel [80, T_out] that `CosyFlow.inference` gives it: the whole solve replayed from the
-    graph of the layout's shape, or (pause: called after each Euler step) each step from its own; computed
-    eagerly where none was captured."""
+    graph of the layout's shape, or (pause: called after each Euler step; stepped: the steps' graphs are the
+    ones captured, `capture_slots(whole=False)`) each step from its own; computed eagerly where none was
+    captured."""
     x, conditions, layout_inputs = solve_inputs(flow, requests, layout)
-    if pause is None:
+    if pause is None and not stepped:
         x = graphs.run(SOLVE_GRAPH, flow.decoder.slot_solve, x, *conditions, *layout_inputs)[0]
     else:
         for t, dt in cosine_euler_steps(flow.decoder.n_timesteps, x.device, x.dtype):
             x = graphs.run(STEP_GRAPH, flow.decoder.slot_step, x, *conditions, t, dt, *layout_inputs)[0]
-            pause()
+            if pause is not None:
+                pause()
     out, start = [], 0
     for r, n in zip(requests, layout.lengths):
         out.append(x[start + r.prompt_mel.shape[0]: start + n].T.float().contiguous())

@@ -353,7 +353,9 @@ class CosyVocoder(Vocoder):
             layout = self._slot_layout(batch) if all(given[i] is None for i in idx) else None
             with self._autocast():
                 if layout is not None:
-                    mels, kept = solve_slots(model.flow, batch, layout, self.graphs, pause), [None] * len(idx)
+                    # where the codec pauses, the steps' graphs are captured: a call it runs unpaused replays them too
+                    mels = solve_slots(model.flow, batch, layout, self.graphs, pause, stepped=self.pauses)
+                    kept = [None] * len(idx)
                 elif self.flow_cache:
                     mels, kept = solve_continued(model.flow, batch, [given[i] for i in idx],
                                                  [keep[i] for i in idx], pause, self.pool)
