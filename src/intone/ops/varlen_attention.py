@@ -21,8 +21,8 @@ class RowSpans:
     sees no Python number that changes from call to call). key_starts: where the rows' keys differ from
     their queries (a row's queries over its earlier frames and its own), row i's keys are key slots
     [key_starts[i], key_starts[i + 1]) (bounded by the key count), or with key_used [R] the first key_used[i]
-    from key_starts[i] (rows may then share keys: a key slot is laid out once for every query segment of its
-    row, and starts need not increase); key_index [K]: each key slot's place in (earlier frames' keys, then
+    from key_starts[i] (rows may then share keys, e.g. the query segments of one row its keys, laid out once,
+    and the starts need not increase); key_index [K]: each key slot's place in (earlier frames' keys, then
     the call's own), from which the caller lays them out; past_frames [P]: where each earlier frame's key lies
     in the earlier keys the caller is given (None: given in order; e.g. a pool's blocks, gathered by the
     caller's compiled code with the rest); bound: an empty tensor as long as the longest row (for compiled
