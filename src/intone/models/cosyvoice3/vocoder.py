@@ -109,6 +109,12 @@ def compile_batches(flow, device) -> list[list[FlowRequest]]:
     return batches
 
 
+def whole_row(job: FlowRequest) -> bool:
+    """A row solved whole with full attention (a final hop or a full response, with no earlier frames under the
+    chunk mask): never continued from a flow cache, so it may run at fixed sizes (`flow_slots`)."""
+    return not job.streaming and job.full_from is None
+
+
 def warm_continued(flow, row: FlowRequest) -> None:
     """Compile the flow cache's two solves (`solve_continued`) at start-up: three streams' first hops (no
     cache; 200 mel frames), then their next (200 solved + 50 new). Sizes that differ from each other
@@ -229,7 +235,7 @@ class CosyVocoder(Vocoder):
     def _slot_layout(self, jobs: list[FlowRequest]) -> SlotLayout | None:
         """The fixed-size layout of a call of whole rows (None: not slotted, a streamed row or one whose earlier
         frames keep the chunk mask (`full_from`), or beyond the buckets)."""
-        if self.graphs is None or not self.slotted or any(j.streaming or j.full_from is not None for j in jobs):
+        if self.graphs is None or not self.slotted or not all(map(whole_row, jobs)):
             return None
         layout = slot_layout(self.model.flow.mel_lengths(jobs), self.graph_frames)
         # on a GPU only a captured shape (another would only add padding); elsewhere every one, eagerly
@@ -344,13 +350,13 @@ class CosyVocoder(Vocoder):
         # (flow_cache) are not solved already
         lengths = [(n - (given[i].frames if given[i] is not None else 0)) // ratio
                    for i, n in zip(live, model.flow.mel_lengths([jobs[i] for i in live]))]
-        for group in self._flow_groups(lengths, [jobs[i] for i in live], [given[i] for i in live]):
+        for group in self._flow_groups(lengths, [jobs[i] for i in live]):
             idx = [live[g] for g in group]
             batch = [jobs[i] for i in idx]
             # no padding computed (not with graphs; with the cache, only by the varlen kernel)
             packed = model.flow.runs_packed(batch) if not self.flow_cache else \
                 model.flow.decoder.estimator.attention_kernel == "varlen"
-            layout = self._slot_layout(batch) if all(given[i] is None for i in idx) else None
+            layout = self._slot_layout(batch)
             with self._autocast():
                 if layout is not None:
                     # where the codec pauses, the steps' graphs are captured: a call it runs unpaused replays them too
@@ -378,12 +384,11 @@ class CosyVocoder(Vocoder):
                 out[i], flows[i] = mel[:, ratio * windows[i].start - skip:], flow
         return out, flows
 
-    def _flow_groups(self, lengths: list[int], jobs: list[FlowRequest], given: list) -> list[list[int]]:
+    def _flow_groups(self, lengths: list[int], jobs: list[FlowRequest]) -> list[list[int]]:
         """The flow calls of these jobs (`group_jobs`; indices into them). With the flow cache and slotted calls,
-        the streams' whole final hops (no cache, no chunk mask) are grouped apart from the continued hops, so
+        the whole rows (streams' final hops, full responses) are grouped apart from the continued hops, so
         their calls can run at fixed sizes (`_slot_layout`)."""
-        whole = [i for i, (job, cache) in enumerate(zip(jobs, given))
-                 if self.flow_cache and self.slotted and cache is None and not job.streaming and job.full_from is None]
+        whole = [i for i, job in enumerate(jobs) if whole_row(job)] if self.flow_cache and self.slotted else []
         parts = [whole, sorted(set(range(len(jobs))) - set(whole))] if whole else [list(range(len(jobs)))]
         groups = []
         for part in parts:
