@@ -4,6 +4,7 @@
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
+# PYSPY=1 (pair; carry the py-spy wheel in .whl): the engine core's GIL holders mid-bench (tools/gil_holders.py).
 # BENCH_ARGS: more `intone bench` options for fish-http / fish-stream (e.g. --reference-pool 16).
 # before-after: BEFORE_STAGES (default "fish-http cosy-stream") on .before/ (tools/before_tree.sh COMMIT; carry .before), then here.
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
@@ -114,8 +115,13 @@ for stage in "$@"; do
           flag=; [ "${b%%+*}" = stream ] && flag=--stream; seed=$((seed + 100000))
           [[ $b == *+tl* ]] && flag="$flag --profile-seconds ${PROFILE_S:-4}"  # full+tl, stream+tl: a timeline
           [[ $b == *+pool* ]] && flag="$flag --reference-pool 16"  # full+pool: cached references (reported beside)
+          # PYSPY=1: which threads of the engine core hold the GIL, sampled mid-bench (PYSPY_AFTER s in, PYSPY_S s)
+          [ "${PYSPY:-0}" = 1 ] && (sleep ${PYSPY_AFTER:-8}; core=$(pgrep -f "intone.engine.process" | head -1)
+            /tmp/site/bin/py-spy record --pid "$core" --duration ${PYSPY_S:-10} --gil --threads --nonblocking \
+              --format raw --output "$d/$b-gil.txt" > "$d/$b-pyspy.log" 2>&1) & spy=$!
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
+          wait $spy; [ -s "$d/$b-gil.txt" ] && python3 tools/gil_holders.py "$d/$b-gil.txt" --seconds ${PYSPY_S:-10} | head -40 || { [ "${PYSPY:-0}" = 1 ] && tail -3 "$d/$b-pyspy.log"; }
           grep "^| 64\|^- C64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
           sed -n '/^## GPU timeline/,/^Plots:/p' "$d/$b/report.md" | grep -v '^Plots:\|^```$\|^$' | head -40
         done
