@@ -39,9 +39,11 @@ def _decodes(model, runner, blocks, lens, g, top_k_step=1, modes=(None,)):
     return [StepInput(r.request_id, r.prompt, r.params, [t], c, r.block_table) for r, t, c in zip(reqs, tokens, codes)]
 
 
-@pytest.mark.parametrize("name", ["fish-s2", "cosyvoice3"])
-def test_replayed_step_equals_the_eager_static_step_bitwise(name, tiny_cache):
+@pytest.mark.parametrize("name,autocast", [("fish-s2", None), ("cosyvoice3", None), ("cosyvoice3", torch.float16)])
+def test_replayed_step_equals_the_eager_static_step_bitwise(name, autocast, tiny_cache):
     model = load_model(str(resolve_model_dir(f"tiny:{name}")), device="cuda", dtype=torch.float32)
+    if autocast is not None:  # ar.autocast: the official fp16 talker, its KV cache in fp16
+        model.use_ar_autocast(autocast)
     blocks = BlockManager(256, 16)
     kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
     graphed = ModelRunner(model, kv, cuda_graphs=True)

@@ -44,6 +44,10 @@ class ARConfig(_Strict):
     block_size: int = Field(16, ge=1)
     kv_cache_tokens: int | None = Field(None, ge=1, description="KV capacity in tokens (default: enough for every seat)")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = "auto"
+    autocast: Literal["none", "float16"] = Field(
+        "none", description="the AR as its official code runs under autocast to this dtype (GPU only; CosyVoice3's "
+                            "fp16=True: the LLM's GEMMs and attention in fp16, its embeddings, residual stream and "
+                            "norms in fp32, the KV cache fp16)")
     cuda_graphs: bool = Field(True, description="replay captured graphs where the model has them (GPU only)")
     static_step: Literal["auto"] | bool = Field(
         "auto", description="the AR step's static form (engine/step_graphs.py: the host writes a step's inputs at "

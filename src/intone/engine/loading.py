@@ -61,7 +61,10 @@ def load_for_profile(model_spec: str, profile: Profile):
     if not model_spec.startswith(("tiny:", "random:")):
         resolve_model_dir(model_spec)  # a path that is not there is named as such, before anything else
     profile.options_for(family_of(model_spec))  # another family's section is refused before the load
-    return load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
+    model = load_model(model_spec, device=device, dtype=dtype, codec_dtype=codec_dtype)
+    if profile.ar.autocast != "none" and device.startswith("cuda"):  # as half precision above: GPUs only
+        model.use_ar_autocast(getattr(torch, profile.ar.autocast))
+    return model
 
 
 def set_cuda_connections(connections: int | None) -> None:

@@ -162,6 +162,11 @@ class TTSModel(abc.ABC):
         whose clip is done need not wait for the rest of the batch. Default: the batch's results."""
         yield from enumerate(self.reference_features_batch(clips, field))
 
+    def use_ar_autocast(self, dtype: torch.dtype) -> None:
+        """Run the AR as its official code does under autocast to `dtype` (`ar.autocast`); `dtype` then says
+        what its KV cache holds. Default: not supported."""
+        raise ValueError(f"ar.autocast: {self.name} has no autocast mode")
+
     def configure_frontend(self, options) -> None:
         """Take the settings of the family's own profile section (`Profile.options_for`) that concern
         the model's reference networks (before `warm_up_frontend`; default: none)."""

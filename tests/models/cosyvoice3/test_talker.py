@@ -62,3 +62,32 @@ def test_logits_equal_transformers_qwen2_fed_the_official_layout(cosy64):
         expected = t.llm_decoder(hidden[len(prompt) - 1 :])
     for i, logits in enumerate(ours):
         assert torch.allclose(logits.double(), expected[i].double(), atol=1e-9, rtol=0), i
+
+
+def test_autocast_fp16_follows_the_official_fp16_talker_and_differs_from_a_half_cast(tiny_cosy_dir):
+    """`ar.autocast: float16` is the official `fp16=True` talker: transformers' Qwen2 (fp32 weights) under fp16
+    autocast. Our steps (prefill, then decodes over an fp16 KV cache) give its logits within fp16 rounding of the
+    sums' order, and closer than the same weights cast whole to fp16 (the residual stream and norms in fp16)."""
+    from intone.models.registry import load_model
+
+    model = load_model(str(tiny_cosy_dir), dtype=torch.float32)
+    hf = hf_qwen(model).float()
+    prompt = model.build_prompt("Hello there.", [VoiceReference(text="A reference.", audio=voice_audio(),
+                                                                sample_rate=16000)])
+    continuation = [17, 4000, 6560, 3]
+    t = model.talker
+    with torch.no_grad():
+        seq = torch.cat([t.embed(prompt.tokens, prompt.codes[:, 0]), t.speech_embedding.weight[continuation]])
+        with torch.autocast("cpu", dtype=torch.float16):
+            hidden = hf(inputs_embeds=seq[None], output_hidden_states=True).hidden_states[-1][0]
+            expected = t.llm_decoder(hidden[len(prompt) - 1:]).float()
+    halved = load_model(str(tiny_cosy_dir), dtype=torch.float16)
+    model.use_ar_autocast(torch.float16)
+    assert model.dtype == torch.float16 and t.speech_embedding.weight.dtype == torch.float32
+    ours = torch.stack(run_steps(model, prompt, continuation))
+    cast = torch.stack(run_steps(halved, prompt, continuation)).float()
+    scale = expected.abs().max()
+    assert ours.dtype == torch.float32
+    err, cast_err = (ours - expected).abs().max() / scale, (cast - expected).abs().max() / scale
+    assert err < 2e-3, err
+    assert err < cast_err / 2, (err, cast_err)

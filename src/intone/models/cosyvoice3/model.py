@@ -63,6 +63,13 @@ class CosyVoice3(TTSModel):
              codec_dtype: torch.dtype = torch.float32) -> "CosyVoice3":
         return load_cosyvoice3(cls, Path(model_dir), torch.device(device), dtype or torch.float32, codec_dtype)
 
+    def use_ar_autocast(self, dtype: torch.dtype) -> None:
+        """The official `fp16=True` talker (fp16 autocast; `CosyTalker.use_autocast`), its KV cache in fp16."""
+        if dtype != torch.float16:
+            raise ValueError("ar.autocast: CosyVoice3's official code autocasts its LLM to float16 only")
+        self.talker.use_autocast(dtype)
+        self.dtype = self.talker.kv_dtype
+
     # ---- references and prompts -------------------------------------------------------------
 
     def reference_features(self, audio: Tensor, sample_rate: int, field: str = "ref_audio") -> dict[str, Tensor]:

@@ -3,6 +3,12 @@
 Module names mirror `llm.pt` (`llm.model.model.*` is the Qwen2 stack, `speech_embedding`,
 `llm_decoder`), so loading is a strict state-dict load. Attention runs over the engine's
 paged KV cache; RoPE is Qwen2's (NeoX halves, cos/sin in fp32 then cast to the model dtype).
+
+`use_autocast(float16)` gives the official `fp16=True` numerics (its LLM runs under fp16 autocast): the
+GEMMs' weights stored in fp16 (the bits autocast's per-op cast gives) and their inputs rounded to it, while
+the embeddings, the residual stream and the norms stay fp32; RoPE multiplies the fp16 projections by fp32
+tables (so in fp32, by type promotion) and attention reads queries, keys and values in fp16, as autocast's
+SDPA does. In the model's own dtype every cast below is a no-op.
 """
 
 from __future__ import annotations
@@ -80,12 +86,13 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv: tuple[Tensor, Tensor], attend):
         """attend(q, k_cache, v_cache) -> [T, H, D], after this step's keys are stored at `slots`."""
+        x = x.to(self.o_proj.weight.dtype)
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q = apply_rope(q.unflatten(-1, (self.heads, self.head_dim)), cos, sin)
         k = apply_rope(k.unflatten(-1, (self.kv_heads, self.head_dim)), cos, sin)
         v = v.unflatten(-1, (self.kv_heads, self.head_dim))
         store_kv(kv[0], kv[1], k, v, slots)
-        return self.o_proj(attend(q, kv[0], kv[1]).flatten(-2))
+        return self.o_proj(attend(q.to(kv[0].dtype), kv[0], kv[1]).flatten(-2))
 
 
 class MLP(nn.Module):
@@ -97,6 +104,7 @@ class MLP(nn.Module):
         self.gate_up: JoinedLinear | None = None  # set by CosyTalker.join_projections
 
     def forward(self, x: Tensor) -> Tensor:
+        x = x.to(self.down_proj.weight.dtype)
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(fused.silu_mul(gate, up))
 
@@ -149,6 +157,26 @@ class CosyTalker(nn.Module):
         self.speech_embedding = nn.Embedding(speech_token_size + extra_ids, s.hidden_size)
         self.llm_decoder = nn.Linear(s.hidden_size, speech_token_size + extra_ids, bias=False)
 
+    def gemms(self) -> list[nn.Linear]:
+        """The layers that official fp16 autocast runs in fp16 (every Linear that is not tied to an embedding)."""
+        out = [self.llm_decoder]
+        for layer in self.llm.model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+        return out
+
+    def use_autocast(self, dtype: torch.dtype) -> None:
+        """Run as the official code does under autocast to `dtype` (module docstring): the GEMMs' weights
+        stored in it, joined again."""
+        for layer in self.gemms():
+            layer.to(dtype)
+        self.join_projections()
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What attention reads: the GEMMs' dtype (fp16 under autocast), else the model's."""
+        return self.llm_decoder.weight.dtype
+
     def join_projections(self) -> None:
         """q/k/v and gate/up as one GEMM each (ops.joined_linear): call once the weights are loaded
         where they will run."""
@@ -183,5 +211,5 @@ class CosyTalker(nn.Module):
         return x
 
     def _logits(self, h: Tensor) -> Tensor:
-        logits = self.llm_decoder(self.llm.model.model.norm(h))
+        logits = self.llm_decoder(self.llm.model.model.norm(h).to(self.llm_decoder.weight.dtype))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 (fp64 models: fp64)
