@@ -5,6 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
+# The processes the tests start (servers and their engine cores, CLI runs, the jobs run beside the tests, worker
+# pools, codec and frontend processes) run one torch thread each, unless OMP_NUM_THREADS says otherwise: they run
+# beside this process or one another, and a process whose OpenMP team outnumbers the cores left to it waits at
+# every parallel op for a thread that is not running (a strict-server stream ran 4-20x slower beside one `intone`
+# run). This process keeps its own threads (its model tests compute alone).
+_THREADS = torch.get_num_threads()
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(_THREADS)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -13,6 +22,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The module's torch ops on one thread (this process's count restored after it). For modules whose engines
+    run a loop thread and a codec (or frontend) thread, or whose worker process computes beside them: each with
+    two threads of its own, they would contend for the two cores of a CI machine at every parallel op (and the
+    tiny models' ops gain little from a second thread); each module measured faster so on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

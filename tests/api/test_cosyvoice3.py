@@ -3,11 +3,13 @@
 import base64
 import io
 import json
+import os
 
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 
 from .conftest import stop_server
 
@@ -56,8 +58,14 @@ def test_whole_audio_is_the_one_pass_decode_and_the_stream_carries_the_same_fram
                                       [VoiceReference("A short reference sentence.", audio=ref, sample_rate=ref_rate)],
                                       default_params(profile, seed=11, max_new_tokens=70), stream=False))
     chunks = []
-    while core.has_work():
-        chunks += core.step()
+    threads = torch.get_num_threads()
+    # as many threads as the server's engine core (OMP_NUM_THREADS, tests/conftest.py): the same float32 sums
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads)))
+    try:
+        while core.has_work():
+            chunks += core.step()
+    finally:
+        torch.set_num_threads(threads)
     core.close()
     assert len(chunks) == 1 and chunks[0].finished
     expected = np.clip(np.round(chunks[0].audio * 32767), -32768, 32767)

@@ -52,7 +52,13 @@ def test_a_frontend_process_gives_the_features_of_the_model_here(tiny_cache):
     try:
         encoder.wait_ready()
         clips = [(clip(i), 16000) for i in range(3)]
-        here = dict(core.model.reference_features_as_ready(clips))
+        threads = torch.get_num_threads()
+        # as many threads as the process (OMP_NUM_THREADS, tests/conftest.py): the same sums, bit for bit
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads)))
+        try:
+            here = dict(core.model.reference_features_as_ready(clips))
+        finally:
+            torch.set_num_threads(threads)
         there = dict(encoder.encode(clips))
         assert sorted(there) == [0, 1, 2]
         for i in range(3):

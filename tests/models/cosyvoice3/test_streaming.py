@@ -109,8 +109,10 @@ def official_full(model, tokens, features, **kw):
     return _official(_official_full, model, tokens, features, **kw)
 
 
-def _reference_start(model_dir: str) -> None:
-    """The worker's models: `cosy64` (float64 talker, flow and HiFT) and `tiny_cosy`, as the fixtures load them."""
+def _reference_start(model_dir: str, threads: int) -> None:
+    """The worker's models: `cosy64` (float64 talker, flow and HiFT) and `tiny_cosy`, as the fixtures load them;
+    its torch threads the test process's (the references' float32 features are the same sums, bit for bit)."""
+    torch.set_num_threads(threads)
     _MODELS["cosy64"] = load_model(model_dir, dtype=torch.float64, codec_dtype=torch.float64)
     _MODELS["tiny_cosy"] = load_model(model_dir)
 
@@ -127,12 +129,17 @@ def _reference(name, frontend, kernel, packed, text, ref, params, asks):
     return frames, tokens, int(prompt.conditioning.speech_tokens.shape[0]), audio
 
 
+# The module's engines on one torch thread, its references worker (below) on the other core.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(scope="module")
-def references(tiny_cosy_dir, cosy64, tiny_cosy):
+def references(one_torch_thread, tiny_cosy_dir, cosy64, tiny_cosy):
     """references(model, profile, text, ref, params, *asks) -> a future of `_reference`'s answer, for the test's
-    `model` (cosy64 or tiny_cosy) once its engine is built with `profile` (which set the model's flow)."""
+    `model` (cosy64 or tiny_cosy) once its engine is built with `profile` (which set the model's flow); the
+    worker runs as many torch threads as the module's engines (one)."""
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_reference_start,
-                               initargs=(str(tiny_cosy_dir),))
+                               initargs=(str(tiny_cosy_dir), torch.get_num_threads()))
     names = {id(cosy64): "cosy64", id(tiny_cosy): "tiny_cosy"}
 
     def submit(model, profile, text, ref, params, *asks):
