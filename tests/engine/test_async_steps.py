@@ -10,6 +10,9 @@ from intone.engine.core import EngineCore
 from intone.models.registry import load_model
 from intone.protocol import SamplingParams, SynthesisRequest
 
+# The engine's loop and codec threads on one torch thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEXTS = ["Hello world", "A longer sentence to say.", "Hi", "Numbers 1, 2, 3."]
 
 

@@ -12,6 +12,9 @@ from intone.engine.core import EngineCore
 from intone.models.registry import load_model
 from intone.protocol import SamplingParams, SynthesisRequest
 
+# The engine's loop and codec worker threads on one torch thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def run(model, overlap: bool, cancel_at: int | None = None, **overrides):
     profile = load_profile("fish-s2-default", device="cpu", **{"codec.overlap": overlap, **overrides})

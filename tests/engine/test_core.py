@@ -16,6 +16,9 @@ from intone.engine.trace import FrameTracer, audit_file
 from intone.models.registry import load_model
 from intone.protocol import SamplingParams, SynthesisRequest
 
+# The engine's loop and codec threads on one torch thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def fish64(tiny_fish_dir):

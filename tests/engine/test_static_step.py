@@ -15,6 +15,9 @@ from intone.models.registry import load_model
 from intone.ops.kv_cache import BlockManager, KVCache
 from intone.protocol import SamplingParams, SynthesisRequest, VoiceReference
 
+# The engine's loop and codec threads on one torch thread each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEXTS = ["Hello world", "A longer sentence to say.", "Hi", "Numbers 1, 2, 3."]
 
 
