@@ -76,10 +76,11 @@ def stop_server(server: Server) -> None:
 
 class BootAhead:
     """Servers for tests that each end their own, in the order the tests take them: taking one
-    launches the next, so it boots while this test runs (a boot is mostly imports, one core at a time)."""
+    launches the next, so it boots while this test runs (a boot is mostly imports, one core at a time);
+    with `ahead` > 1, the ones after it too, once the server taken is up (its boot not slowed by theirs)."""
 
-    def __init__(self, tmp_path_factory, cache: Path, plans: dict[str, tuple[str, ...]]):
-        self.tmp_path_factory, self.cache, self.plans = tmp_path_factory, cache, plans
+    def __init__(self, tmp_path_factory, cache: Path, plans: dict[str, tuple[str, ...]], ahead: int = 1):
+        self.tmp_path_factory, self.cache, self.plans, self.ahead = tmp_path_factory, cache, plans, ahead
         self.launched: dict[str, Server] = {}
 
     def _launch(self, name: str) -> None:
@@ -89,9 +90,13 @@ class BootAhead:
     def take(self, name: str) -> Server:
         self._launch(name)
         names = list(self.plans)
-        for following in names[names.index(name) + 1:][:1]:
-            self._launch(following)
-        return wait_ready(self.launched[name])
+        following = names[names.index(name) + 1:][:self.ahead]
+        for later in following[:1]:
+            self._launch(later)
+        server = wait_ready(self.launched[name])
+        for later in following[1:]:
+            self._launch(later)
+        return server
 
     def close(self) -> None:
         for s in self.launched.values():

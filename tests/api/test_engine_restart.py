@@ -15,14 +15,15 @@ BODY = {"input": "Back again.", "seed": 1, "max_new_tokens": 12}
 
 @pytest.fixture(scope="module")
 def own_server(tiny_cache, tiny_fish_dir, tmp_path_factory):
-    """The tests' servers, each ended by its test, in file order: taking one boots the next meanwhile
-    (these tests mostly wait: for a hang to be noticed, an engine to be replaced, a server to stop)."""
+    """The tests' servers, each ended by its test, in file order: taking the first boots the other two meanwhile
+    (these tests mostly wait: for a hang to be noticed, an engine to be replaced, a server to stop; the second
+    test lasts too short a time for the third's boot)."""
     profiles = tmp_path_factory.mktemp("restart-profiles")
     boots = BootAhead(tmp_path_factory, tiny_cache, {
         "restart": ("--engine-hang-seconds", "3"),
         "exit": ("--engine-restart", "exit"),
         "profiled": ("--engine-hang-seconds", "2", "--profile-dir", str(profiles)),
-    })
+    }, ahead=2)
     yield boots.take
     boots.close()
 
