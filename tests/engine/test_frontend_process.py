@@ -47,10 +47,10 @@ def run(process: bool, bad: int | None = None):
 
 def test_a_frontend_process_gives_the_features_of_the_model_here(tiny_cache):
     profile = load_profile(PROFILE, device="cpu")
-    core = EngineCore.build(SPEC, profile)  # the model as the engine loads it, its frontend here
-    encoder = FrontendProcess(SPEC, profile)
+    encoder = FrontendProcess(SPEC, profile)  # its process starts up while the model loads and encodes here
+    core = None
     try:
-        encoder.wait_ready()
+        core = EngineCore.build(SPEC, profile)  # the model as the engine loads it, its frontend here
         clips = [(clip(i), 16000) for i in range(3)]
         threads = torch.get_num_threads()
         # as many threads as the process (OMP_NUM_THREADS, tests/conftest.py): the same sums, bit for bit
@@ -59,6 +59,7 @@ def test_a_frontend_process_gives_the_features_of_the_model_here(tiny_cache):
             here = dict(core.model.reference_features_as_ready(clips))
         finally:
             torch.set_num_threads(threads)
+        encoder.wait_ready()
         there = dict(encoder.encode(clips))
         assert sorted(there) == [0, 1, 2]
         for i in range(3):
@@ -68,7 +69,8 @@ def test_a_frontend_process_gives_the_features_of_the_model_here(tiny_cache):
                 assert torch.equal(there[i][name], here[i][name]), name
     finally:
         encoder.close()
-        core.close()
+        if core is not None:
+            core.close()
 
 
 def test_requests_get_the_chunks_of_the_frontend_threads_and_a_bad_clip_refuses_its_own(tiny_cache):
