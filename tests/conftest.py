@@ -5,14 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
-# The processes the tests start (servers and their engine cores, CLI runs, the jobs run beside the tests, worker
-# pools, codec and frontend processes) run one torch thread each, unless OMP_NUM_THREADS says otherwise: they run
-# beside this process or one another, and a process whose OpenMP team outnumbers the cores left to it waits at
-# every parallel op for a thread that is not running (a strict-server stream ran 4-20x slower beside one `intone`
-# run). This process keeps its own threads (its model tests compute alone).
-_THREADS = torch.get_num_threads()
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(_THREADS)
+# Without a GPU, the processes the tests start (servers and their engine cores, CLI runs, the jobs run beside the
+# tests, worker pools, codec and frontend processes) run one torch thread each, unless OMP_NUM_THREADS says
+# otherwise: they run beside this process or one another, and a process whose OpenMP team outnumbers the cores
+# left to it waits at every parallel op for a thread that is not running (a strict-server stream ran 4-20x slower
+# beside one `intone` run on 2 cores). This process keeps its own threads (its model tests compute alone).
+if not torch.cuda.is_available():
+    _THREADS = torch.get_num_threads()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(_THREADS)
 
 
 def pytest_collection_modifyitems(config, items):
