@@ -172,6 +172,38 @@ def test_a_loop_asleep_on_its_tokens_gets_the_tokens_of_one_spinning(tiny_fish_d
         assert np.abs(audio[0] - audio[1]).max() < 0.1 * np.abs(audio[0]).max(), rid
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_step_whose_tokens_arrive_before_its_gpu_span_ends_is_counted_not_fatal(tiny_fish_dir, in_flight):
+    """The static step's launch enqueues its tokens' copy before the loop records the end of the step's GPU
+    span, so the host can hold the tokens while that event is still pending (a served CosyVoice3 core died of
+    `elapsed_time` on it). Here GPU work queued after every step's copy widens that moment to ~10 ms: every
+    request still ends as it should and every step's span is counted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    model = load_model(str(tiny_fish_dir), device="cuda")
+    params = [SamplingParams(seed=80 + i, max_new_tokens=6 + 3 * i, temperature=1.0) for i in range(4)]
+    core = EngineCore(model, profile(in_flight, device="cuda"))
+    run = core.ar.runner.run
+
+    def run_then_busy(inputs):
+        out = run(inputs)
+        torch.cuda._sleep(20_000_000)  # after the copy, before the span's end event
+        return out
+
+    core.ar.runner.run = run_then_busy
+    for i in range(4):
+        core.add_request(SynthesisRequest(f"r{i}", TEXTS[i], params=params[i]))
+    ends = {}
+    while core.has_work():
+        for c in core.step():
+            if c.stop_reason:
+                ends[c.request_id] = (c.stop_reason, c.end_frame)
+    assert set(ends) == {f"r{i}" for i in range(4)}
+    assert all(reason in ("length", "stop") for reason, _ in ends.values()), ends
+    assert core.stats.gpu_timed_steps == core.stats.steps > 0
+
+
 def test_a_paced_loop_steps_at_most_every_min_step_ms_and_gives_the_same_audio(fish64):
     """`ar.min_step_ms`: the loop sleeps before a launch until the period since the last one is over; the tokens
     and audio are those of an unpaced loop (with a step in flight)."""

@@ -105,7 +105,7 @@ class ARLoop:
                 for r in batch
             ])
             if span:
-                span[1].record()  # before the copy, so the copy's completion implies this one's
+                span[1].record()  # after the static step's output copy, which its launch enqueued (see _collect)
             waited = time.perf_counter()
             copy = out.copy_to_host(asynchronous=self.keep_in_flight, sleep=self.runner.sleep)
             self.stats.step_wait_seconds += time.perf_counter() - waited  # in order: the copy waits for the step
@@ -130,6 +130,9 @@ class ARLoop:
         now = time.perf_counter()
         self.stats.step_wait_seconds += now - waited
         if step.span:
+            # The tokens' copy can finish a moment before the span's end event (recorded after it): read the
+            # span once that event is done too (elapsed_time raises on an incomplete event; it killed a core).
+            step.span[1].synchronize()
             beside = {role for role, mark in step.marks.items() if self.beside[role].ran_since(mark)}
             self.stats.count_step_gpu(step.span[0].elapsed_time(step.span[1]) / 1000,
                                       company(step.prefill_tokens > 0, beside), step.prefill_tokens)
