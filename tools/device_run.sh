@@ -4,7 +4,8 @@
 #                                         cosy-stream, ab (AB_STAGE, default cosy-stream, once per AB variant: AB='name:serve args;name:serve args'; cosy-ab = ab),
 #                                         cosy-engine, cosy-stream-engine (the in-process engine beside cosy-stream;
 #                                         ENGINE_SETS='--set k=v'), profile-fish, profile-cosy, profile-cosy-stream (PROFILE_ARGS='--set k=v')
-# PYSPY=1 (pair; carry the py-spy wheel in .whl): the engine core's GIL holders mid-bench (tools/gil_holders.py).
+# PYSPY=1 (pair; carry the py-spy wheel in .whl): the engine core's GIL holders mid-bench (tools/gil_holders.py);
+#   PYSPY_RATE samples a second (default 20: at 100, session 50's sampler fell 3 s behind and kept 24 samples).
 # BENCH_ARGS: more `intone bench` options for fish-http / fish-stream (e.g. --reference-pool 16).
 # before-after: BEFORE_STAGES (default "fish-http cosy-stream") on .before/ (tools/before_tree.sh COMMIT; carry .before), then here.
 # Results land under $OUT (one folder per stage); the last lines printed are a summary.
@@ -117,11 +118,11 @@ for stage in "$@"; do
           [[ $b == *+pool* ]] && flag="$flag --reference-pool 16"  # full+pool: cached references (reported beside)
           # PYSPY=1: which threads of the engine core hold the GIL, sampled mid-bench (PYSPY_AFTER s in, PYSPY_S s)
           [ "${PYSPY:-0}" = 1 ] && (sleep ${PYSPY_AFTER:-8}; core=$(pgrep -f "intone.engine.process" | head -1)
-            /tmp/site/bin/py-spy record --pid "$core" --duration ${PYSPY_S:-10} --gil --threads --nonblocking \
+            /tmp/site/bin/py-spy record --pid "$core" --duration ${PYSPY_S:-10} --rate ${PYSPY_RATE:-20} --gil --threads --nonblocking \
               --format raw --output "$d/$b-gil.txt" > "$d/$b-pyspy.log" 2>&1) & spy=$!
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
-          wait $spy; [ -s "$d/$b-gil.txt" ] && python3 tools/gil_holders.py "$d/$b-gil.txt" --seconds ${PYSPY_S:-10} | head -40 || { [ "${PYSPY:-0}" = 1 ] && tail -3 "$d/$b-pyspy.log"; }
+          wait $spy; [ -s "$d/$b-gil.txt" ] && python3 tools/gil_holders.py "$d/$b-gil.txt" --seconds ${PYSPY_S:-10} --rate ${PYSPY_RATE:-20} | head -40; tail -2 "$d/$b-pyspy.log" || { [ "${PYSPY:-0}" = 1 ] && tail -3 "$d/$b-pyspy.log"; }
           grep "^| 64\|^- C64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
           sed -n '/^## GPU timeline/,/^Plots:/p' "$d/$b/report.md" | grep -v '^Plots:\|^```$\|^$' | head -40
         done
