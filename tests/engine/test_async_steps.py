@@ -91,6 +91,22 @@ def test_a_request_is_not_run_past_its_length_while_its_last_step_is_in_flight(t
     assert rows.count("r0") == 5  # the prefill and four decodes: never a sixth row for a known last frame
 
 
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_steps_launch_and_token_wait_are_parts_of_its_time_and_idle_calls_add_nothing(tiny_fish, in_flight):
+    """/metrics splits the steps' time into building and launching them and waiting for their tokens: the parts
+    never exceed the whole (with a step in flight, the call that applies the last one has no batch of its own),
+    and a loop iteration with nothing to run (while the frontend or the codec works) counts nothing."""
+    params = [SamplingParams(seed=90 + i, max_new_tokens=4 + 2 * i, ignore_eos=True) for i in range(3)]
+    core = serve(tiny_fish, in_flight, {0: [0, 1], 3: [2]}, {}, params)[0]
+    stats = core.stats
+    assert stats.steps > 0 and stats.step_launch_seconds > 0 and stats.step_wait_seconds > 0
+    assert stats.step_launch_seconds + stats.step_wait_seconds <= stats.step_seconds
+    before = (stats.steps, stats.step_seconds, stats.step_launch_seconds, stats.step_wait_seconds)
+    for _ in range(2000):
+        core.ar.step([])
+    assert (stats.steps, stats.step_seconds, stats.step_launch_seconds, stats.step_wait_seconds) == before
+
+
 def test_a_failed_step_in_flight_fails_its_requests_and_the_engine_goes_on(tiny_fish):
     core = EngineCore(tiny_fish, profile(True))
     run = core.runner.run

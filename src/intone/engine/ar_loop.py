@@ -73,14 +73,15 @@ class ARLoop:
         paced = self._pace(start) if batch else 0.0
         waited = self.stats.step_wait_seconds
         done = self._launch(batch, start) if batch else None
-        # building and launching it (in order, the copy's wait is the step's wait, not this)
-        self.stats.step_launch_seconds += time.perf_counter() - start - paced - (self.stats.step_wait_seconds - waited)
+        if batch:  # building and launching it (in order, the copy's wait is the step's wait, not this)
+            self.stats.step_launch_seconds += \
+                time.perf_counter() - start - paced - (self.stats.step_wait_seconds - waited)
         if self.keep_in_flight:  # this step stays in flight; the one before is applied
             done, self.pending = self.pending, done
         if done is not None:
             self._collect(done, finished)
-        if batch:
-            self.stats.steps += 1
+        self.stats.steps += bool(batch)
+        if batch or done is not None:  # a call with no batch that applies the last step is that step's time too
             self.stats.step_seconds += time.perf_counter() - start
         return finished
 
