@@ -122,7 +122,9 @@ for stage in "$@"; do
               --format raw --output "$d/$b-gil.txt" > "$d/$b-pyspy.log" 2>&1) & spy=$!
           timeout ${T:-150} $INTONE bench --base-url "http://127.0.0.1:$port" --preset "${PAIR_PRESET:-seedtts-fish}" \
             --num-requests "$N" --seed $seed $flag --output-dir "$d/$b" ${BENCH_ARGS:-} 2>&1 | grep -v "req\]" | tail -3
-          wait $spy; [ -s "$d/$b-gil.txt" ] && python3 tools/gil_holders.py "$d/$b-gil.txt" --seconds ${PYSPY_S:-10} --rate ${PYSPY_RATE:-20} | head -40; tail -2 "$d/$b-pyspy.log" || { [ "${PYSPY:-0}" = 1 ] && tail -3 "$d/$b-pyspy.log"; }
+          wait $spy; if [ "${PYSPY:-0}" = 1 ]; then  # py-spy's last lines say whether it kept up
+            [ -s "$d/$b-gil.txt" ] && python3 tools/gil_holders.py "$d/$b-gil.txt" --seconds ${PYSPY_S:-10} --rate ${PYSPY_RATE:-20} | head -40
+            tail -3 "$d/$b-pyspy.log"; fi
           grep "^| 64\|^- C64" "$d/$b/report.md"; python3 -m intone.bench.tail "$d/$b/results.json" "$d/frames.jsonl" | grep "^|"
           sed -n '/^## GPU timeline/,/^Plots:/p' "$d/$b/report.md" | grep -v '^Plots:\|^```$\|^$' | head -40
         done

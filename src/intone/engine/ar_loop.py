@@ -80,7 +80,8 @@ class ARLoop:
             done, self.pending = self.pending, done
         if done is not None:
             self._collect(done, finished)
-        self.stats.steps += bool(batch)
+        if batch:
+            self.stats.steps += 1
         if batch or done is not None:  # a call with no batch that applies the last step is that step's time too
             self.stats.step_seconds += time.perf_counter() - start
         return finished
