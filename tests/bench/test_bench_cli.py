@@ -80,6 +80,11 @@ def test_sweep_writes_results_report_and_plots(benches):
         assert tail["joined"] == 6 and tail["groups"]["slowest"]["requests"] == 1
         assert tail["groups"]["slowest"]["metric_mean"] == firsts[-1]
         assert tail["groups"]["slowest"]["stages"]["total"] > 0
+        # the server's trace and the client share a clock (one host): the time outside the engine is there,
+        # positive and within the request's own time
+        for g in tail["groups"].values():
+            assert 0 < g["outside"]["to_engine"] and 0 < g["outside"]["to_client"]
+            assert g["outside"]["to_engine"] + g["outside"]["to_client"] < g["metric_mean"]
         assert f"C{lvl['concurrency']}, the slowest 10% by first audio against the rest (6 requests" in report
 
 

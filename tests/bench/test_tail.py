@@ -54,3 +54,30 @@ def test_the_time_after_the_last_frame_is_the_total_less_the_stages_before_it():
     table = tail_lines(tail, 64)
     assert table[2].endswith("| total | after_last |") and table[-2].startswith("| rest | 9 |")
     assert table[-2].endswith(f"| {tail['groups']['rest']['stages']['after_last']:.3f} |")
+
+
+def test_time_outside_the_engine_joins_the_clients_clock_to_the_traces_instants(tmp_path):
+    """to_engine: the client's clock start -> the engine core has the request; to_client: the engine sent the
+    audio the metric waits for -> the client has it. A segmented request counts from its first arrival and to its
+    last end; a record without the instants leaves both out of the table."""
+    rows = [dict(request_id="s.0", finished=True, timings=dict(total_s=1.0), arrived_at=100.2, first_audio_at=100.9,
+                 finished_at=101.0),
+            dict(request_id="s.1", finished=True, timings=dict(total_s=1.0), arrived_at=101.1, first_audio_at=101.5,
+                 finished_at=102.5)]
+    timings = traced_timings([_trace(tmp_path, rows)])
+    assert timings["s"]["arrived_at"] == 100.2 and timings["s"]["first_audio_at"] == 100.9
+    assert timings["s"]["finished_at"] == 102.5 and timings["s"]["total_s"] == 2.0
+    records = [{"ok": True, "completion_s": 2.7 + i, "first_audio_s": 1.2, "started_at": 100.0 + i,
+                "server_id": "s" if i == 0 else f"r{i}"} for i in range(6)]
+    for i in range(1, 6):
+        timings[f"r{i}"] = dict(total_s=1.0, arrived_at=100.1 + i, first_audio_at=100.5 + i, finished_at=102.0 + 2 * i)
+    full = tail_breakdown(records, timings, stream=False)
+    assert abs(full["groups"]["slowest"]["outside"]["to_engine"] - 0.1) < 1e-9  # r5: 105.1 - 105.0
+    assert abs(full["groups"]["slowest"]["outside"]["to_client"] - (105 + 7.7 - 112)) < 1e-9
+    first = tail_breakdown(records, timings, stream=True)
+    rest = first["groups"]["rest"]["outside"]
+    assert abs(rest["to_engine"] - (0.2 + 4 * 0.1) / 5) < 1e-9  # s and r1-r4 (equal first audio: r5 sorts last)
+    assert abs(rest["to_client"] - (0.3 + 4 * 0.7) / 5) < 1e-9  # s: 101.2 - 100.9, its first segment's audio
+    assert "to_engine | to_client |" in tail_lines(first, 64)[2]
+    records[0].pop("started_at")
+    assert "to_engine" not in "".join(tail_lines(tail_breakdown(records, timings, stream=True), 64))

@@ -144,7 +144,7 @@ async def _one(client: httpx.AsyncClient, item: MetaItem, i: int, spec: LoadSpec
     label = ref.label if isinstance(ref, ClipUse) else (ref.prompt_wav.name if ref and ref.prompt_wav else None)
     rec = RequestRecord(request_id=request_id, utt_id=item.utt_id, sent_at=time.time(), reference=label)
     body = await asyncio.to_thread(_body, item, i, spec)  # file read, re-gain, base64: before the clock starts
-    start = time.perf_counter()
+    start, rec.started_at = time.perf_counter(), time.time()
     pcm = bytearray()
     try:
         async with client.stream("POST", "/v1/audio/speech", json=body) as r:

@@ -29,6 +29,7 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None
     sent_at: float = 0.0  # wall clock, for ordering
+    started_at: float = 0.0  # wall clock when its clock started (its body built; joined to the server's trace)
     completion_s: float | None = None
     chunks: list[tuple[float, float]] = field(default_factory=list)  # (arrival s, audio s) per non-empty chunk
     audio_s: float = 0.0

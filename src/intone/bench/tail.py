@@ -37,6 +37,10 @@ def traced_timings(paths) -> dict[str, dict[str, float]]:
                 acc = out.setdefault(key, {})
                 for stage, seconds in row["timings"].items():
                     acc[stage] = acc.get(stage, 0.0) + seconds
+                for mark in WALL_MARKS:  # a segmented request's first arrival / first audio, its last end
+                    if row.get(mark) is not None:
+                        pick = max if mark == "finished_at" else min
+                        acc[mark] = pick(acc.get(mark, row[mark]), row[mark])
     return out
 
 
@@ -51,23 +55,44 @@ def after_last_frame(stages: dict[str, float]) -> float:
     return stages.get("total_s", 0.0) - sum(stages.get(f"{s}_s", 0.0) for s in BEFORE_LAST_FRAME)
 
 
+# Outside the engine, from the trace's Unix instants (`engine.trace.wall_clock`) and the client's (`started_at`,
+# same host): to_engine, the client's clock start -> the engine core has the request (the HTTP upload, the API's
+# parse and reference decode, the hop to the core); to_client, the engine's audio sent -> the client has it (its
+# first audio for a stream, its end for a whole response: the hop back, encoding, HTTP).
+WALL_MARKS = ("arrived_at", "first_audio_at", "finished_at")
+OUTSIDE = ("to_engine", "to_client")
+
+
+def outside_engine(record: dict, stages: dict[str, float], stream: bool) -> dict[str, float] | None:
+    started = record.get("started_at")
+    sent = stages.get("first_audio_at" if stream else "finished_at")
+    seen = record.get("first_audio_s" if stream else "completion_s")
+    if not started or stages.get("arrived_at") is None or sent is None or seen is None:
+        return None
+    return dict(to_engine=stages["arrived_at"] - started, to_client=started + seen - sent)
+
+
 def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
                    share: float = 0.1) -> dict | None:
     """The slowest `share` of the joined requests by the client's metric against the rest: per group the
     requests, the metric's mean and each engine stage's mean seconds (and `after_last`). None below 5 joined
     requests."""
     metric = "first_audio_s" if stream else "completion_s"
-    joined = sorted(((r[metric], timings[r["server_id"]]) for r in records
+    joined = sorted(((r[metric], timings[r["server_id"]], outside_engine(r, timings[r["server_id"]], stream))
+                     for r in records
                      if r.get("ok") and r.get(metric) is not None and r.get("server_id") in timings),
-                    key=lambda pair: pair[0])
+                    key=lambda row: row[0])
     if len(joined) < 5:
         return None
     n = max(1, round(len(joined) * share))
     groups = {"slowest": joined[-n:], "rest": joined[:-n]}
     return dict(metric=metric, share=share, joined=len(joined), groups={
-        name: dict(requests=len(rows), metric_mean=_mean([m for m, _ in rows]),
-                   stages={**{s: _mean([t.get(f"{s}_s", 0.0) for _, t in rows]) for s in ENGINE_STAGES},
-                           AFTER_LAST_FRAME: _mean([after_last_frame(t) for _, t in rows])})
+        name: dict(requests=len(rows), metric_mean=_mean([m for m, _, _ in rows]),
+                   stages={**{s: _mean([t.get(f"{s}_s", 0.0) for _, t, _ in rows]) for s in ENGINE_STAGES},
+                           AFTER_LAST_FRAME: _mean([after_last_frame(t) for _, t, _ in rows])},
+                   # None where a request lacks the instants (an older trace or client)
+                   outside={s: _mean([o[s] for _, _, o in rows]) if all(o for _, _, o in rows) else None
+                            for s in OUTSIDE})
         for name, rows in groups.items()})
 
 
@@ -79,9 +104,16 @@ def tail_lines(tail: dict | None, concurrency) -> list[str]:
     lines = [f"C{concurrency}, the slowest {tail['share']:.0%} by {metric} against the rest ({tail['joined']} "
              "requests found in the server's trace), engine seconds per request (after_last: last frame -> end):",
              "", f"| group | requests | {metric} s | " + " | ".join(stages) + " |", "|---" * (3 + len(stages)) + "|"]
+    outside = [s for s in OUTSIDE if all(g.get("outside", {}).get(s) is not None for g in tail["groups"].values())]
+    if outside:
+        lines[0] = lines[0].removesuffix(":") + ("; to_engine: the client's clock start -> the engine has it; to_client: the engine sent its "
+                     f"{'first audio' if tail['metric'] == 'first_audio_s' else 'end'} -> the client has it:")
+        lines[2] = lines[2] + " " + " | ".join(outside) + " |"
+        lines[3] += "|---" * len(outside) + "|"
     for name, g in tail["groups"].items():
         lines.append(f"| {name} | {g['requests']} | {g['metric_mean']:.3f} | "
-                     + " | ".join(f"{g['stages'][s]:.3f}" for s in stages) + " |")
+                     + " | ".join(f"{g['stages'][s]:.3f}" for s in stages) + " |"
+                     + "".join(f" {g['outside'][s]:.3f} |" for s in outside))
     return lines + [""]
 
 

@@ -27,7 +27,7 @@ from intone.engine.model_runner import ModelRunner
 from intone.engine.request import EngineRequest, Status, resolve_params
 from intone.engine.scheduler import QueueFull, Scheduler
 from intone.engine.stats import EngineStats, gib_so_far, gpu_memory
-from intone.engine.trace import FrameTracer, prompt_digest
+from intone.engine.trace import FrameTracer, prompt_digest, wall_clock
 from intone.errors import IntoneError, InvalidRequestError
 from intone.models.base import TTSModel
 from intone.ops import fused, paged_decode
@@ -468,7 +468,7 @@ class EngineCore:
         if self.tracer is not None:
             extra = dict(timings=chunk.timings) if chunk.finished and chunk.timings else {}
             if chunk.finished and req is not None:  # what invariant 3 compares: the same prompt, the same tokens
-                extra.update(tokens=req.tokens, prompt_digest=prompt_digest(req.prompt))
+                extra.update(tokens=req.tokens, prompt_digest=prompt_digest(req.prompt), **wall_clock(req.times))
             self.tracer.record(chunk.request_id, chunk.start_frame, chunk.end_frame, context, chunk.finished,
                                stop_reason=chunk.stop_reason, backlog=self.planner.backlog_active, **extra)
         self._outbox.append(chunk)

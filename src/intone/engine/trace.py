@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,15 @@ class FrameTracer:
 
     def close(self) -> None:
         self._file.close()
+
+
+def wall_clock(times) -> dict[str, float]:
+    """A finished request's instants as Unix seconds, for a terminal trace row: when it reached the engine
+    core, when its first audio and its end were sent (a client on the same host joins them to its own clock:
+    what came before the engine and after it, `intone.bench.tail`)."""
+    now_perf, now_unix = time.perf_counter(), time.time()
+    marks = dict(arrived_at=times.arrived, first_audio_at=times.first_delivered, finished_at=now_perf)
+    return {k: round(now_unix - (now_perf - v), 6) for k, v in marks.items() if v}
 
 
 def prompt_digest(prompt: Prompt) -> dict[str, str]:
