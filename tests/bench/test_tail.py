@@ -78,6 +78,8 @@ def test_time_outside_the_engine_joins_the_clients_clock_to_the_traces_instants(
     rest = first["groups"]["rest"]["outside"]
     assert abs(rest["to_engine"] - (0.2 + 4 * 0.1) / 5) < 1e-9  # s and r1-r4 (equal first audio: r5 sorts last)
     assert abs(rest["to_client"] - (0.3 + 4 * 0.7) / 5) < 1e-9  # s: 101.2 - 100.9, its first segment's audio
-    assert "to_engine | to_client |" in tail_lines(first, 64)[2]
+    table = tail_lines(first, 64)
+    assert table[2].endswith("after_last | to_engine | to_client |") and table[3].count("|---") == 14
+    assert all(row.count("|") == 15 for row in table[2:-1])
     records[0].pop("started_at")
     assert "to_engine" not in "".join(tail_lines(tail_breakdown(records, timings, stream=True), 64))

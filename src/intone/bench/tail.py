@@ -109,7 +109,7 @@ def tail_lines(tail: dict | None, concurrency) -> list[str]:
         lines[0] = lines[0].removesuffix(":") + ("; to_engine: the client's clock start -> the engine has it; to_client: the engine sent its "
                      f"{'first audio' if tail['metric'] == 'first_audio_s' else 'end'} -> the client has it:")
         lines[2] = lines[2] + " " + " | ".join(outside) + " |"
-        lines[3] += "|---" * len(outside) + "|"
+        lines[3] = "|---" * (3 + len(stages) + len(outside)) + "|"
     for name, g in tail["groups"].items():
         lines.append(f"| {name} | {g['requests']} | {g['metric_mean']:.3f} | "
                      + " | ".join(f"{g['stages'][s]:.3f}" for s in stages) + " |"
