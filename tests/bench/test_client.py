@@ -15,8 +15,8 @@ from intone.eval.meta import MetaItem
 
 
 class Recorder:
-    """An ASGI app answering a WAV header after a short wait, noting each request's connection and the
-    requests in flight."""
+    """An ASGI app answering each POST with a WAV header after a short wait, noting its connection, when its
+    headers came and the POSTs in flight."""
 
     def __init__(self):
         self.in_flight = self.most_in_flight = 0
@@ -26,6 +26,10 @@ class Recorder:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
+            return
+        if scope["method"] != "POST":  # the client's connect (GET /health): answered, not counted
+            await send({"type": "http.response.start", "status": 404, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
             return
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -70,9 +74,9 @@ def test_each_slot_is_one_reused_connection_and_no_more_than_c_requests_are_in_f
 
 
 def test_a_burst_on_kept_connections_reaches_the_server_promptly():
-    """64 requests at once on the connections the wave before kept: each reaches the server within a small part
-    of a second of its clock's start (one httpx client shared by all 64 took 0.3-0.5 s to route such a burst,
-    which the bench counted as the server's first audio)."""
+    """64 requests at once, then 64 more on the connections the first kept: each reaches the server within a small
+    part of a second of its clock's start (p50 ~0.02-0.05 s here) (one httpx client shared by all 64 took 0.3-0.8 s to route the second
+    burst; 64 connections opened at once held the first ~0.1 s), time the bench would count as the server's."""
     app = Recorder()
     server, url = _serve(app)
     try:
@@ -81,7 +85,8 @@ def test_a_burst_on_kept_connections_reaches_the_server_promptly():
     finally:
         server.should_exit = True
     arrived = {body["input"].split()[0]: t for body, t in zip(app.bodies, app.arrivals)}
-    second = sorted(records, key=lambda r: r.started_at)[64:]
-    late = sorted(arrived[r.utt_id[1:]] - r.started_at for r in second)
-    print(f"second wave: to the server p50 {late[32]:.3f} max {late[-1]:.3f} s")
-    assert late[-1] < 0.15
+    waves = sorted(records, key=lambda r: r.started_at)
+    for name, wave in (("first", waves[:64]), ("second", waves[64:])):
+        late = sorted(arrived[r.utt_id[1:]] - r.started_at for r in wave)
+        print(f"{name} wave: to the server p50 {late[32]:.3f} max {late[-1]:.3f} s")
+        assert late[32] < 0.1 and late[-1] < 0.3, name
