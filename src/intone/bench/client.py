@@ -118,7 +118,8 @@ async def run_load(base_url: str, items: list[MetaItem], concurrency: int, spec:
     rnd = random.Random(spec.seed or 0)
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(httpx.AsyncClient(
-            base_url=base_url, timeout=spec.timeout_s, headers=headers, limits=ONE_CONNECTION)) for _ in range(concurrency)]
+            base_url=base_url, timeout=spec.timeout_s, headers=headers, limits=ONE_CONNECTION))
+            for _ in range(concurrency)]
         await asyncio.gather(*(_connect(c) for c in clients))
         for client in clients:
             free.put_nowait(client)

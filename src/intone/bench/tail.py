@@ -106,8 +106,9 @@ def tail_lines(tail: dict | None, concurrency) -> list[str]:
              "", f"| group | requests | {metric} s | " + " | ".join(stages) + " |", "|---" * (3 + len(stages)) + "|"]
     outside = [s for s in OUTSIDE if all(g.get("outside", {}).get(s) is not None for g in tail["groups"].values())]
     if outside:
-        lines[0] = lines[0].removesuffix(":") + ("; to_engine: the client's clock start -> the engine has it; to_client: the engine sent its "
-                     f"{'first audio' if tail['metric'] == 'first_audio_s' else 'end'} -> the client has it:")
+        sent = "first audio" if tail["metric"] == "first_audio_s" else "end"
+        lines[0] = lines[0].removesuffix(":") + ("; to_engine: the client's clock start -> the engine has it; "
+                                                 f"to_client: the engine sent its {sent} -> the client has it:")
         lines[2] = lines[2] + " " + " | ".join(outside) + " |"
         lines[3] = "|---" * (3 + len(stages) + len(outside)) + "|"
     for name, g in tail["groups"].items():
