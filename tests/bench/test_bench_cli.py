@@ -86,6 +86,12 @@ def test_sweep_writes_results_report_and_plots(benches):
             assert 0 < g["outside"]["to_engine"] and 0 < g["outside"]["to_client"]
             assert g["outside"]["to_engine"] + g["outside"]["to_client"] < g["metric_mean"]
         assert f"C{lvl['concurrency']}, the slowest 10% by first audio against the rest (6 requests" in report
+    # C1's opening burst (its first request) against the 5 after it, stage by stage; C3's 6 are too few
+    burst, none = results["levels"][0]["burst_stages"], results["levels"][1].get("burst_stages")
+    assert none is None and burst["groups"]["burst"]["requests"] == 1 and burst["groups"]["after it"]["requests"] == 5
+    first_sent = min(results["levels"][0]["records"], key=lambda r: r["sent_at"])
+    assert burst["groups"]["burst"]["metric_mean"] == first_sent["first_audio_s"]
+    assert "C1, the opening burst (the first 1 sent at once) against the requests after it (6 requests" in report
 
 
 def test_forced_lengths_and_failures_are_counted(benches):

@@ -5,7 +5,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from intone.bench.tail import tail_breakdown, tail_lines, traced_timings
+from intone.bench.tail import burst_breakdown, tail_breakdown, tail_lines, traced_timings
 
 
 def _trace(tmp_path, rows, cut: bool = False):
@@ -83,3 +83,23 @@ def test_time_outside_the_engine_joins_the_clients_clock_to_the_traces_instants(
     assert all(row.count("|") == 15 for row in table[2:-1])
     records[0].pop("started_at")
     assert "to_engine" not in "".join(tail_lines(tail_breakdown(records, timings, stream=True), 64))
+
+
+@given(st.integers(1, 8), st.integers(1, 20), st.data())
+def test_the_opening_burst_is_the_first_c_sent_whatever_their_latency(c, extra, data):
+    """The burst split groups by send order, not by the metric: the first C requests sent against the rest, each
+    group's stages their own requests' means; none for a level of at most 2 C requests."""
+    n = 2 * c + extra
+    sent = data.draw(st.permutations(range(n)))
+    latency = data.draw(st.lists(st.floats(0.01, 5.0), min_size=n, max_size=n))
+    records = [{"ok": True, "first_audio_s": latency[i], "sent_at": float(sent[i]), "server_id": f"r{i}"}
+               for i in range(n)]
+    timings = {f"r{i}": {"frontend_s": float(sent[i] < c)} for i in range(n)}  # 1 for the burst's, 0 after
+    split = burst_breakdown(records, timings, stream=True, concurrency=c)
+    burst, after = split["groups"]["burst"], split["groups"]["after it"]
+    assert (burst["requests"], after["requests"]) == (c, n - c)
+    assert burst["stages"]["frontend"] == 1.0 and after["stages"]["frontend"] == 0.0
+    first = [latency[i] for i in range(n) if sent[i] < c]
+    assert abs(burst["metric_mean"] - sum(first) / c) < 1e-9
+    assert burst_breakdown(records[: 2 * c], timings, stream=True, concurrency=c) is None
+    assert tail_lines(split, c)[0].startswith(f"C{c}, the opening burst (the first {c} sent at once)")

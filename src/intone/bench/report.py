@@ -317,6 +317,7 @@ def write_report(results: dict, out_dir: Path) -> Path:
     lines += [""] + stage_tables(results) + memory_table(results)
     for level in results["levels"]:
         lines += tail_lines(level.get("tail"), level["concurrency"])
+        lines += tail_lines(level.get("burst_stages"), level["concurrency"])
     for level in results["levels"]:
         lines += profile_lines(level)
     lines += ["Plots: " + ", ".join(f"`{p}`" for p in results.get("plots", [])), ""]

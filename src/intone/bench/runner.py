@@ -23,7 +23,7 @@ from intone.bench.report import after_run_line, write_plots, write_report
 from intone.bench.server_metrics import level_breakdown, scrape
 from intone.bench.server_process import GpuMemorySampler, ServerProcess
 from intone.bench.soak import settle
-from intone.bench.tail import tail_breakdown, traced_timings
+from intone.bench.tail import burst_breakdown, tail_breakdown, traced_timings
 from intone.engine.trace import audit_file
 from intone.errors import IntoneError
 from intone.eval.meta import MetaItem, parse_meta_list
@@ -191,6 +191,9 @@ def run(args) -> dict:
                 timings = traced_timings(sorted(out_dir.glob(f"{TRACE}*{TRACE_SUFFIX}")))
                 for level in result["levels"]:
                     level["tail"] = tail_breakdown(level["records"], timings, args.stream)
+                    if level.get("burst"):  # a closed loop's: its opening burst, stage by stage
+                        level["burst_stages"] = burst_breakdown(level["records"], timings, args.stream,
+                                                                level["concurrency"])
     finally:
         peak = gpu.stop()
         if server:

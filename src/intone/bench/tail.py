@@ -1,6 +1,7 @@
 """Where the slowest requests' time goes: each measured request's engine stages (its terminal chunk's
 `timings`, from the server's frame trace) joined by the server's request id (X-Request-Id) to what its
-client saw, the slowest tenth by first audio (streams) or completion against the rest.
+client saw, the slowest tenth by first audio (streams) or completion against the rest, and a closed loop's
+opening burst against the requests after it.
 
 The stage means of the whole level say where time goes on average; a p90 far above the p50 comes from
 the few requests this splits out. `python -m intone.bench.tail RESULTS_JSON TRACE...` for a run whose
@@ -75,25 +76,46 @@ def outside_engine(record: dict, stages: dict[str, float], stream: bool) -> dict
 def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
                    share: float = 0.1) -> dict | None:
     """The slowest `share` of the joined requests by the client's metric against the rest: per group the
-    requests, the metric's mean and each engine stage's mean seconds (and `after_last`). None below 5 joined
-    requests."""
+    requests, the metric's mean and each engine stage's mean seconds (and `after_last`, and the time outside the
+    engine). None below 5 joined requests."""
     metric = "first_audio_s" if stream else "completion_s"
-    joined = sorted(((r[metric], timings[r["server_id"]], outside_engine(r, timings[r["server_id"]], stream))
-                     for r in records
-                     if r.get("ok") and r.get(metric) is not None and r.get("server_id") in timings),
-                    key=lambda row: row[0])
+    joined = sorted(_joined(records, timings, stream), key=lambda row: row[0])
     if len(joined) < 5:
         return None
     n = max(1, round(len(joined) * share))
-    groups = {"slowest": joined[-n:], "rest": joined[:-n]}
-    return dict(metric=metric, share=share, joined=len(joined), groups={
-        name: dict(requests=len(rows), metric_mean=_mean([m for m, _, _ in rows]),
-                   stages={**{s: _mean([t.get(f"{s}_s", 0.0) for _, t, _ in rows]) for s in ENGINE_STAGES},
-                           AFTER_LAST_FRAME: _mean([after_last_frame(t) for _, t, _ in rows])},
-                   # None where a request lacks the instants (an older trace or client)
-                   outside={s: _mean([o[s] for _, _, o in rows]) if all(o for _, _, o in rows) else None
-                            for s in OUTSIDE})
-        for name, rows in groups.items()})
+    return dict(metric=metric, split="slowest", share=share, joined=len(joined),
+                groups={"slowest": _group(joined[-n:]), "rest": _group(joined[:-n])})
+
+
+def burst_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
+                    concurrency: int) -> dict | None:
+    """A closed loop's opening burst (its first `concurrency` requests sent, `metrics.opening_burst`) against the
+    requests after it, stage by stage as `tail_breakdown`. None unless the level holds more than twice
+    `concurrency` requests and both groups are found in the trace."""
+    if len(records) <= 2 * concurrency:
+        return None
+    ordered = sorted(records, key=lambda r: r.get("sent_at", 0.0))
+    burst, after = _joined(ordered[:concurrency], timings, stream), _joined(ordered[concurrency:], timings, stream)
+    if not burst or not after:
+        return None
+    return dict(metric="first_audio_s" if stream else "completion_s", split="burst", joined=len(burst) + len(after),
+                groups={"burst": _group(burst), "after it": _group(after)})
+
+
+def _joined(records: list[dict], timings: dict[str, dict[str, float]], stream: bool) -> list[tuple]:
+    """(the client's metric, the engine's stages, the time outside the engine) of each answered, traced request."""
+    metric = "first_audio_s" if stream else "completion_s"
+    return [(r[metric], timings[r["server_id"]], outside_engine(r, timings[r["server_id"]], stream)) for r in records
+            if r.get("ok") and r.get(metric) is not None and r.get("server_id") in timings]
+
+
+def _group(rows: list[tuple]) -> dict:
+    return dict(requests=len(rows), metric_mean=_mean([m for m, _, _ in rows]),
+                stages={**{s: _mean([t.get(f"{s}_s", 0.0) for _, t, _ in rows]) for s in ENGINE_STAGES},
+                        AFTER_LAST_FRAME: _mean([after_last_frame(t) for _, t, _ in rows])},
+                # None where a request lacks the instants (an older trace or client)
+                outside={s: _mean([o[s] for _, _, o in rows]) if all(o for _, _, o in rows) else None
+                         for s in OUTSIDE})
 
 
 def tail_lines(tail: dict | None, concurrency) -> list[str]:
@@ -101,7 +123,9 @@ def tail_lines(tail: dict | None, concurrency) -> list[str]:
         return []
     metric = tail["metric"].removesuffix("_s").replace("_", " ")
     stages = [*ENGINE_STAGES, AFTER_LAST_FRAME]
-    lines = [f"C{concurrency}, the slowest {tail['share']:.0%} by {metric} against the rest ({tail['joined']} "
+    split = (f"the opening burst (the first {concurrency} sent at once) against the requests after it"
+             if tail.get("split") == "burst" else f"the slowest {tail['share']:.0%} by {metric} against the rest")
+    lines = [f"C{concurrency}, {split} ({tail['joined']} "
              "requests found in the server's trace), engine seconds per request (after_last: last frame -> end):",
              "", f"| group | requests | {metric} s | " + " | ".join(stages) + " |", "|---" * (3 + len(stages)) + "|"]
     outside = [s for s in OUTSIDE if all(g.get("outside", {}).get(s) is not None for g in tail["groups"].values())]
@@ -129,7 +153,9 @@ def main(argv: list[str]) -> None:
     timings = traced_timings(argv[1:])
     stream = bool(results.get("run", {}).get("stream"))
     for level in results["levels"]:
-        print("\n".join(tail_lines(tail_breakdown(level["records"], timings, stream), level["concurrency"])))
+        c = level["concurrency"]
+        print("\n".join(tail_lines(tail_breakdown(level["records"], timings, stream), c)
+                        + tail_lines(burst_breakdown(level["records"], timings, stream, c), c)))
 
 
 if __name__ == "__main__":
