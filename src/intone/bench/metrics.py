@@ -96,9 +96,9 @@ def opening_burst(records: list[RequestRecord], concurrency: int, stream: bool) 
     the idle server at once: their latencies are that burst's, the rest's the steady state's. Per group the
     requests, the metric's stats (first audio for streams, else completion) and the streams that stalled; None
     unless the level holds more than twice `concurrency` requests."""
-    if len(records) <= 2 * concurrency:
+    split = opening_split(records, concurrency, lambda r: r.sent_at)
+    if split is None:
         return None
-    ordered = sorted(records, key=lambda r: r.sent_at)
     metric = "first_audio_s" if stream else "completion_s"
 
     def group(rows: list[RequestRecord]) -> dict:
@@ -107,7 +107,16 @@ def opening_burst(records: list[RequestRecord], concurrency: int, stream: bool) 
         return dict(requests=len(rows), stats=_stats(values),
                     streams_with_underrun=sum(1 for r in ok if r.underrun_s > 0) if stream else None)
 
-    return dict(metric=metric, burst=group(ordered[:concurrency]), rest=group(ordered[concurrency:]))
+    return dict(metric=metric, burst=group(split[0]), rest=group(split[1]))
+
+
+def opening_split(rows: list, concurrency: int, sent_at) -> tuple[list, list] | None:
+    """A closed loop's first `concurrency` rows by `sent_at(row)` (its opening burst) and the rest; None unless
+    there are more than twice `concurrency` rows (else no steady state to tell the burst from)."""
+    if len(rows) <= 2 * concurrency:
+        return None
+    ordered = sorted(rows, key=sent_at)
+    return ordered[:concurrency], ordered[concurrency:]
 
 
 def summarize(records: list[RequestRecord], wall_s: float, stream: bool) -> dict:

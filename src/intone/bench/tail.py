@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from intone.bench.metrics import opening_split
 from intone.protocol import ENGINE_STAGES
 
 
@@ -89,13 +90,13 @@ def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], st
 
 def burst_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
                     concurrency: int) -> dict | None:
-    """A closed loop's opening burst (its first `concurrency` requests sent, `metrics.opening_burst`) against the
+    """A closed loop's opening burst (its first `concurrency` requests sent, `metrics.opening_split`) against the
     requests after it, stage by stage as `tail_breakdown`. None unless the level holds more than twice
     `concurrency` requests and both groups are found in the trace."""
-    if len(records) <= 2 * concurrency:
+    split = opening_split(records, concurrency, lambda r: r.get("sent_at", 0.0))
+    if split is None:
         return None
-    ordered = sorted(records, key=lambda r: r.get("sent_at", 0.0))
-    burst, after = _joined(ordered[:concurrency], timings, stream), _joined(ordered[concurrency:], timings, stream)
+    burst, after = (_joined(rows, timings, stream) for rows in split)
     if not burst or not after:
         return None
     return dict(metric="first_audio_s" if stream else "completion_s", split="burst", joined=len(burst) + len(after),
