@@ -4,9 +4,12 @@ and with the model's whole functions under torch.compile first (then captured th
 the difference between the outputs.
 
     python3 tools/ar_step_timing.py [--models fish-s2,cosyvoice3] [--rows 64] [--kv 1024] [--kernels 15]
+                                    [--prefill 500]
 
 --kernels N: the fused variant's top N kernels by GPU time per replay, for the decode graph and the head graph
 (torch.profiler over 10 replays of each): where the step's time goes, kernel by kernel.
+--prefill 500: the step's first rows one new request's prompt (480+520: two), the rest decode rows, as a served
+step with admissions packs them.
 """
 
 import argparse
@@ -23,14 +26,23 @@ from intone.ops.token_history import CAPACITY
 from kernel_timing import timed  # tools/ is the script's directory
 
 
-def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, out_dtype, seed=0):
-    """A decode's and a head's inputs for a realistic batch: rows of lengths kv/2..kv over distinct blocks."""
+def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, out_dtype, seed=0,
+         prompts: tuple = ()):
+    """A decode's and a head's inputs for a realistic batch: rows of lengths kv/2..kv over distinct blocks.
+    prompts: the first rows are these prompts' prefills instead (a prompt's rows share its blocks, row i of a
+    prompt at position i sees i + 1 keys), as a served step with new requests packs them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     per_row = kv_tokens // kv.block_size
     lens = torch.randint(kv_tokens // 2, kv_tokens, (rows,), generator=g, device="cuda")
     tables = torch.arange(rows * per_row, device="cuda").view(rows, per_row)
+    start = 0
+    for length in prompts:  # the prompt's rows read the blocks of its first row
+        lens[start:start + length] = torch.arange(1, length + 1, device="cuda")
+        tables[start:start + length] = tables[start].clone()
+        start += length
+    slots = tables.gather(1, ((lens - 1) // kv.block_size)[:, None])[:, 0] * kv.block_size + (lens - 1) % kv.block_size
     decode = dict(x=torch.randn(rows, width, generator=g, device="cuda").to(dtype) * 0.5, positions=lens - 1,
-                  slots=tables[:, 0] * kv.block_size + (lens - 1) % kv.block_size, tables=tables, seq_lens=lens)
+                  slots=slots, tables=tables, seq_lens=lens)
     ones = torch.ones(rows, device="cuda")
     sampling = SamplingBatch(temperature=0.8 * ones, top_p=0.8 * ones, top_k=torch.full((rows,), 30, device="cuda"),
                              repetition_penalty=ones, seeds=torch.arange(rows, device="cuda"),
@@ -41,7 +53,7 @@ def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, o
     return decode, head
 
 
-def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0):
+def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0, prompts: tuple = ()):
     decode_fn, head_fn = model.forward_decode, (model.head if model.head_is_static else None)
     start = time.perf_counter()
     if compiled:
@@ -54,7 +66,7 @@ def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0):
                                  torch.full((1,), kv.scratch_slot, device="cuda"),
                                  torch.full((1, 1), kv.num_blocks, device="cuda"),
                                  torch.ones(1, dtype=torch.long, device="cuda"), kv)
-    d, h = fill(kv, rows, kv_tokens, width, model.dtype, tuple(probe.shape[1:]), probe.dtype)
+    d, h = fill(kv, rows, kv_tokens, width, model.dtype, tuple(probe.shape[1:]), probe.dtype, prompts=prompts)
     stream = torch.cuda.Stream()
     decode, decode_out = capture_graph(lambda: decode_fn(d["x"], d["positions"], d["slots"], d["tables"],
                                                          d["seq_lens"], kv), None, stream)  # the first run compiles
@@ -123,9 +135,11 @@ def main():
     ap.add_argument("--kv", type=int, default=1024)
     ap.add_argument("--cosy-bf16", action="store_true", help="also the CosyVoice3 talker in bf16")
     ap.add_argument("--kernels", type=int, default=0, help="the fused variant's top kernels per graph")
+    ap.add_argument("--prefill", default="", help="prompts packed first in each step, e.g. 500 or 480+520 (tokens)")
     ap.add_argument("--whole", action="store_true", help="also torch.compile the whole decode step and head")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
+    prompts = tuple(int(n) for n in args.prefill.split("+") if n)
     runs = [(f, torch.bfloat16 if f == "fish-s2" else torch.float32) for f in args.models.split(",")]
     if args.cosy_bf16:  # the talker in bf16 too (the profiles keep the official fp32)
         runs.append(("cosyvoice3", torch.bfloat16))
@@ -136,20 +150,21 @@ def main():
             blocks = rows * (args.kv // 16) + 4
             kv = KVCache(model.kv_layout, blocks, 16, model.dtype, model.device)
             with torch.inference_mode():
-                base = variant(model, kv, rows, args.kv, compiled=False)
+                base = variant(model, kv, rows, args.kv, compiled=False, prompts=prompts)
                 fused_ops.use_compiled(True)
                 try:
-                    helpers = variant(model, kv, rows, args.kv, compiled=False, kernels=args.kernels)
+                    helpers = variant(model, kv, rows, args.kv, compiled=False, kernels=args.kernels,
+                                      prompts=prompts)
                     report(family, rows, "fused elementwise", base, helpers)
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{family} rows={rows}: fused variant failed: {type(e).__name__}: {e}"[:2000])
                 fused_ops.use_compiled(False)
                 apart(model, lambda: report(family, rows, "projections apart (not joined)", base,
-                                            variant(model, kv, rows, args.kv, False)))
+                                            variant(model, kv, rows, args.kv, False, prompts=prompts)))
                 fused = None
                 if args.whole:  # inductor cannot compile the paged_decode kernel called directly (2026-12-01)
                     try:
-                        fused = variant(model, kv, rows, args.kv, compiled=True)
+                        fused = variant(model, kv, rows, args.kv, compiled=True, prompts=prompts)
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"{family} rows={rows}: compiled variant failed: {type(e).__name__}: {e}"[:2000])
             line = f"{family} rows={rows} kv={args.kv}: decode graph {base['decode_ms']:.2f} ms"
