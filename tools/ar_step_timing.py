@@ -4,7 +4,7 @@ and with the model's whole functions under torch.compile first (then captured th
 the difference between the outputs.
 
     python3 tools/ar_step_timing.py [--models fish-s2,cosyvoice3] [--rows 64] [--kv 1024] [--kernels 15]
-                                    [--prefill 500]
+                                    [--prefill 500 --decodes 49]
 
 --kernels N: the fused variant's top N kernels by GPU time per replay, for the decode graph and the head graph
 (torch.profiler over 10 replays of each): where the step's time goes, kernel by kernel.
@@ -20,27 +20,40 @@ import torch
 from intone.engine.cuda_graphs import capture_graph
 from intone.models.registry import load_model
 from intone.ops import fused as fused_ops
+from intone.ops import paged_decode
 from intone.ops.kv_cache import KVCache
 from intone.ops.sampling import SamplingBatch
 from intone.ops.token_history import CAPACITY
 from kernel_timing import timed  # tools/ is the script's directory
 
 
+def owners(rows: int, prompts: tuple = (), decodes: int | None = None) -> list[int]:
+    """Each row's request: prompts' rows first, then `decodes` decode rows (default: the rest), then padding (-1)."""
+    own = [i for i, n in enumerate(prompts) for _ in range(n)]
+    decodes = rows - len(own) if decodes is None else decodes
+    own += [len(prompts) + j for j in range(decodes)]
+    return own + [-1] * (rows - len(own))
+
+
 def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, out_dtype, seed=0,
-         prompts: tuple = ()):
+         prompts: tuple = (), decodes: int | None = None):
     """A decode's and a head's inputs for a realistic batch: rows of lengths kv/2..kv over distinct blocks.
     prompts: the first rows are these prompts' prefills instead (a prompt's rows share its blocks, row i of a
-    prompt at position i sees i + 1 keys), as a served step with new requests packs them."""
+    prompt at position i sees i + 1 keys), then `decodes` decode rows and padding rows (one key, the scratch
+    slot), as a served step with new requests packs them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     per_row = kv_tokens // kv.block_size
+    own = torch.tensor(owners(rows, prompts, decodes), device="cuda")
     lens = torch.randint(kv_tokens // 2, kv_tokens, (rows,), generator=g, device="cuda")
-    tables = torch.arange(rows * per_row, device="cuda").view(rows, per_row)
+    tables = torch.arange((int(own.max()) + 1) * per_row, device="cuda").view(-1, per_row)[own.clamp(min=0)]
     start = 0
-    for length in prompts:  # the prompt's rows read the blocks of its first row
+    for length in prompts:  # row i of a prompt at position i
         lens[start:start + length] = torch.arange(1, length + 1, device="cuda")
-        tables[start:start + length] = tables[start].clone()
         start += length
+    lens[own < 0] = 1
+    tables[own < 0] = kv.num_blocks
     slots = tables.gather(1, ((lens - 1) // kv.block_size)[:, None])[:, 0] * kv.block_size + (lens - 1) % kv.block_size
+    slots[own < 0] = kv.scratch_slot
     decode = dict(x=torch.randn(rows, width, generator=g, device="cuda").to(dtype) * 0.5, positions=lens - 1,
                   slots=slots, tables=tables, seq_lens=lens)
     ones = torch.ones(rows, device="cuda")
@@ -53,7 +66,8 @@ def fill(kv: KVCache, rows: int, kv_tokens: int, width: int, dtype, out_shape, o
     return decode, head
 
 
-def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0, prompts: tuple = ()):
+def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0, prompts: tuple = (),
+            decodes: int | None = None):
     decode_fn, head_fn = model.forward_decode, (model.head if model.head_is_static else None)
     start = time.perf_counter()
     if compiled:
@@ -66,7 +80,8 @@ def variant(model, kv, rows, kv_tokens, compiled: bool, kernels: int = 0, prompt
                                  torch.full((1,), kv.scratch_slot, device="cuda"),
                                  torch.full((1, 1), kv.num_blocks, device="cuda"),
                                  torch.ones(1, dtype=torch.long, device="cuda"), kv)
-    d, h = fill(kv, rows, kv_tokens, width, model.dtype, tuple(probe.shape[1:]), probe.dtype, prompts=prompts)
+    d, h = fill(kv, rows, kv_tokens, width, model.dtype, tuple(probe.shape[1:]), probe.dtype, prompts=prompts,
+                decodes=decodes)
     stream = torch.cuda.Stream()
     decode, decode_out = capture_graph(lambda: decode_fn(d["x"], d["positions"], d["slots"], d["tables"],
                                                          d["seq_lens"], kv), None, stream)  # the first run compiles
@@ -136,6 +151,8 @@ def main():
     ap.add_argument("--cosy-bf16", action="store_true", help="also the CosyVoice3 talker in bf16")
     ap.add_argument("--kernels", type=int, default=0, help="the fused variant's top kernels per graph")
     ap.add_argument("--prefill", default="", help="prompts packed first in each step, e.g. 500 or 480+520 (tokens)")
+    ap.add_argument("--decodes", type=int, default=0, help="decode rows a step (0: every row not a prompt's); "
+                    "the rest are padding rows")
     ap.add_argument("--whole", action="store_true", help="also torch.compile the whole decode step and head")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -147,24 +164,34 @@ def main():
         print(f"== {family} {dtype}", flush=True)
         model = load_model(f"random:{family}", device="cuda", dtype=dtype, codec_dtype=torch.float16)
         for rows in map(int, args.rows.split(",")):
-            blocks = rows * (args.kv // 16) + 4
+            fits = prompts if sum(prompts) < rows else ()  # a step of fewer rows: decodes only
+            decodes = min(args.decodes, rows - sum(fits)) if args.decodes else None
+            blocks = (max(owners(rows, fits, decodes)) + 1) * (args.kv // 16) + 4
             kv = KVCache(model.kv_layout, blocks, 16, model.dtype, model.device)
             with torch.inference_mode():
-                base = variant(model, kv, rows, args.kv, compiled=False, prompts=prompts)
+                base = variant(model, kv, rows, args.kv, compiled=False, prompts=fits, decodes=decodes)
                 fused_ops.use_compiled(True)
                 try:
                     helpers = variant(model, kv, rows, args.kv, compiled=False, kernels=args.kernels,
-                                      prompts=prompts)
+                                      prompts=fits, decodes=decodes)
                     report(family, rows, "fused elementwise", base, helpers)
+                    if fits:  # the same step with one program per row (the kernel before prompt runs)
+                        paged_decode.use_prompt_runs(False)
+                        try:
+                            report(family, rows, "prompt rows one program each", base,
+                                   variant(model, kv, rows, args.kv, compiled=False, kernels=args.kernels,
+                                           prompts=fits, decodes=decodes))
+                        finally:
+                            paged_decode.use_prompt_runs(True)
                 except Exception as e:  # noqa: BLE001 - report and go on
-                    print(f"{family} rows={rows}: fused variant failed: {type(e).__name__}: {e}"[:2000])
+                    print(f"{family} rows={rows}: prompt rows variant failed: {type(e).__name__}: {e}"[:2000])
                 fused_ops.use_compiled(False)
                 apart(model, lambda: report(family, rows, "projections apart (not joined)", base,
-                                            variant(model, kv, rows, args.kv, False, prompts=prompts)))
+                                            variant(model, kv, rows, args.kv, False, prompts=fits, decodes=decodes)))
                 fused = None
                 if args.whole:  # inductor cannot compile the paged_decode kernel called directly (2026-12-01)
                     try:
-                        fused = variant(model, kv, rows, args.kv, compiled=True, prompts=prompts)
+                        fused = variant(model, kv, rows, args.kv, compiled=True, prompts=fits, decodes=decodes)
                     except Exception as e:  # noqa: BLE001 - report and go on
                         print(f"{family} rows={rows}: compiled variant failed: {type(e).__name__}: {e}"[:2000])
             line = f"{family} rows={rows} kv={args.kv}: decode graph {base['decode_ms']:.2f} ms"

@@ -112,6 +112,37 @@ def test_triton_decode_attention_matches_the_reference(dtype, tol, heads, kv_hea
     assert torch.equal(alone, got[7:8])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(32, 8, 128), (14, 2, 64)])
+def test_a_prompts_rows_sharing_a_program_keep_their_bits(dtype, heads, kv_heads, dim):
+    """A served step's rows: a prompt (from a cached prefix on), decode rows of other requests at consecutive
+    lengths (which must not share), a second prompt, padding. Runs of a prompt's rows read their keys once; every
+    row has the bits it has alone in its program, and the reference's values."""
+    from intone.ops import paged_decode
+    from intone.ops.attention import decode_attention_reference
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    blocks, bs, width = 400, 16, 48
+    k = torch.randn(blocks + 1, bs, kv_heads, dim, device="cuda", generator=g).to(dtype)
+    v = torch.randn(blocks + 1, bs, kv_heads, dim, device="cuda", generator=g).to(dtype)
+    own = torch.randperm(blocks, device="cuda", generator=g)[:5 * width].view(5, width)  # five requests' blocks
+    scratch = torch.full((width,), blocks, device="cuda")
+    rows = ([(p + 1, own[0]) for p in range(35, 530)] + [(531, own[1]), (532, own[2]), (533, own[3])]
+            + [(p + 1, own[4]) for p in range(0, 7)] + [(1, scratch)] * 9)
+    seq_lens = torch.tensor([n for n, _ in rows], device="cuda")
+    tables = torch.stack([t for _, t in rows])
+    q = torch.randn(len(rows), heads, dim, device="cuda", generator=g).to(dtype)
+    runs = paged_decode.paged_decode_attention(q, k, v, tables, seq_lens)
+    paged_decode.use_prompt_runs(False)
+    try:
+        alone = paged_decode.paged_decode_attention(q, k, v, tables, seq_lens)
+    finally:
+        paged_decode.use_prompt_runs(True)
+    assert torch.equal(runs, alone)
+    want = decode_attention_reference(q, k, v, tables, seq_lens)
+    assert (runs.float() - want.float()).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_prompt_tokens_as_graph_rows_equal_the_packed_prefill(tiny_cache):
     model, blocks, kv, runner = _cosy_runner()
     g = torch.Generator().manual_seed(2)

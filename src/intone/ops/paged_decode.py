@@ -5,8 +5,10 @@ row's first `seq_len` keys, gathered from its block table a tile at a time with 
 in fp32; scores and the weighted sum are tensor-core products (weights rounded to the cache dtype
 for the second, as flash attention does). It reads only the keys a row owns (not the whole
 KV-length bucket), and its grid and loop bounds come from tensors, so it runs the same inside a
-CUDA graph. A prefill runs through it
-too, one row per prompt token (seq_len = position + 1 gives the causal mask).
+CUDA graph. A prefill runs through it too, one row per prompt token (seq_len = position + 1 gives
+the causal mask). The products have at least 16 rows (tensor cores); a row's G query heads fill
+G of them, so a run of 16 / G rows of one prompt (G = 4: 4 rows) shares one program and reads its
+keys once (`use_prompt_runs`): a prompt's attention reads a quarter of the keys.
 
 With `use_splits(n)` (the profile's `ar.decode_splits`, n > 1) each (row, KV head) is split into n
 programs over consecutive spans of the row's keys, each keeping its own running max, sum and
@@ -34,6 +36,14 @@ MIN_DOT_ROWS = 16
 
 
 _splits = 1
+_prompt_runs = True
+
+
+def use_prompt_runs(on: bool) -> None:
+    """Whether a run of a prompt's rows shares one program (the product rows its query heads leave
+    as padding, filled by its next rows); off: one program per row (diagnostics: the same bits)."""
+    global _prompt_runs
+    _prompt_runs = on
 
 
 def use_splits(n: int) -> None:
@@ -52,30 +62,50 @@ def available(q: Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, scale,
+    def _paged_decode(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, out_ptr, scale, n_rows,
                       stride_qb, stride_qh, stride_kblock, stride_kslot, stride_kh, stride_tb, stride_ob, stride_oh,
-                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                      TILE_K: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                      QROWS: tl.constexpr, ROWS: tl.constexpr, TILE_K: tl.constexpr, PRECISION: tl.constexpr):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         seq_len = tl.load(seq_lens_ptr + row)
-        g = tl.arange(0, GROUP_PAD)
+        # A run of ROWS rows of one prompt (consecutive positions, the same block holding the run's last key)
+        # is taken by its first row's program, whose product rows are then its rows' query heads rather than
+        # padding; the run's other programs have nothing to do. A row's bits are the same either way: its
+        # product row sees the same keys, and the tiles past its own keys add exactly nothing.
+        lead = row - row % ROWS
+        last = tl.minimum(lead + ROWS - 1, n_rows - 1)
+        last_len = tl.load(seq_lens_ptr + last)
+        blk = (last_len - 1) // BLOCK_SIZE
+        same_block = tl.load(tables_ptr + lead * stride_tb + blk) == tl.load(tables_ptr + last * stride_tb + blk)
+        run = (ROWS > 1) & (last == lead + ROWS - 1) & same_block & (last_len == tl.load(seq_lens_ptr + lead) + ROWS - 1)
+        first = tl.where(run, lead, row)
+        n_here = tl.where(run, ROWS, 1)
+        keys = tl.where(run, tl.where(row == lead, last_len, 0), seq_len)  # the program's key span (0: none)
+        table_row = tl.where(run, last, row)
+        j = tl.arange(0, QROWS)
+        r, g = j // GROUP_P2, j % GROUP_P2
         d = tl.arange(0, HEAD_DIM)
-        g_ok = g < GROUP
+        q_ok = (g < GROUP) & (r < n_here) & (keys > 0)
+        q_rows = first + r
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for t in range(0, tl.cdiv(seq_len, TILE_K)):
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=q_ok[:, None], other=0.0)
+        # each product row's own keys (a padding row: the program's, as a lone row's padding always had)
+        q_len = tl.load(seq_lens_ptr + q_rows, mask=r < n_here, other=0)
+        q_len = tl.where(r < n_here, q_len, keys)
+        m = tl.full([QROWS], float("-inf"), tl.float32)
+        l = tl.zeros([QROWS], tl.float32)
+        acc = tl.zeros([QROWS, HEAD_DIM], tl.float32)
+        for t in range(0, tl.cdiv(keys, TILE_K)):
             pos = t * TILE_K + tl.arange(0, TILE_K)
-            valid = pos < seq_len
-            block = tl.load(tables_ptr + row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+            valid = pos < keys
+            block = tl.load(tables_ptr + table_row * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
             base = block * stride_kblock + (pos % BLOCK_SIZE) * stride_kslot + kv_head * stride_kh
             k = tl.load(k_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(v_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, TILE] fp32
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [ROWS * G, TILE] fp32
+            s = tl.where(pos[None, :] < q_len[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
@@ -83,8 +113,8 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
-        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(out_ptr + q_rows[:, None] * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
 
     @triton.jit
     def _paged_decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, acc_ptr, ml_ptr, scale,
@@ -161,12 +191,13 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
     out = torch.empty_like(q)
     if _splits > 1:
         return _split_decode(q, k_cache, v_cache, tables, seq_lens, out, group)
+    group_p2 = triton.next_power_of_2(group)
     _paged_decode[(b, kv_heads)](
-        q, k_cache, v_cache, tables, seq_lens, out, dim**-0.5,
+        q, k_cache, v_cache, tables, seq_lens, out, dim**-0.5, b,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-        TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_P2=group_p2,
+        QROWS=max(MIN_DOT_ROWS, group_p2), ROWS=max(1, MIN_DOT_ROWS // group_p2) if _prompt_runs else 1, TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
     )
     return out
 
