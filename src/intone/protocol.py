@@ -90,6 +90,7 @@ class SynthesisRequest:
     # False: the client takes the whole audio at once, so the codec decodes the utterance in one pass
     # when it ends (the official non-streamed decode, and the cheapest) instead of in chunks.
     stream: bool = True
+    received_at: float | None = None  # Unix seconds: the API had parsed it (diagnostics: the frame trace)
 
 
 @dataclass

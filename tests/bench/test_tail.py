@@ -80,7 +80,15 @@ def test_time_outside_the_engine_joins_the_clients_clock_to_the_traces_instants(
     assert abs(rest["to_client"] - (0.3 + 4 * 0.7) / 5) < 1e-9  # s: 101.2 - 100.9, its first segment's audio
     table = tail_lines(first, 64)
     assert table[2].endswith("after_last | to_engine | to_client |") and table[3].count("|---") == 14
-    assert all(row.count("|") == 15 for row in table[2:-1])
+    assert all(row.count("|") == 15 for row in table[2:-1])  # an older server's trace: no to_api
+    timings["s"]["received_at"] = 100.15
+    for i in range(1, 6):
+        timings[f"r{i}"]["received_at"] = 100.05 + i
+    first = tail_breakdown(records, timings, stream=True)
+    assert abs(first["groups"]["rest"]["outside"]["to_api"] - (0.15 + 4 * 0.05) / 5) < 1e-9
+    table = tail_lines(first, 64)
+    assert table[2].endswith("after_last | to_api | to_engine | to_client |")
+    assert all(row.count("|") == 16 for row in table[2:-1])
     records[0].pop("started_at")
     assert "to_engine" not in "".join(tail_lines(tail_breakdown(records, timings, stream=True), 64))
 

@@ -122,9 +122,10 @@ async def build_request(body: SpeechRequest, app_state, streaming: bool) -> Synt
 
 async def answer(body: SpeechRequest, request: Request) -> Response:
     state = request.app.state
-    parsed = time.perf_counter()
+    parsed, received_at = time.perf_counter(), time.time()
     kind = answer_kind(body, state.settings.sse_dialect)
     synth, segments = await build_synthesis(body, state, streaming=kind != "file")
+    synth.received_at = received_at
     outcome = Outcome(start=time.perf_counter(), parsed=parsed)
     stream = state.engine.generate(synth) if len(segments) == 1 else generate_segments(state.engine, synth, segments)
     state.metrics.in_flight.inc()

@@ -59,10 +59,11 @@ def after_last_frame(stages: dict[str, float]) -> float:
 
 # Outside the engine, from the trace's Unix instants (`engine.trace.wall_clock`) and the client's (`started_at`,
 # same host): to_engine, the client's clock start -> the engine core has the request (the HTTP upload, the API's
-# parse and reference decode, the hop to the core); to_client, the engine's audio sent -> the client has it (its
-# first audio for a stream, its end for a whole response: the hop back, encoding, HTTP).
-WALL_MARKS = ("arrived_at", "first_audio_at", "finished_at")
-OUTSIDE = ("to_engine", "to_client")
+# parse and reference decode, the hop to the core), and to_api, its first part (-> the API has parsed it);
+# to_client, the engine's audio sent -> the client has it (its first audio for a stream, its end for a whole
+# response: the hop back, encoding, HTTP).
+WALL_MARKS = ("arrived_at", "first_audio_at", "finished_at", "received_at")
+OUTSIDE = ("to_api", "to_engine", "to_client")
 
 
 def outside_engine(record: dict, stages: dict[str, float], stream: bool) -> dict[str, float] | None:
@@ -71,7 +72,9 @@ def outside_engine(record: dict, stages: dict[str, float], stream: bool) -> dict
     seen = record.get("first_audio_s" if stream else "completion_s")
     if not started or stages.get("arrived_at") is None or sent is None or seen is None:
         return None
-    return dict(to_engine=stages["arrived_at"] - started, to_client=started + seen - sent)
+    received = stages.get("received_at")
+    return dict(to_api=received - started if received else None, to_engine=stages["arrived_at"] - started,
+                to_client=started + seen - sent)
 
 
 def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], stream: bool,
@@ -114,9 +117,9 @@ def _group(rows: list[tuple]) -> dict:
     return dict(requests=len(rows), metric_mean=_mean([m for m, _, _ in rows]),
                 stages={**{s: _mean([t.get(f"{s}_s", 0.0) for _, t, _ in rows]) for s in ENGINE_STAGES},
                         AFTER_LAST_FRAME: _mean([after_last_frame(t) for _, t, _ in rows])},
-                # None where a request lacks the instants (an older trace or client)
-                outside={s: _mean([o[s] for _, _, o in rows]) if all(o for _, _, o in rows) else None
-                         for s in OUTSIDE})
+                # None where a request lacks the instants (an older trace, server or client)
+                outside={s: _mean([o[s] for _, _, o in rows]) if all(o and o[s] is not None for _, _, o in rows)
+                         else None for s in OUTSIDE})
 
 
 def tail_lines(tail: dict | None, concurrency) -> list[str]:
@@ -132,8 +135,9 @@ def tail_lines(tail: dict | None, concurrency) -> list[str]:
     outside = [s for s in OUTSIDE if all(g.get("outside", {}).get(s) is not None for g in tail["groups"].values())]
     if outside:
         sent = "first audio" if tail["metric"] == "first_audio_s" else "end"
-        lines[0] = lines[0].removesuffix(":") + ("; to_engine: the client's clock start -> the engine has it; "
-                                                 f"to_client: the engine sent its {sent} -> the client has it:")
+        lines[0] = lines[0].removesuffix(":") + ("; to_engine: the client's clock start -> the engine has it (to_api: "
+                                                 f"-> the API has parsed it); to_client: the engine sent its {sent} "
+                                                 "-> the client has it:")
         lines[2] = lines[2] + " " + " | ".join(outside) + " |"
         lines[3] = "|---" * (3 + len(stages) + len(outside)) + "|"
     for name, g in tail["groups"].items():

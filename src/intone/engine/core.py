@@ -229,6 +229,7 @@ class EngineCore:
             return
         req.allocate_codes(self.model.num_codebooks)
         req.times.arrived, req.times.frontend_s = arrived, prepared.seconds
+        req.times.received_at = request.received_at
         req.times.ready = time.perf_counter()
         self.requests[rid] = req
         req.frontier = self.planner.frontier(request.initial_chunk_frames, prompt.codec_prompt_frames,

@@ -37,6 +37,7 @@ class RequestTimes:
     """perf_counter instants and durations of one request in the engine core."""
 
     arrived: float = 0.0
+    received_at: float | None = None  # Unix seconds: the API parsed it (`SynthesisRequest.received_at`)
     frontend_s: float = 0.0  # reference encoding (0 without reference audio)
     ready: float = 0.0  # prompt built, queued for the scheduler
     scheduled: float | None = None  # start of the step that ran its prefill

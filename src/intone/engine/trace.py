@@ -30,10 +30,11 @@ class FrameTracer:
 def wall_clock(times) -> dict[str, float]:
     """A finished request's instants as Unix seconds, for a terminal trace row: when it reached the engine
     core, when its first audio and its end were sent (a client on the same host joins them to its own clock:
-    what came before the engine and after it, `intone.bench.tail`)."""
+    what came before the engine and after it, `intone.bench.tail`), and when the API had parsed it."""
     now_perf, now_unix = time.perf_counter(), time.time()
     marks = dict(arrived_at=times.arrived, first_audio_at=times.first_delivered, finished_at=now_perf)
-    return {k: round(now_unix - (now_perf - v), 6) for k, v in marks.items() if v}
+    out = {k: round(now_unix - (now_perf - v), 6) for k, v in marks.items() if v}
+    return out | ({"received_at": round(times.received_at, 6)} if times.received_at else {})
 
 
 def prompt_digest(prompt: Prompt) -> dict[str, str]:
