@@ -41,6 +41,8 @@ def test_high_concurrency_reference_values():
     ("codec: {high_priority: true, stream: loop}", "codec.high_priority"),
     ("codec: {frame_buckets: [25, 0]}", "codec.frame_buckets"),
     ("codec: {frame_buckets: 25}", "codec.frame_buckets"),
+    ("ar: {prompt_row_buckets: [640, 4096]}", "ar.prompt_row_buckets.1"),
+    ("ar: {prompt_row_buckets: 640}", "ar.prompt_row_buckets"),
     ("nonsense: 1", "nonsense"),
     ("- a list", "mapping"),
     ("ar: {max_num_seqs: [", "not valid YAML"),

@@ -162,6 +162,36 @@ def test_a_step_with_more_requests_than_history_seats_runs_eagerly_and_so_do_the
     assert a == b and static.graphs.eager == 0 and static.history.seats == 4
 
 
+def test_prompt_row_buckets_pad_a_prompts_step_less_and_change_no_token(tiny_fish):
+    """`ar.prompt_row_buckets`: 40 prompt tokens and a decode row in a step pad to 48 rows by default and to 44
+    with a bucket of 44, whose graphs start-up captures at every KV bucket; every request draws the same tokens
+    either way."""
+    model = tiny_fish
+    g = torch.Generator().manual_seed(11)
+    prompts = [Prompt(torch.randint(0, 50, (n,), generator=g), torch.zeros(n, model.num_codebooks, dtype=torch.long))
+               for n in (9, 17, 14)]
+
+    def run(buckets: tuple):
+        kv = KVCache(model.kv_layout, 64, 16, model.dtype, "cpu")
+        r, blocks = ModelRunner(model, kv, max_seats=8, token_buckets=buckets), BlockManager(64, 16)
+        r.graphs = r._step_graphs(8, 64)
+        first = StepInput("first", prompts[0], SamplingParams(seed=7, temperature=1.0), [], None, blocks.grow([], 40))
+        (t,), _, (c,) = r.run([first]).to_host()
+        reqs = [StepInput(f"r{i}", p, SamplingParams(seed=i, temperature=1.0), [], None, blocks.grow([], 40))
+                for i, p in enumerate(prompts)]
+        reqs.append(StepInput("first", prompts[0], first.params, [t], c, first.block_table))
+        key = r.graphs.key(sum(len(p) for p in prompts) + 1, 48, 4, None, "both")
+        tokens, _, codes = r.run(reqs).to_host()
+        return r, key, tokens, codes
+
+    (plain, key_plain, a, codes_a), (fine, key_fine, b, codes_b) = run(()), run((44,))
+    assert (key_plain.rows, key_fine.rows) == (48, 44)
+    assert a == b and np.array_equal(codes_a, codes_b)
+    assert fine.eager_steps == plain.eager_steps == 0  # both steps ran as the static step
+    keys = fine.graphs.decode_keys(512, 64)
+    assert {(44, kv) for kv in (256, 512)} <= set(keys) and not any(r == 44 for r, _ in plain.graphs.decode_keys(512, 64))
+
+
 def test_a_static_decode_step_makes_a_handful_of_torch_calls_whatever_its_rows(tiny_fish, monkeypatch):
     """Every torch call gives up the GIL the engine loop shares with the frontend's and codec's threads, and under
     load waits to win it back (session 38): a static step's host side (its graphs' replays aside) stays a few calls,

@@ -78,6 +78,11 @@ class ARConfig(_Strict):
         "spin", description="how the loop waits for a step's tokens on a GPU: spinning in the driver (the soonest "
                             "back), or asleep on a blocking-sync event (its core free for the other threads, ~tens "
                             "of microseconds later back); the same tokens")
+    prompt_row_buckets: list[Annotated[int, Field(ge=1, le=2048)]] = Field(
+        default_factory=list, max_length=8, description="more token-row buckets for the static step, beside the "
+        "powers of two and their halves (e.g. [640, 896]; each up to 2048): a step that carries prompts pads to the "
+        "next bucket, and the slow AR's products are compute-bound at those rows (H100: 2 prompts of 290 tokens and "
+        "49 decodes, 629 rows: 12.6 ms at 640, 14.8 at 768). Each bucket is one more graph per KV bucket")
     high_priority: bool = Field(False, description="experimental: the engine loop's CUDA stream (the AR steps and their "
                                                    "graphs) at the highest priority, so its kernels' blocks go before "
                                                    "the codec's waiting ones as SMs free up (GPU)")

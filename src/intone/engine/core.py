@@ -67,7 +67,7 @@ class EngineCore:
         self.kv = KVCache(model.kv_layout, num_blocks, ar.block_size, model.dtype, model.device)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=ar.cuda_graphs, max_seats=ar.max_num_seqs,
                                   sample_candidates=ar.sample_candidates, sleep=ar.token_wait == "sleep",
-                                  static_step=ar.static_step)
+                                  static_step=ar.static_step, token_buckets=ar.prompt_row_buckets)
         self.scheduler = Scheduler(self.blocks, ar.max_num_seqs, ar.max_waiting, ar.max_num_batched_tokens)
         self.stats = EngineStats()
         self.ar = ARLoop(self.runner, self.scheduler, self.stats, model.forwards_frame, self._fail, ar.async_steps,

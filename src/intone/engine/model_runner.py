@@ -58,12 +58,13 @@ MAX_GRAPH_TOKENS = 1024  # the largest step (in tokens) replayed from a graph
 
 class ModelRunner:
     def __init__(self, model: TTSModel, kv: KVCache, cuda_graphs: bool = False, max_seats: int = 64,
-                 sample_candidates: int = 64, sleep: bool = False, static_step: str | bool = "auto"):
+                 sample_candidates: int = 64, sleep: bool = False, static_step: str | bool = "auto",
+                 token_buckets: tuple = ()):
         """max_seats: requests per step expected (the token history grows beyond it if need be);
         sample_candidates: `ar.sample_candidates`; sleep: a static step's copy of its outputs to the host
         ends on a blocking-sync event, so the host waits for it asleep (`ar.token_wait`); static_step:
-        `ar.static_step` (auto: on a GPU; True: also on a CPU)."""
-        self.model, self.kv, self.sleep = model, kv, sleep
+        `ar.static_step` (auto: on a GPU; True: also on a CPU); token_buckets: `ar.prompt_row_buckets`."""
+        self.model, self.kv, self.sleep, self.token_buckets = model, kv, sleep, tuple(token_buckets)
         # the bounds the head sorts to (`cuda_graphs.head_bound`), each captured; None: every token
         self.head_bounds = (sample_candidates, None) if model.head_takes_candidates and sample_candidates else (None,)
         self.history = TokenHistory(model.device, max_seats)
@@ -90,7 +91,7 @@ class ModelRunner:
             out = model.forward_decode(x, 0 * one, self.kv.scratch_slot * one,
                                        torch.full((1, 1), self.kv.num_blocks, device=dev), one, self.kv)
         return StepGraphs(model, self.kv, self.history, max_rows or self.history.seats, max_tokens or MAX_GRAPH_TOKENS,
-                          self.head_bounds, tuple(out.shape[1:]), out.dtype)
+                          self.head_bounds, tuple(out.shape[1:]), out.dtype, self.token_buckets)
 
     def capture(self, max_rows: int, max_kv_tokens: int, max_step_tokens: int | None = None) -> CaptureReport | None:
         """Size the static step and, with cuda_graphs, capture every graph this runner may replay

@@ -132,12 +132,15 @@ class StepGraphs:
     """The static step of one model runner: its staged buffers, its graphs, its packed outputs."""
 
     def __init__(self, model, kv: KVCache, history: TokenHistory, max_rows: int, max_tokens: int,
-                 head_bounds: tuple = (None,), out_shape: tuple = (), out_dtype=torch.float32):
+                 head_bounds: tuple = (None,), out_shape: tuple = (), out_dtype=torch.float32, token_buckets=()):
         """max_rows: requests a step (head rows); max_tokens: token rows a step (prefill tokens included);
-        out_shape / out_dtype: forward_decode's output row (the head's input)."""
+        out_shape / out_dtype: forward_decode's output row (the head's input); token_buckets: token-row buckets
+        beside ROW_BUCKETS (`ar.prompt_row_buckets`)."""
         self.model, self.kv, self.history = model, kv, history
         self.head_bounds, self.head_modes = head_bounds, model.head_modes
-        self.max_rows, self.max_tokens = bucket(max_rows) or ROW_BUCKETS[-1], bucket(max_tokens) or ROW_BUCKETS[-1]
+        self.token_buckets = tuple(sorted(set(ROW_BUCKETS) | set(token_buckets)))
+        self.max_rows = bucket(max_rows) or ROW_BUCKETS[-1]
+        self.max_tokens = bucket(max_tokens, self.token_buckets) or self.token_buckets[-1]
         self.max_kv = KV_BUCKETS[-1]
         dev, k = kv.k.device, model.num_codebooks
         self.decode_start = head_layout(self.max_rows).end
@@ -163,7 +166,7 @@ class StepGraphs:
 
     def key(self, token_rows: int, max_seqlen_k: int, rows: int, bound: int | None, modes: str) -> StepKey | None:
         """The step's key, or None where it lies beyond the static step."""
-        r, h, kv_tokens = bucket(token_rows), bucket(rows), bucket(max_seqlen_k, KV_BUCKETS)
+        r, h, kv_tokens = bucket(token_rows, self.token_buckets), bucket(rows), bucket(max_seqlen_k, KV_BUCKETS)
         if r is None or h is None or kv_tokens is None or r > self.max_tokens or h > self.max_rows:
             return None
         if self.history.table is not self.table:
@@ -265,10 +268,7 @@ class StepGraphs:
         """Capture every decode key (token rows up to max_tokens, KV up to max_kv_tokens) and every head key
         (rows up to max_rows), largest first (the shared memory pool is sized once, by the largest)."""
         start = time.perf_counter()
-        kv_top = bucket(max_kv_tokens, KV_BUCKETS) or KV_BUCKETS[-1]
-        decode = sorted({(r, -(-kv // self.kv.block_size) * self.kv.block_size)
-                         for r in ROW_BUCKETS if r <= min(bucket(max_tokens) or self.max_tokens, self.max_tokens)
-                         for kv in KV_BUCKETS if kv <= kv_top}, reverse=True)
+        decode = self.decode_keys(max_kv_tokens, max_tokens)
         head = [("head", r, c, m) for r in sorted(ROW_BUCKETS, reverse=True)
                 if r <= min(bucket(max_rows) or self.max_rows, self.max_rows)
                 for c in self.head_bounds for m in self.head_modes]
@@ -279,6 +279,13 @@ class StepGraphs:
         torch.cuda.synchronize()
         self.report.seconds = time.perf_counter() - start
         return self.report
+
+    def decode_keys(self, max_kv_tokens: int, max_tokens: int) -> list[tuple[int, int]]:
+        """Every (token rows, KV tokens) key a step up to these bounds can meet, largest first."""
+        kv_top = bucket(max_kv_tokens, KV_BUCKETS) or KV_BUCKETS[-1]
+        top = min(bucket(max_tokens, self.token_buckets) or self.max_tokens, self.max_tokens)
+        return sorted({(r, -(-kv // self.kv.block_size) * self.kv.block_size)
+                       for r in self.token_buckets if r <= top for kv in KV_BUCKETS if kv <= kv_top}, reverse=True)
 
     def _pad_inputs(self, graph_key: tuple) -> None:
         """Valid inputs for a capture's warm-up run: every row a padding row."""
