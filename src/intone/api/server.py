@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from intone.api.encoding import CONTENT_TYPES
 from intone.api.engine_pool import EnginePool, EngineSlot, merge_stats, place_engines
-from intone.api.media import MediaPolicy
+from intone.api.media import MediaPolicy, reference_decoder
 from intone.api.profiling import PROFILE_PATHS, install_profile_routes
 from intone.api.metrics import ServerMetrics
 from intone.api.schema import ErrorBody, SpeechRequest, error_body
@@ -93,12 +93,14 @@ def create_app(settings: Settings) -> FastAPI:
         log.info("shutting down: aborting in-flight requests")
         await app.state.engine.shutdown()
         app.state.text.close()
+        app.state.reference_decoder.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="intone", lifespan=lifespan)
     app.state.settings = settings
     # where request texts are read: the model's text frontend from start-up on (before it, or without one: as sent)
     app.state.text = TextWorkers(settings.model, None, 0)
     app.state.metrics = ServerMetrics()
+    app.state.reference_decoder = reference_decoder()
     app.state.voices = VoiceStore(settings.voices_dir)
     app.state.model_id = settings.served_model_name or settings.model
     _install_errors(app)

@@ -106,10 +106,12 @@ async def build_request(body: SpeechRequest, app_state, streaming: bool) -> Synt
     if voice is not None:
         references.append(voice)
     if body.ref_audio:
-        references.append(await load_reference(body.ref_audio, body.ref_text, "ref_audio", settings.media))
+        references.append(await load_reference(body.ref_audio, body.ref_text, "ref_audio", settings.media,
+                                               app_state.reference_decoder))
     for i, ref in enumerate(body.references or []):
         field = f"references.{i}.{'audio' if ref.audio else 'audio_path'}"
-        references.append(await load_reference(ref.audio or ref.audio_path, ref.text, field, settings.media))
+        references.append(await load_reference(ref.audio or ref.audio_path, ref.text, field, settings.media,
+                                               app_state.reference_decoder))
     references = await app_state.text.read_transcripts(references)
     params = default_params(
         app_state.profile, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
