@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from intone.api.media import MediaPolicy, load_reference
+from intone.api.media import MediaPolicy, load_reference, reference_decoder
 from intone.errors import InvalidRequestError, MediaTooLarge
 
 FIELDS = ["ref_audio", "references.1.audio_path"]
@@ -32,8 +32,8 @@ def data_url(data: bytes, header: str = "data:audio/wav;base64") -> str:
     return header + "," + base64.b64encode(data).decode()
 
 
-def load(source, field="ref_audio", policy=MediaPolicy(), text="the transcript"):
-    return asyncio.run(load_reference(source, text, field, policy))
+def load(source, field="ref_audio", policy=MediaPolicy(), text="the transcript", decoder=None):
+    return asyncio.run(load_reference(source, text, field, policy, decoder))
 
 
 def refused(source, field="ref_audio", policy=MediaPolicy(), text="the transcript", kind=InvalidRequestError):
@@ -49,6 +49,20 @@ def test_a_data_url_loads_its_audio(header):
     ref = load(data_url(wav_bytes(0.25), header), text="  a transcript  ")
     assert ref.sample_rate == RATE and ref.audio.shape == (RATE // 10,) and float(ref.audio[0]) == 0.25
     assert ref.text == "  a transcript  "
+
+
+def test_the_servers_decoder_threads_give_the_same_audio_and_refusals():
+    """The server decodes on threads of its own (`reference_decoder`): the same audio as asyncio's default
+    threads, the same refusal naming the field."""
+    decoder = reference_decoder()
+    try:
+        ours = load(data_url(wav_bytes(0.25)), decoder=decoder)
+        with pytest.raises(InvalidRequestError, match="references.1.audio_path"):
+            load(data_url(b"not audio"), field="references.1.audio_path", decoder=decoder)
+    finally:
+        decoder.shutdown()
+    plain = load(data_url(wav_bytes(0.25)))
+    assert np.array_equal(ours.audio, plain.audio) and ours.sample_rate == plain.sample_rate == RATE
 
 
 @pytest.mark.parametrize("field", FIELDS)
