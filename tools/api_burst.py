@@ -62,8 +62,8 @@ def main() -> None:
     texts = bodies(args.requests)
     for _ in range(args.repeats):
         ready = asyncio.run(burst(app, texts))
-        print(f"{args.requests} at once: ready first {ready[0] * 1e3:.1f} ms, median {statistics.median(ready) * 1e3:.1f},"
-              f" last {ready[-1] * 1e3:.1f}", flush=True)
+        print(f"{args.requests} at once: ready first {ready[0] * 1e3:.1f} ms, "
+              f"median {statistics.median(ready) * 1e3:.1f}, last {ready[-1] * 1e3:.1f}", flush=True)
 
 
 if __name__ == "__main__":

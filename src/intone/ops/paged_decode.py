@@ -78,7 +78,8 @@ if triton is not None:
         last_len = tl.load(seq_lens_ptr + last)
         blk = (last_len - 1) // BLOCK_SIZE
         same_block = tl.load(tables_ptr + lead * stride_tb + blk) == tl.load(tables_ptr + last * stride_tb + blk)
-        run = (ROWS > 1) & (last == lead + ROWS - 1) & same_block & (last_len == tl.load(seq_lens_ptr + lead) + ROWS - 1)
+        consecutive = last_len == tl.load(seq_lens_ptr + lead) + ROWS - 1
+        run = (ROWS > 1) & (last == lead + ROWS - 1) & same_block & consecutive
         first = tl.where(run, lead, row)
         n_here = tl.where(run, ROWS, 1)
         keys = tl.where(run, tl.where(row == lead, last_len, 0), seq_len)  # the program's key span (0: none)
@@ -197,7 +198,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=dim, GROUP=group, GROUP_P2=group_p2,
-        QROWS=max(MIN_DOT_ROWS, group_p2), ROWS=max(1, MIN_DOT_ROWS // group_p2) if _prompt_runs else 1, TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        QROWS=max(MIN_DOT_ROWS, group_p2), ROWS=max(1, MIN_DOT_ROWS // group_p2) if _prompt_runs else 1,
+        TILE_K=TILE.get(k_cache.dtype, DEFAULT_TILE), PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
     )
     return out
 
