@@ -125,8 +125,8 @@ if triton is not None:
                             SPLITS: tl.constexpr):
         """One span of a row's keys: unnormalised weighted values acc [H, SPLITS, D] and (max, sum)
         ml [H, SPLITS, 2] per query head, fp32 (a span past the row's keys leaves max -inf, sum 0).
-        Its tile loop is `_paged_decode`'s; they become one jit helper once a GPU run can check that
-        the default kernel keeps its bits through that change."""
+        Its tile loop is `_paged_decode`'s for one row; they become one jit helper once a GPU run can
+        check that the default kernel keeps its bits through that change."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
