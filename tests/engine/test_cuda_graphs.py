@@ -86,6 +86,31 @@ def test_a_step_with_prefills_runs_on_the_graphs(tiny_cache):
     assert runner.graphs.replays == 2 and runner.graphs.eager == 0
 
 
+def test_a_prompts_step_replays_the_graph_of_its_own_row_bucket(tiny_cache):
+    """`ar.prompt_row_buckets`: a bucket of 40 token rows is captured at start-up at every KV bucket, and a step of
+    a 37-token prompt beside two decodes (39 rows) replays its graph (48 rows without it), with the draws of the
+    same step replayed at 48."""
+    model = load_model(str(resolve_model_dir("tiny:fish-s2")), device="cuda", dtype=torch.float32)
+
+    def run(buckets: tuple):
+        blocks = BlockManager(256, 16)
+        kv = KVCache(model.kv_layout, 256, 16, model.dtype, "cuda")
+        runner = ModelRunner(model, kv, cuda_graphs=True, token_buckets=buckets)
+        runner.capture(8, 600, 64)
+        g = torch.Generator().manual_seed(4)
+        decodes = _decodes(model, runner, blocks, [12, 30], g)
+        new = _new(blocks, "new", _prompt(model, 37, g), SamplingParams(seed=9))
+        replays = runner.graphs.replays
+        tokens, _, _ = runner.run([new, *decodes]).to_host()
+        return runner, runner.graphs.replays - replays, tokens
+
+    (fine, replayed, tokens), (plain, replayed_plain, tokens_plain) = run((40,)), run(())
+    assert replayed == replayed_plain == 1 and fine.graphs.eager == plain.graphs.eager == 0
+    assert {k[1] for k in fine.graphs.captured if k[0] == 40} == {256, 512, 1024}
+    assert not any(k[0] == 40 for k in plain.graphs.captured)
+    assert tokens == tokens_plain
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, dim", [(32, 8, 128), (14, 2, 64)])
 @pytest.mark.parametrize("splits", [1, 4, 16])  # ar.decode_splits; at 16 a short row leaves most spans empty
