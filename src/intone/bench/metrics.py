@@ -99,7 +99,7 @@ def opening_burst(records: list[RequestRecord], concurrency: int, stream: bool) 
     split = opening_split(records, concurrency, lambda r: r.sent_at)
     if split is None:
         return None
-    metric = "first_audio_s" if stream else "completion_s"
+    metric = client_metric(stream)
 
     def group(rows: list[RequestRecord]) -> dict:
         ok = [r for r in rows if r.ok]
@@ -108,6 +108,11 @@ def opening_burst(records: list[RequestRecord], concurrency: int, stream: bool) 
                     streams_with_underrun=sum(1 for r in ok if r.underrun_s > 0) if stream else None)
 
     return dict(metric=metric, burst=group(split[0]), rest=group(split[1]))
+
+
+def client_metric(stream: bool) -> str:
+    """The latency a level is judged by: a stream's first audio, a whole response's completion."""
+    return "first_audio_s" if stream else "completion_s"
 
 
 def opening_split(rows: list, concurrency: int, sent_at) -> tuple[list, list] | None:

@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from intone.bench.metrics import opening_split
+from intone.bench.metrics import client_metric, opening_split
 from intone.protocol import ENGINE_STAGES
 
 
@@ -69,7 +69,7 @@ OUTSIDE = ("to_api", "to_engine", "to_client")
 def outside_engine(record: dict, stages: dict[str, float], stream: bool) -> dict[str, float] | None:
     started = record.get("started_at")
     sent = stages.get("first_audio_at" if stream else "finished_at")
-    seen = record.get("first_audio_s" if stream else "completion_s")
+    seen = record.get(client_metric(stream))
     if not started or stages.get("arrived_at") is None or sent is None or seen is None:
         return None
     received = stages.get("received_at")
@@ -82,7 +82,7 @@ def tail_breakdown(records: list[dict], timings: dict[str, dict[str, float]], st
     """The slowest `share` of the joined requests by the client's metric against the rest: per group the
     requests, the metric's mean and each engine stage's mean seconds (and `after_last`, and the time outside the
     engine). None below 5 joined requests."""
-    metric = "first_audio_s" if stream else "completion_s"
+    metric = client_metric(stream)
     joined = sorted(_joined(records, timings, stream), key=lambda row: row[0])
     if len(joined) < 5:
         return None
@@ -102,13 +102,13 @@ def burst_breakdown(records: list[dict], timings: dict[str, dict[str, float]], s
     burst, after = (_joined(rows, timings, stream) for rows in split)
     if not burst or not after:
         return None
-    return dict(metric="first_audio_s" if stream else "completion_s", split="burst", joined=len(burst) + len(after),
+    return dict(metric=client_metric(stream), split="burst", joined=len(burst) + len(after),
                 groups={"burst": _group(burst), "after it": _group(after)})
 
 
 def _joined(records: list[dict], timings: dict[str, dict[str, float]], stream: bool) -> list[tuple]:
     """(the client's metric, the engine's stages, the time outside the engine) of each answered, traced request."""
-    metric = "first_audio_s" if stream else "completion_s"
+    metric = client_metric(stream)
     return [(r[metric], timings[r["server_id"]], outside_engine(r, timings[r["server_id"]], stream)) for r in records
             if r.get("ok") and r.get(metric) is not None and r.get("server_id") in timings]
 
